@@ -1,0 +1,3 @@
+from fxsplit.cli import main
+
+main()

@@ -1,0 +1,119 @@
+"""Devices and the links between them, as the planner sees them (torch-free).
+
+Units: FLOP/s, bytes, bytes/s, seconds. ``speed`` is relative to the *reference device* on which
+block times were annotated: a device of speed 2.0 runs every block in half the reference time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from fxsplit.errors import ConfigError
+
+__all__ = ["DeviceSpec", "LinkSpec", "GiB", "PRESETS"]
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device of a pipeline.
+
+    Args:
+        name: Label shown in plans and tables (``"cuda:0"``, ``"cpu"``, ``"fast0"``).
+        peak_flops: Dense FLOP/s the cost model assumes (roofline compute roof).
+        memory_bandwidth_bytes_per_s: Device memory bandwidth (roofline memory roof).
+        memory_bytes: Memory available to one stage, bytes.
+        speed: Compute speed relative to the reference device (1.0 = same).
+        kind: Device type; devices of one kind are interchangeable to the solvers.
+        torch_device: Where the stage runs (``"cuda:1"``); defaults to ``name``.
+
+    Raises:
+        ConfigError: from :meth:`check` when a number is not positive.
+
+    Example:
+        >>> DeviceSpec.preset("a100").memory_bytes // GiB
+        80
+    """
+
+    name: str
+    peak_flops: float = 1e12
+    memory_bandwidth_bytes_per_s: float = 100e9
+    memory_bytes: int = 16 * GiB
+    speed: float = 1.0
+    kind: str = ""
+    torch_device: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            object.__setattr__(self, "kind", self.name.split(":")[0])
+        if not self.torch_device:
+            object.__setattr__(self, "torch_device", self.name)
+
+    def check(self) -> DeviceSpec:
+        """Raise :class:`ConfigError` when a number is not positive; return ``self``."""
+        for attr in ("peak_flops", "memory_bandwidth_bytes_per_s", "memory_bytes", "speed"):
+            value = getattr(self, attr)
+            if not value > 0:
+                raise ConfigError(
+                    f"device {self.name!r}: {attr}={value!r} must be positive; "
+                    f"pass a positive number, e.g. DeviceSpec({self.name!r}, {attr}=...)"
+                )
+        return self
+
+    def with_(self, **changes: Any) -> DeviceSpec:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> DeviceSpec:
+        """A known accelerator: ``h100``, ``h200``, ``a100``, ``a100-40gb``, ``v100``, ``t4``.
+
+        Peaks are dense bf16/fp16 tensor-core FLOP/s from the vendors' data sheets; override
+        ``peak_flops`` for fp32 training. A CPU is measured on the spot by
+        ``fxsplit.passes.measure_cpu_spec()`` (it needs torch).
+
+        Raises:
+            ConfigError: for an unknown preset name, listing the known ones.
+        """
+        key = name.lower()
+        if key not in PRESETS:
+            raise ConfigError(
+                f"unknown device preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
+            )
+        return replace(PRESETS[key], **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceSpec:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link between two pipeline neighbours: ``latency_s + bytes / bytes_per_s`` per message."""
+
+    bytes_per_s: float = 25e9
+    latency_s: float = 10e-6
+
+    def transfer_s(self, size_bytes: float) -> float:
+        """Seconds to send ``size_bytes`` (0 when nothing is sent)."""
+        if size_bytes <= 0:
+            return 0.0
+        return self.latency_s + size_bytes / self.bytes_per_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PRESETS: dict[str, DeviceSpec] = {
+    "h100": DeviceSpec("h100", 989e12, 3.35e12, 80 * GiB, kind="h100", torch_device="cuda"),
+    "h200": DeviceSpec("h200", 989e12, 4.8e12, 141 * GiB, kind="h200", torch_device="cuda"),
+    "a100": DeviceSpec("a100", 312e12, 2.039e12, 80 * GiB, kind="a100", torch_device="cuda"),
+    "a100-40gb": DeviceSpec("a100-40gb", 312e12, 1.555e12, 40 * GiB, kind="a100", torch_device="cuda"),
+    "v100": DeviceSpec("v100", 125e12, 900e9, 32 * GiB, kind="v100", torch_device="cuda"),
+    "t4": DeviceSpec("t4", 65e12, 320e9, 16 * GiB, kind="t4", torch_device="cuda"),
+}

@@ -1,0 +1,198 @@
+"""The condensed block graph: the torch-free input of every solver.
+
+A :class:`CondensedGraph` is a DAG of :class:`Block` s in topological order (``blocks[i].id == i``
+and every edge goes from a lower to a higher id). Each block carries the costs of the FX nodes it
+condenses, measured or modelled on a *reference device* of speed 1.0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fxsplit.errors import PlanError
+
+__all__ = ["Block", "Edge", "CondensedGraph"]
+
+
+@dataclass(frozen=True)
+class Block:
+    """A group of graph nodes that always go to the same stage.
+
+    Args:
+        id: Position of the block in topological order.
+        name: Human-readable name (usually the first node's name).
+        nodes: Names of the FX nodes (or input-format layer names) in this block.
+        flops: Forward floating-point operations per micro-batch.
+        fwd_s: Forward time per micro-batch on the reference device, seconds.
+        bwd_s: Backward time per micro-batch on the reference device, seconds.
+        param_bytes: Bytes of trainable parameters the block owns.
+        buffer_bytes: Bytes of non-trainable state (buffers) the block owns.
+        activation_bytes: Bytes kept for backward per micro-batch.
+        output_bytes: Bytes of the block's outputs per micro-batch.
+    """
+
+    id: int
+    name: str
+    nodes: tuple[str, ...] = ()
+    flops: float = 0.0
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    param_bytes: int = 0
+    buffer_bytes: int = 0
+    activation_bytes: int = 0
+    output_bytes: int = 0
+
+    @property
+    def time_s(self) -> float:
+        """Forward plus backward time on the reference device, seconds."""
+        return self.fwd_s + self.bwd_s
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Data flowing from block ``src`` to block ``dst``: ``size_bytes`` per micro-batch."""
+
+    src: int
+    dst: int
+    size_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CondensedGraph:
+    """A DAG of blocks in topological order with the bytes carried by each edge.
+
+    Communication model: a value made by block ``u`` and consumed by several blocks beyond a stage
+    boundary crosses that boundary once, so the traffic across the boundary of a downset ``I`` is
+    ``sum over u in I of max(size_bytes of u's edges leaving I)`` (see :meth:`cut_bytes`).
+
+    Raises:
+        PlanError: from :meth:`validate` when ids are not ``0..n-1`` in order, an edge points
+            backwards or to an unknown block, or a cost is negative.
+    """
+
+    blocks: tuple[Block, ...]
+    edges: tuple[Edge, ...] = ()
+    name: str = "graph"
+    _succ: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _pred: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.blocks)
+        succ: list[list[int]] = [[] for _ in range(n)]
+        pred: list[list[int]] = [[] for _ in range(n)]
+        for e in self.edges:
+            if 0 <= e.src < n and 0 <= e.dst < n:
+                succ[e.src].append(e.dst)
+                pred[e.dst].append(e.src)
+        object.__setattr__(self, "_succ", tuple(tuple(sorted(set(s))) for s in succ))
+        object.__setattr__(self, "_pred", tuple(tuple(sorted(set(p))) for p in pred))
+
+    # -- structure -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self.blocks)
+
+    def successors(self, b: int) -> tuple[int, ...]:
+        """Ids of the blocks that consume an output of block ``b``."""
+        return self._succ[b]
+
+    def predecessors(self, b: int) -> tuple[int, ...]:
+        """Ids of the blocks whose outputs block ``b`` consumes."""
+        return self._pred[b]
+
+    def out_edges(self, b: int) -> list[Edge]:
+        """Edges leaving block ``b``."""
+        return [e for e in self.edges if e.src == b]
+
+    def is_downset(self, ids: set[int] | frozenset[int]) -> bool:
+        """True when ``ids`` holds every predecessor of each of its blocks."""
+        return all(p in ids for b in ids for p in self._pred[b])
+
+    def cut_bytes(self, downset: set[int] | frozenset[int]) -> int:
+        """Bytes per micro-batch crossing from ``downset`` to the rest of the graph.
+
+        Each producing block pays the largest of its edges that leave the downset once (a value
+        read by several later blocks is sent once), summed over producers.
+        """
+        best: dict[int, int] = {}
+        for e in self.edges:
+            if e.src in downset and e.dst not in downset:
+                best[e.src] = max(best.get(e.src, 0), e.size_bytes)
+        return sum(best.values())
+
+    # -- totals ----------------------------------------------------------------------------
+    @property
+    def total_time_s(self) -> float:
+        """Forward plus backward time of all blocks on the reference device, seconds."""
+        return sum(b.time_s for b in self.blocks)
+
+    @property
+    def total_param_bytes(self) -> int:
+        return sum(b.param_bytes for b in self.blocks)
+
+    # -- checks and serialisation ----------------------------------------------------------
+    def validate(self) -> list[str]:
+        """Return every structural fault of the graph (empty when valid)."""
+        faults: list[str] = []
+        for i, b in enumerate(self.blocks):
+            if b.id != i:
+                faults.append(f"block at position {i} has id {b.id}; ids must be 0..n-1 in order")
+            for attr in ("flops", "fwd_s", "bwd_s", "param_bytes", "buffer_bytes",
+                         "activation_bytes", "output_bytes"):
+                if getattr(b, attr) < 0:
+                    faults.append(f"block {i} ({b.name!r}) has negative {attr}={getattr(b, attr)}")
+        n = len(self.blocks)
+        for e in self.edges:
+            if not (0 <= e.src < n and 0 <= e.dst < n):
+                faults.append(f"edge {e.src}->{e.dst} names a block outside 0..{n - 1}")
+            elif e.src >= e.dst:
+                faults.append(
+                    f"edge {e.src}->{e.dst} does not go forward; blocks must be in topological order"
+                )
+            if e.size_bytes < 0:
+                faults.append(f"edge {e.src}->{e.dst} has negative size_bytes={e.size_bytes}")
+        return faults
+
+    def check(self) -> CondensedGraph:
+        """Raise :class:`PlanError` listing every fault; return ``self`` when valid."""
+        faults = self.validate()
+        if faults:
+            raise PlanError(f"invalid graph {self.name!r}:\n  " + "\n  ".join(faults))
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "blocks": [{**asdict(b), "nodes": list(b.nodes)} for b in self.blocks],
+            "edges": [asdict(e) for e in self.edges],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CondensedGraph:
+        blocks = tuple(Block(**{**b, "nodes": tuple(b.get("nodes", ()))}) for b in data["blocks"])
+        edges = tuple(Edge(**e) for e in data.get("edges", ()))
+        return cls(blocks=blocks, edges=edges, name=data.get("name", "graph"))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> CondensedGraph:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def chain(cls, times_s: Sequence[float], *, edge_bytes: int = 0, name: str = "chain") -> CondensedGraph:
+        """A chain of blocks with forward times ``times_s`` (backward 0), for tests and examples.
+
+        Example:
+            >>> CondensedGraph.chain([1.0, 2.0]).total_time_s
+            3.0
+        """
+        blocks = tuple(Block(id=i, name=f"b{i}", nodes=(f"b{i}",), fwd_s=t) for i, t in enumerate(times_s))
+        edges = tuple(Edge(i, i + 1, edge_bytes) for i in range(len(blocks) - 1))
+        return cls(blocks=blocks, edges=edges, name=name)

@@ -1,0 +1,288 @@
+"""A pipeline plan and the one cost model every solver and report shares (torch-free).
+
+Cost model of stage ``s`` of ``p`` (0-based) holding blocks ``B_s`` on device ``d_s``, with
+``I_s = B_0 ∪ … ∪ B_s`` (a downset) and ``cut(I)`` the bytes leaving ``I`` (see
+:meth:`CondensedGraph.cut_bytes`):
+
+* compute: ``fwd_s = Σ fwd / speed(d_s)``, ``bwd_s = Σ bwd / speed(d_s)`` (0 for inference);
+* communication per micro-batch: ``in = cut(I_{s-1})`` arrives over link ``(d_{s-1}, d_s)`` and
+  ``out = cut(I_s)`` leaves over ``(d_s, d_{s+1})``; in training both are paid twice (activations
+  forward, gradients backward): ``comm_s = k · (link_in(in) + link_out(out))``, ``k ∈ {1, 2}``;
+* stage time ``time_s = fwd_s + bwd_s + comm_s``; bottleneck = ``max_s time_s``;
+* makespan of one step with ``m`` micro-batches (fill-drain): ``Σ_s time_s + (m - 1) · bottleneck``;
+* memory: ``params · (1 + grad + optimizer) + buffers + (activations + in) · in_flight(s) + out``,
+  ``in_flight`` from :meth:`Problem.in_flight` (GPipe: ``m``; 1F1B: ``min(m, p - s)``).
+
+References:
+    Narayanan et al., "PipeDream", SOSP 2019, §3.1 (stage time with communication);
+    Tarnawski et al., "Piper", NeurIPS 2021 (memory as in-flight activations plus static state).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from fxsplit.errors import PlanError
+from fxsplit.ir.problem import Problem
+
+__all__ = ["StagePlan", "Plan", "evaluate", "trivial_lower_bound", "STATUSES"]
+
+STATUSES = ("optimal", "feasible")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: which blocks, on which device, and what it costs per micro-batch."""
+
+    device: int
+    blocks: tuple[int, ...]
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    comm_s: float = 0.0
+    in_bytes: int = 0
+    out_bytes: int = 0
+    memory_bytes: int = 0
+
+    @property
+    def compute_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_s + self.bwd_s + self.comm_s
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The split of a problem's blocks into pipeline stages, with its predicted costs.
+
+    ``gap`` is ``(objective_s - lower_bound_s) / objective_s``: 0 for a proven optimum.
+    """
+
+    stages: tuple[StagePlan, ...]
+    objective: str = "bottleneck"
+    objective_s: float = 0.0
+    bottleneck_s: float = 0.0
+    makespan_s: float = 0.0
+    lower_bound_s: float = 0.0
+    solver: str = ""
+    status: str = "feasible"
+    solve_time_s: float = 0.0
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    stats: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def gap(self) -> float:
+        if self.objective_s <= 0:
+            return 0.0
+        return max(0.0, (self.objective_s - self.lower_bound_s) / self.objective_s)
+
+    def stage_of_block(self) -> dict[int, int]:
+        """Map block id -> stage index."""
+        return {b: s for s, st in enumerate(self.stages) for b in st.blocks}
+
+    def with_(self, **changes: Any) -> Plan:
+        return replace(self, **changes)
+
+    # -- validation ------------------------------------------------------------------------
+    def validate(self, problem: Problem, *, rtol: float = 1e-6) -> list[str]:
+        """Every fault of this plan for ``problem`` (empty when valid).
+
+        Checks: each block in exactly one stage; no empty stage; devices distinct, in range and
+        (``device_order="fixed"``) increasing; every prefix of stages is a downset (contiguous
+        stages); at most ``num_devices`` stages; each stage fits its device's memory; the stored
+        costs equal :func:`evaluate`'s; ``lower_bound_s <= objective_s``.
+        """
+        g, faults = problem.graph, []
+        seen: dict[int, int] = {}
+        for s, st in enumerate(self.stages):
+            if not st.blocks:
+                faults.append(f"stage {s} is empty")
+            for b in st.blocks:
+                if b in seen:
+                    faults.append(f"block {b} is in stages {seen[b]} and {s}")
+                seen[b] = s
+        missing = sorted(set(range(len(g))) - set(seen))
+        if missing:
+            faults.append(f"blocks {missing[:10]} are in no stage")
+        extra = sorted(set(seen) - set(range(len(g))))
+        if extra:
+            faults.append(f"blocks {extra[:10]} do not exist (graph has {len(g)})")
+        if len(self.stages) > problem.num_devices:
+            faults.append(f"{len(self.stages)} stages but only {problem.num_devices} devices")
+        devs = [st.device for st in self.stages]
+        if len(set(devs)) != len(devs):
+            faults.append(f"a device runs two stages: {devs}")
+        if any(not 0 <= d < problem.num_devices for d in devs):
+            faults.append(f"device index out of range 0..{problem.num_devices - 1}: {devs}")
+        if problem.device_order == "fixed" and devs != sorted(devs):
+            faults.append(f"device_order='fixed' needs increasing devices, got {devs}")
+        prefix: set[int] = set()
+        for s, st in enumerate(self.stages):
+            prefix |= set(st.blocks)
+            if not g.is_downset(prefix):
+                bad = sorted(p for b in prefix for p in g.predecessors(b) if p not in prefix)
+                faults.append(f"stages 0..{s} are not a downset: they need blocks {bad[:10]} from later stages")
+        if faults:
+            return faults
+        for s, st in enumerate(self.stages):
+            cap = problem.devices[st.device].memory_bytes
+            if st.memory_bytes > cap:
+                faults.append(
+                    f"stage {s} needs {st.memory_bytes} bytes, device {st.device} "
+                    f"({problem.devices[st.device].name}) has {cap}"
+                )
+        ref = evaluate(problem, [st.blocks for st in self.stages], devs)
+        if abs(ref.objective_s - self.objective_s) > rtol * max(1e-12, ref.objective_s):
+            faults.append(f"objective_s={self.objective_s} but the cost model gives {ref.objective_s}")
+        if self.lower_bound_s > self.objective_s * (1 + rtol) + 1e-15:
+            faults.append(f"lower_bound_s={self.lower_bound_s} exceeds objective_s={self.objective_s}")
+        if self.status not in STATUSES:
+            faults.append(f"status={self.status!r} not in {STATUSES}")
+        return faults
+
+    def check(self, problem: Problem) -> Plan:
+        """Raise :class:`PlanError` listing every fault; return ``self`` when valid."""
+        faults = self.validate(problem)
+        if faults:
+            raise PlanError(f"invalid plan from solver {self.solver!r}:\n  " + "\n  ".join(faults))
+        return self
+
+    # -- serialisation ---------------------------------------------------------------------
+    def to_dict(self, problem: Problem | None = None) -> dict[str, Any]:
+        """JSON-ready dict; with ``problem``, each stage also lists its nodes' names."""
+        d = asdict(self)
+        d["gap"] = self.gap
+        for st, sd in zip(self.stages, d["stages"], strict=True):
+            sd["compute_s"], sd["time_s"] = st.compute_s, st.time_s
+            sd["blocks"] = list(st.blocks)
+            if problem is not None:
+                sd["nodes"] = [n for b in st.blocks for n in problem.graph.blocks[b].nodes]
+                sd["device_name"] = problem.devices[st.device].name
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        fields = {f for f in StagePlan.__dataclass_fields__}
+        stages = tuple(
+            StagePlan(**{**{k: v for k, v in s.items() if k in fields}, "blocks": tuple(s["blocks"])})
+            for s in data["stages"]
+        )
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "stages"}
+        return cls(stages=stages, **known)
+
+    def to_json(self, problem: Problem | None = None) -> str:
+        return json.dumps(self.to_dict(problem), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+
+def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Sequence[int]) -> list[StagePlan]:
+    g, p = problem.graph, len(stages)
+    k = 2 if problem.training else 1
+    state = problem.state_bytes_per_param_byte()
+    out: list[StagePlan] = []
+    prefix: set[int] = set()
+    in_bytes = 0
+    for s, (blocks, d) in enumerate(zip(stages, devices, strict=True)):
+        prefix |= set(blocks)
+        out_bytes = g.cut_bytes(prefix) if s < p - 1 else 0
+        speed = problem.devices[d].speed
+        bl = [g.blocks[b] for b in blocks]
+        fwd = sum(b.fwd_s for b in bl) / speed
+        bwd = sum(b.bwd_s for b in bl) / speed if problem.training else 0.0
+        comm = 0.0
+        if s > 0:
+            comm += problem.link_between(devices[s - 1], d).transfer_s(in_bytes)
+        if s < p - 1:
+            comm += problem.link_between(d, devices[s + 1]).transfer_s(out_bytes)
+        flight = problem.in_flight(s, p)
+        mem = (
+            sum(b.param_bytes for b in bl) * state
+            + sum(b.buffer_bytes for b in bl)
+            + (sum(b.activation_bytes for b in bl) + in_bytes) * flight
+            + out_bytes
+        )
+        out.append(StagePlan(d, tuple(blocks), fwd, bwd, k * comm, in_bytes, out_bytes, int(mem)))
+        in_bytes = out_bytes
+    return out
+
+
+def evaluate(
+    problem: Problem,
+    stages: Sequence[Sequence[int]],
+    devices: Sequence[int] | None = None,
+    *,
+    solver: str = "",
+    status: str = "feasible",
+    lower_bound_s: float | None = None,
+    solve_time_s: float = 0.0,
+    stats: dict[str, Any] | None = None,
+) -> Plan:
+    """Build a :class:`Plan` from block lists, costing every stage with the shared model.
+
+    Args:
+        problem: The problem the plan is for.
+        stages: Block ids of each stage, ``[num_stages][*]``, in pipeline order.
+        devices: Device index of each stage, ``[num_stages]``; default ``0..num_stages-1``.
+        solver, status, solve_time_s, stats: Recorded on the plan.
+        lower_bound_s: Proven lower bound; default :func:`trivial_lower_bound`.
+
+    Returns:
+        The plan (not validated: call :meth:`Plan.check`).
+
+    Example:
+        >>> from fxsplit.ir import CondensedGraph, DeviceSpec, Problem
+        >>> pb = Problem(CondensedGraph.chain([1.0, 2.0, 3.0]), (DeviceSpec("a"), DeviceSpec("b")))
+        >>> evaluate(pb, [[0, 1], [2]]).bottleneck_s
+        3.0
+    """
+    devs = list(devices) if devices is not None else list(range(len(stages)))
+    sp = _stage_costs(problem, stages, devs)
+    bottleneck = max((s.time_s for s in sp), default=0.0)
+    makespan = sum(s.time_s for s in sp) + (problem.microbatches - 1) * bottleneck
+    objective_s = bottleneck if problem.objective == "bottleneck" else makespan
+    lb = trivial_lower_bound(problem) if lower_bound_s is None else lower_bound_s
+    return Plan(
+        stages=tuple(sp),
+        objective=problem.objective,
+        objective_s=objective_s,
+        bottleneck_s=bottleneck,
+        makespan_s=makespan,
+        lower_bound_s=min(lb, objective_s),
+        solver=solver,
+        status=status,
+        solve_time_s=solve_time_s,
+        microbatches=problem.microbatches,
+        schedule=problem.schedule,
+        stats=dict(stats or {}),
+    )
+
+
+def trivial_lower_bound(problem: Problem) -> float:
+    """A lower bound on the objective that every solver can quote.
+
+    Bottleneck: ``max(largest block / fastest speed, total work / sum of all speeds)``.
+    Makespan: ``total work / fastest speed + (m - 1) · bottleneck bound`` (the sum of stage times
+    is at least the total work on the fastest device). Communication is ignored (it only adds).
+    """
+    g = problem.graph
+    times = [b.time_s if problem.training else b.fwd_s for b in g.blocks]
+    speeds = [d.speed for d in problem.devices]
+    if not times:
+        return 0.0
+    total, vmax = sum(times), max(speeds)
+    lb_bottleneck = max(max(times) / vmax, total / sum(speeds))
+    if problem.objective == "bottleneck":
+        return lb_bottleneck
+    return total / vmax + (problem.microbatches - 1) * lb_bottleneck

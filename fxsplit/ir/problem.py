@@ -1,0 +1,155 @@
+"""The planning problem: a condensed graph, the devices, and how training runs (torch-free).
+
+JSON schema (``Problem.to_json``)::
+
+    {"graph": CondensedGraph.to_dict(),
+     "devices": [DeviceSpec.to_dict(), ...],          # pipeline order when device_order == "fixed"
+     "link": {"bytes_per_s": float, "latency_s": float},   # default for every pair
+     "links": [[i, j, {"bytes_per_s": ..., "latency_s": ...}], ...],   # per-pair overrides
+     "microbatches": int, "schedule": "gpipe" | "1f1b",
+     "objective": "bottleneck" | "makespan", "training": bool,
+     "optimizer_state_factor": float, "grad_factor": float,
+     "device_order": "fixed" | "free", "allow_idle_devices": bool}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fxsplit.errors import ConfigError
+from fxsplit.ir.devices import DeviceSpec, LinkSpec
+from fxsplit.ir.graph import CondensedGraph
+
+__all__ = ["Problem", "SCHEDULES", "OBJECTIVES"]
+
+SCHEDULES = ("gpipe", "1f1b")
+OBJECTIVES = ("bottleneck", "makespan")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a solver needs.
+
+    Args:
+        graph: The condensed block graph, times on the reference device (speed 1.0).
+        devices: The devices, ``[num_devices]``. With ``device_order="fixed"`` stage ``s`` runs on
+            ``devices[s]``; with ``"free"`` the solver also chooses which device runs each stage.
+        link: Default link between any two devices.
+        links: Per-pair overrides ``((i, j, LinkSpec), ...)``, symmetric.
+        microbatches: Micro-batches per training step, ``m >= 1``.
+        schedule: ``"gpipe"`` (all ``m`` micro-batches in flight) or ``"1f1b"`` (stage ``s`` of
+            ``p`` holds ``min(m, p - s)``).
+        objective: ``"bottleneck"`` (slowest stage per micro-batch) or ``"makespan"`` (one
+            training step: ``sum(stage times) + (m - 1) * bottleneck``).
+        training: False plans inference: no backward, gradients or optimizer state.
+        optimizer_state_factor: Optimizer state in multiples of parameter bytes (Adam: 2.0).
+        grad_factor: Gradient bytes in multiples of parameter bytes (1.0).
+        device_order: ``"fixed"`` or ``"free"`` (see ``devices``).
+        allow_idle_devices: When True a plan may use fewer stages than devices.
+
+    Raises:
+        ConfigError: from :meth:`check` for bad values, naming the field and the fix.
+    """
+
+    graph: CondensedGraph
+    devices: tuple[DeviceSpec, ...]
+    link: LinkSpec = field(default_factory=LinkSpec)
+    links: tuple[tuple[int, int, LinkSpec], ...] = ()
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    objective: str = "bottleneck"
+    training: bool = True
+    optimizer_state_factor: float = 2.0
+    grad_factor: float = 1.0
+    device_order: str = "fixed"
+    allow_idle_devices: bool = True
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    def link_between(self, i: int, j: int) -> LinkSpec:
+        """The link between devices ``i`` and ``j`` (override if any, else the default)."""
+        for a, b, spec in self.links:
+            if {a, b} == {i, j}:
+                return spec
+        return self.link
+
+    def in_flight(self, stage: int, num_stages: int) -> int:
+        """Micro-batches whose activations stage ``stage`` (0-based) of ``num_stages`` holds at peak."""
+        if not self.training:
+            return 1
+        if self.schedule == "gpipe":
+            return self.microbatches
+        return min(self.microbatches, num_stages - stage)
+
+    def state_bytes_per_param_byte(self) -> float:
+        """Bytes of params + grads + optimizer state per parameter byte."""
+        if not self.training:
+            return 1.0
+        return 1.0 + self.grad_factor + self.optimizer_state_factor
+
+    def with_(self, **changes: Any) -> Problem:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+    def check(self) -> Problem:
+        """Raise :class:`ConfigError` on a bad field; return ``self``."""
+        if not self.devices:
+            raise ConfigError("problem has no devices; pass at least one DeviceSpec")
+        for d in self.devices:
+            d.check()
+        if self.microbatches < 1:
+            raise ConfigError(f"microbatches={self.microbatches} must be >= 1")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r}; choose one of {SCHEDULES}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"objective={self.objective!r}; choose one of {OBJECTIVES}")
+        if self.device_order not in ("fixed", "free"):
+            raise ConfigError(f"device_order={self.device_order!r}; choose 'fixed' or 'free'")
+        for i, j, spec in self.links:
+            if not (0 <= i < self.num_devices and 0 <= j < self.num_devices):
+                raise ConfigError(f"link override ({i}, {j}) names a device outside 0..{self.num_devices - 1}")
+            if spec.bytes_per_s <= 0:
+                raise ConfigError(f"link ({i}, {j}) has bytes_per_s={spec.bytes_per_s}; must be > 0")
+        if self.link.bytes_per_s <= 0:
+            raise ConfigError(f"default link bytes_per_s={self.link.bytes_per_s} must be > 0")
+        self.graph.check()
+        return self
+
+    # -- serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "graph": self.graph.to_dict(),
+            "devices": [d.to_dict() for d in self.devices],
+            "link": self.link.to_dict(),
+            "links": [[i, j, s.to_dict()] for i, j, s in self.links],
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "objective": self.objective,
+            "training": self.training,
+            "optimizer_state_factor": self.optimizer_state_factor,
+            "grad_factor": self.grad_factor,
+            "device_order": self.device_order,
+            "allow_idle_devices": self.allow_idle_devices,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Problem:
+        known = {k: v for k, v in data.items() if k not in ("graph", "devices", "link", "links")}
+        return cls(
+            graph=CondensedGraph.from_dict(data["graph"]),
+            devices=tuple(DeviceSpec.from_dict(d) for d in data["devices"]),
+            link=LinkSpec(**data.get("link", {})),
+            links=tuple((int(i), int(j), LinkSpec(**s)) for i, j, s in data.get("links", ())),
+            **known,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Problem:
+        return cls.from_dict(json.loads(text))

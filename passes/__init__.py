@@ -1,0 +1,1 @@
+"""Graph passes: capture, shapes, costs, antichain condensation (installed as fxsplit.passes)."""

@@ -1,0 +1,1 @@
+"""Torch-free pipeline-split solvers (installed as fxsplit.solvers)."""
