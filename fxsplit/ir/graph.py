@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fxsplit.errors import PlanError
@@ -134,6 +134,22 @@ class CondensedGraph:
     @property
     def total_param_bytes(self) -> int:
         return sum(b.param_bytes for b in self.blocks)
+
+    def scaled(self, batch_fraction: float) -> CondensedGraph:
+        """Costs for a micro-batch that is ``batch_fraction`` of the annotated batch.
+
+        Times, FLOPs, activation, output and edge bytes scale linearly; parameter and buffer
+        bytes do not. Used to turn whole-batch annotations into per-micro-batch costs
+        (``batch_fraction = 1 / microbatches``).
+        """
+        f = batch_fraction
+        blocks = tuple(
+            replace(b, flops=b.flops * f, fwd_s=b.fwd_s * f, bwd_s=b.bwd_s * f,
+                    activation_bytes=int(b.activation_bytes * f), output_bytes=int(b.output_bytes * f))
+            for b in self.blocks
+        )
+        edges = tuple(replace(e, size_bytes=int(e.size_bytes * f)) for e in self.edges)
+        return CondensedGraph(blocks=blocks, edges=edges, name=self.name)
 
     # -- checks and serialisation ----------------------------------------------------------
     def validate(self) -> list[str]:
