@@ -1,0 +1,289 @@
+"""Capture a model as a flat-input, flat-output FX graph.
+
+Two methods, tried in this order by ``method="auto"``:
+
+* ``"export"``: ``torch.export.export(model, args, kwargs, strict=False)`` then
+  ``ExportedProgram.module()``; aten-level graph, works on Hugging Face models, fake and meta
+  tensors.
+* ``"symbolic_trace"``: ``torch.fx.symbolic_trace``; module-level graph (``call_module`` nodes).
+
+Either way the result is a :class:`Captured`: a ``GraphModule`` whose placeholders are the
+pytree leaves of ``(args, kwargs)`` and whose output is a flat tuple, plus the pytree specs to go
+back and forth, and the original name(s) of every parameter and buffer the graph reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxsplit.errors import CaptureError, ConfigError
+
+__all__ = ["Captured", "capture", "METHODS"]
+
+log = logging.getLogger(__name__)
+
+METHODS = ("auto", "export", "symbolic_trace")
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A captured model: flat graph plus what is needed to call it like the original.
+
+    Attributes:
+        gm: Flat ``GraphModule``: one placeholder per leaf of ``(args, kwargs)`` (in
+            ``in_spec`` order), output a flat tuple (in ``out_spec`` order). Parameters and
+            buffers are ``get_attr`` nodes (export) or live in ``call_module`` submodules
+            (symbolic_trace) under their original names.
+        in_spec: Pytree spec of ``(args, kwargs)``.
+        out_spec: Pytree spec of the model's output.
+        method: ``"export"`` or ``"symbolic_trace"``.
+        aliases: For every parameter/buffer name the graph uses, every original name of the
+            same tensor (tied weights have several), e.g. ``{"head.weight": ("emb.weight",
+            "head.weight")}``.
+        trainable: Names (graph side) of trainable parameters.
+    """
+
+    gm: torch.fx.GraphModule
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    method: str
+    aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    trainable: frozenset[str] = frozenset()
+
+    @property
+    def input_names(self) -> list[str]:
+        """Placeholder names, in flat input order."""
+        return [n.name for n in self.gm.graph.find_nodes(op="placeholder")]
+
+    @property
+    def num_outputs(self) -> int:
+        return self.out_spec.num_leaves
+
+    def flatten_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[Any]:
+        """Leaves of ``(args, kwargs)`` in placeholder order.
+
+        Raises:
+            ConfigError: when the structure differs from the captured example inputs.
+        """
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+        if spec != self.in_spec:
+            raise ConfigError(
+                f"inputs have structure {spec} but the model was captured with {self.in_spec}; "
+                "call with the same positional/keyword structure as example_inputs"
+            )
+        return leaves
+
+    def unflatten_outputs(self, flat: Sequence[Any]) -> Any:
+        """Rebuild the model's output structure from flat outputs."""
+        return pytree.tree_unflatten(list(flat), self.out_spec)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.unflatten_outputs(self.gm(*self.flatten_inputs(args, kwargs)))
+
+    def __repr__(self) -> str:
+        n = len(self.gm.graph.nodes)
+        return (
+            f"Captured(method={self.method!r}, nodes={n}, inputs={self.input_names}, "
+            f"outputs={self.num_outputs}, params={len(self.trainable)})"
+        )
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    method: str = "auto",
+) -> Captured:
+    """Capture ``model`` as a flat FX graph.
+
+    Args:
+        model: The module. May live on ``cpu``, ``cuda`` or ``meta`` (no weights allocated).
+        example_inputs: Positional inputs, e.g. ``(tokens,)`` with ``tokens: [batch, seq]``;
+            real, fake or meta tensors.
+        example_kwargs: Keyword inputs, same kinds.
+        method: ``"auto"`` (export, then symbolic_trace), ``"export"`` or ``"symbolic_trace"``.
+
+    Returns:
+        The :class:`Captured` graph.
+
+    Raises:
+        ConfigError: for an unknown ``method`` or a ``model`` that is not an ``nn.Module``.
+        CaptureError: when no method captures the model; the message names the failing source
+            line torch reports, what each method said, and what to change.
+
+    Example:
+        >>> import torch
+        >>> cap = capture(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
+        >>> cap.method, cap.num_outputs
+        ('export', 1)
+    """
+    if method not in METHODS:
+        raise ConfigError(f"capture method={method!r} is unknown; choose one of {METHODS}")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"capture needs an nn.Module, got {type(model).__name__}")
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    tried = ("export", "symbolic_trace") if method == "auto" else (method,)
+    failures: dict[str, BaseException] = {}
+    for name in tried:
+        try:
+            gm, in_spec, out_spec = _CAPTURERS[name](model, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported in CaptureError
+            log.info("capture with %s failed: %s", name, exc)
+            failures[name] = exc
+            continue
+        aliases, trainable = _aliases(model, gm)
+        log.info("captured %s with %s: %d nodes", type(model).__name__, name, len(gm.graph.nodes))
+        return Captured(gm, in_spec, out_spec, name, aliases, trainable)
+    raise _capture_error(model, failures)
+
+
+# -- export ----------------------------------------------------------------------------------
+def _capture_export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.fx.GraphModule, Any, Any]:
+    ep = torch.export.export(model, args, kwargs, strict=False)
+    gm = ep.module()
+    in_spec, out_spec = gm._in_spec, gm._out_spec
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users:  # tied weights: export reads one alias
+            gm.graph.erase_node(node)
+    gm._forward_pre_hooks.clear()  # export's input-spec check; we call the graph flat
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    _flatten_output(gm)
+    gm.recompile()
+    return gm, in_spec, out_spec
+
+
+# -- symbolic trace --------------------------------------------------------------------------
+def _capture_symbolic(model: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.fx.GraphModule, Any, Any]:
+    sig = inspect.signature(model.forward)
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
+        raise CaptureError("symbolic_trace needs a forward without *args/**kwargs; use method='export'")
+    bound = sig.bind(*args, **kwargs)
+    for name, value in bound.arguments.items():
+        if not isinstance(value, torch.Tensor):
+            raise CaptureError(
+                f"the symbolic_trace path takes tensor inputs only; argument {name!r} is "
+                f"{type(value).__name__}; use method='export' for structured inputs"
+            )
+    concrete = {n: p.default for n, p in sig.parameters.items() if n not in bound.arguments}
+    gm = torch.fx.symbolic_trace(model, concrete_args=concrete or None)
+    _, in_spec = pytree.tree_flatten((args, kwargs))
+    positional = list(sig.parameters)[: len(args)]
+    _order_placeholders(gm, positional + list(kwargs))
+    out_spec = _flatten_output(gm)
+    gm.recompile()
+    return gm, in_spec, out_spec
+
+
+def _order_placeholders(gm: torch.fx.GraphModule, flat_names: list[str]) -> None:
+    """Drop placeholders of arguments not given; order the rest as the leaves of ``(args, kwargs)``."""
+    placeholders = {str(n.target): n for n in gm.graph.find_nodes(op="placeholder")}
+    for target, node in placeholders.items():
+        if target not in flat_names:
+            if node.users:
+                raise CaptureError(f"forward argument {target!r} is used but no example was given for it")
+            gm.graph.erase_node(node)
+    for name in reversed(flat_names):
+        first = next(iter(gm.graph.nodes))
+        if placeholders[name] is not first:
+            first.prepend(placeholders[name])
+
+
+def _flatten_output(gm: torch.fx.GraphModule) -> pytree.TreeSpec:
+    out = gm.graph.output_node()
+    leaves, spec = pytree.tree_flatten(out.args[0])
+    out.args = (tuple(leaves),)
+    return spec
+
+
+_CAPTURERS: dict[str, Callable[[nn.Module, tuple, dict], tuple[torch.fx.GraphModule, Any, Any]]] = {
+    "export": _capture_export,
+    "symbolic_trace": _capture_symbolic,
+}
+
+
+# -- names -----------------------------------------------------------------------------------
+def _aliases(model: nn.Module, gm: torch.fx.GraphModule) -> tuple[dict[str, tuple[str, ...]], frozenset[str]]:
+    """Map each parameter/buffer name of ``gm`` to every original name of the same tensor."""
+    by_id: dict[int, list[str]] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
+        by_id.setdefault(id(t), []).append(name)
+    orig = dict(model.named_parameters(remove_duplicate=False))
+    orig.update(dict(model.named_buffers(remove_duplicate=False)))
+    aliases: dict[str, tuple[str, ...]] = {}
+    for name in _graph_state_names(gm):
+        tensor = orig.get(name)
+        aliases[name] = tuple(by_id[id(tensor)]) if tensor is not None else (name,)
+    trainable = frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad)
+    return aliases, trainable
+
+
+def _graph_state_names(gm: torch.fx.GraphModule) -> list[str]:
+    names: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            names.append(str(node.target))
+        elif node.op == "call_module":
+            sub = gm.get_submodule(str(node.target))
+            names += [f"{node.target}.{k}" for k, _ in sub.named_parameters()]
+            names += [f"{node.target}.{k}" for k, _ in sub.named_buffers()]
+    return list(dict.fromkeys(names))
+
+
+# -- errors ----------------------------------------------------------------------------------
+def _user_frame(exc: BaseException) -> str | None:
+    """The last traceback frame outside torch: the model line that broke capture."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
+    frames = [f for f in frames if not f.filename.endswith(os.path.join("passes", "capture.py"))]
+    if frames:
+        f = frames[-1]
+        return f'File "{f.filename}", line {f.lineno}, in {f.name}: {(f.line or "").strip()}'
+    return None
+
+
+def _reported_line(exc: BaseException) -> str | None:
+    """The user source line torch names in its message, if any."""
+    lines = str(exc).splitlines()
+    for i, line in enumerate(lines):
+        if line.strip().startswith("File ") and _TORCH_DIR not in line:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{line.strip()}: {code}"
+    return None
+
+
+def _capture_error(model: nn.Module, failures: dict[str, BaseException]) -> CaptureError:
+    parts = [f"could not capture {type(model).__name__} as an FX graph."]
+    where = None
+    for name, exc in failures.items():
+        where = where or _reported_line(exc) or _user_frame(exc)
+        summary = " ".join(str(exc).strip().splitlines()[:3])[:400]
+        parts.append(f"  {name}: {type(exc).__name__}: {summary}")
+    if where:
+        parts.insert(1, f"  failing construct: {where}")
+    parts.append(
+        "  fix: remove Python control flow that depends on tensor values (use torch.where or "
+        "torch.cond), make shapes static, or wrap the offending code in a leaf module; "
+        "then call fxsplit.capture again."
+    )
+    err = CaptureError("\n".join(parts))
+    err.__cause__ = next(reversed(failures.values()), None)
+    return err

@@ -1,0 +1,228 @@
+"""Antichain condensation: from an annotated FX graph to a torch-free :class:`CondensedGraph`.
+
+Two steps:
+
+1. **Fold** the nodes that cost nothing (views, getitems, reshapes, placeholders, parameter
+   reads) into a neighbour: a group of free nodes whose consumers all lie in one group joins it,
+   else one whose producers all lie in one group joins that. Contracting an edge ``X -> Y`` where
+   ``Y`` is ``X``'s only successor (or ``X`` is ``Y``'s only predecessor) never creates a cycle, so
+   the quotient stays a DAG. Each group becomes a :class:`~fxsplit.ir.Block` (its costs are the
+   sums of its nodes': cost is conserved) and ``node.meta["fxsplit.block"]`` is written back.
+2. **Antichain DAG**: the states the solvers walk are the downsets (ideals) of the block DAG; the
+   frontier of a downset is an antichain, and adding one block links a state to the next.
+   Enumeration is bounded by ``max_ideals`` so wide graphs (Inception, NASNet) stay fast: past
+   the budget the result says so and the solvers use CP-SAT instead of the DP.
+
+References:
+    Narayanan et al., "PipeDream: generalized pipeline parallelism for DNN training", SOSP 2019,
+    §3.1 and its optimizer (antichain DAG); Ju et al., "Task segmentation and parallel
+    optimization of DNN model", 2024 (augmented antichains, topological state sequence).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx
+
+from fxsplit.ir.downsets import DownsetBudgetError, enumerate_downsets, members
+from fxsplit.ir.graph import Block, CondensedGraph, Edge
+from fxsplit.passes.costs import NodeCost
+from fxsplit.passes.manager import PassResult, require_meta
+
+__all__ = ["Condensed", "CondenseAntichains", "condense_antichains", "fold_free_nodes"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Condensed:
+    """Result of :func:`condense_antichains`.
+
+    Attributes:
+        graph: Blocks in topological order with edge bytes.
+        node_block: FX node name -> block id (also in ``node.meta["fxsplit.block"]``).
+        ideals: The downsets as bitmasks (``[num_ideals]``, by size), or ``None`` past the budget.
+        num_ideals: ``len(ideals)``, or a lower bound (``> max_ideals``) when truncated.
+        truncated: True when enumeration stopped at the budget.
+    """
+
+    graph: CondensedGraph
+    node_block: dict[str, int]
+    ideals: tuple[int, ...] | None
+    num_ideals: int
+    truncated: bool
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.graph)
+
+    def frontier(self, ideal: int) -> list[int]:
+        """The antichain of an ideal: its blocks with no successor inside it."""
+        inside = set(members(ideal))
+        return [b for b in inside if not any(s in inside for s in self.graph.successors(b))]
+
+    def __repr__(self) -> str:
+        more = "+" if self.truncated else ""
+        return (
+            f"Condensed({self.graph.name!r}: {self.num_blocks} blocks, {len(self.graph.edges)} edges, "
+            f"{self.num_ideals}{more} ideals)"
+        )
+
+
+class _Groups:
+    """Union-find over node indices with member lists."""
+
+    def __init__(self, n: int) -> None:
+        self.parent = list(range(n))
+        self.members = {i: [i] for i in range(n)}
+
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def union(self, a: int, b: int) -> int:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return ra
+        if len(self.members[ra]) < len(self.members[rb]):
+            ra, rb = rb, ra
+        self.parent[rb] = ra
+        self.members[ra] += self.members.pop(rb)
+        return ra
+
+
+def fold_free_nodes(nodes: list[torch.fx.Node], costs: list[NodeCost]) -> list[int]:
+    """Group index of each node after folding the free nodes into their neighbours.
+
+    Args:
+        nodes: Graph nodes in order, without the output node, ``[n]``.
+        costs: Their costs, ``[n]``.
+
+    Returns:
+        ``[n]`` representative index of each node's group.
+    """
+    index = {node: i for i, node in enumerate(nodes)}
+    succ = [[index[u] for u in node.users if u in index] for node in nodes]
+    pred = [[index[a] for a in node.all_input_nodes if a in index] for node in nodes]
+    groups = _Groups(len(nodes))
+    free = {i for i, c in enumerate(costs) if c.is_free}
+    for i in range(len(nodes)):
+        r = groups.find(i)
+        if not all(m in free for m in groups.members[r]):
+            continue
+        outs = {groups.find(j) for m in groups.members[r] for j in succ[m]} - {r}
+        if len(outs) == 1:
+            groups.union(r, outs.pop())
+            continue
+        ins = {groups.find(j) for m in groups.members[r] for j in pred[m]} - {r}
+        if len(ins) == 1:
+            groups.union(r, ins.pop())
+    return [groups.find(i) for i in range(len(nodes))]
+
+
+def _topo_blocks(num_nodes: int, group: list[int], nodes: list[torch.fx.Node]) -> dict[int, int]:
+    """Number the groups in a deterministic topological order (ties: earliest node first)."""
+    index = {node: i for i, node in enumerate(nodes)}
+    first: dict[int, int] = {}
+    for i, g in enumerate(group):
+        first.setdefault(g, i)
+    succ: dict[int, set[int]] = {g: set() for g in first}
+    indeg = {g: 0 for g in first}
+    for i, node in enumerate(nodes):
+        for u in node.users:
+            if u in index and group[index[u]] != group[i] and group[index[u]] not in succ[group[i]]:
+                succ[group[i]].add(group[index[u]])
+                indeg[group[index[u]]] += 1
+    heap = [(first[g], g) for g, d in indeg.items() if d == 0]
+    heapq.heapify(heap)
+    order: dict[int, int] = {}
+    while heap:
+        _, g = heapq.heappop(heap)
+        order[g] = len(order)
+        for h in succ[g]:
+            indeg[h] -= 1
+            if indeg[h] == 0:
+                heapq.heappush(heap, (first[h], h))
+    return order
+
+
+def _value_bytes(node: torch.fx.Node, cost: NodeCost) -> int:
+    return 0 if node.op == "get_attr" else cost.output_bytes
+
+
+def _build_graph(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: list[int], name: str) -> CondensedGraph:
+    n_blocks = max(block_of, default=-1) + 1
+    index = {node: i for i, node in enumerate(nodes)}
+    acc: list[dict[str, Any]] = [
+        {"nodes": [], "flops": 0.0, "fwd_s": 0.0, "bwd_s": 0.0, "param_bytes": 0, "buffer_bytes": 0,
+         "activation_bytes": 0, "output_bytes": 0}
+        for _ in range(n_blocks)
+    ]
+    edge_bytes: dict[tuple[int, int], int] = {}
+    for i, (node, c) in enumerate(zip(nodes, costs, strict=True)):
+        a, b = acc[block_of[i]], block_of[i]
+        a["nodes"].append(node.name)
+        for key, value in (("flops", c.flops), ("fwd_s", c.fwd_s), ("bwd_s", c.bwd_s),
+                           ("param_bytes", c.param_bytes), ("buffer_bytes", c.buffer_bytes),
+                           ("activation_bytes", c.saved_bytes)):
+            a[key] += value
+        consumers = {block_of[index[u]] if u in index else -1 for u in node.users} - {b}
+        if consumers:  # leaves its block (-1: a graph output)
+            a["output_bytes"] += _value_bytes(node, c)
+        for d in consumers - {-1}:
+            edge_bytes[(b, d)] = edge_bytes.get((b, d), 0) + _value_bytes(node, c)
+    blocks = tuple(
+        Block(id=i, name=a["nodes"][0], nodes=tuple(a["nodes"]), flops=a["flops"], fwd_s=a["fwd_s"],
+              bwd_s=a["bwd_s"], param_bytes=a["param_bytes"], buffer_bytes=a["buffer_bytes"],
+              activation_bytes=a["activation_bytes"], output_bytes=a["output_bytes"])
+        for i, a in enumerate(acc)
+    )
+    edges = tuple(Edge(s, d, nb) for (s, d), nb in sorted(edge_bytes.items()))
+    return CondensedGraph(blocks=blocks, edges=edges, name=name)
+
+
+@dataclass(frozen=True)
+class CondenseAntichains:
+    """Fold free nodes, build blocks and enumerate the ideals (see the module docstring).
+
+    Args:
+        max_ideals: Budget of the ideal enumeration; past it ``ideals`` is ``None``.
+        name: Name of the condensed graph.
+
+    Raises:
+        AnnotationError: when a node lacks ``"fxsplit.cost"`` (run ``annotate_costs`` first).
+    """
+
+    max_ideals: int = 200_000
+    name: str = "graph"
+    requires: tuple[str, ...] = ("fxsplit.cost",)
+    produces: tuple[str, ...] = ("fxsplit.block",)
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        nodes = [n for n in gm.graph.nodes if n.op != "output"]
+        costs = [require_meta(n, "fxsplit.cost", "annotate_costs") for n in nodes]
+        group = fold_free_nodes(nodes, costs)
+        order = _topo_blocks(len(nodes), group, nodes)
+        block_of = [order[g] for g in group]
+        for node, b in zip(nodes, block_of, strict=True):
+            node.meta["fxsplit.block"] = b
+        graph = _build_graph(nodes, costs, block_of, self.name)
+        try:
+            ideals: tuple[int, ...] | None = tuple(enumerate_downsets(graph, self.max_ideals))
+            num, truncated = len(ideals), False
+        except DownsetBudgetError as exc:
+            ideals, num, truncated = None, exc.seen, True
+        result = Condensed(graph, {n.name: b for n, b in zip(nodes, block_of, strict=True)}, ideals, num, truncated)
+        log.info("condense_antichains: %d nodes -> %r", len(nodes), result)
+        return PassResult(gm, modified=True, artifact=result)
+
+
+def condense_antichains(gm: torch.fx.GraphModule, *, max_ideals: int = 200_000, name: str = "graph") -> Condensed:
+    """Functional form of :class:`CondenseAntichains`; returns the :class:`Condensed` result."""
+    return CondenseAntichains(max_ideals, name)(gm).artifact

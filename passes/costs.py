@@ -1,0 +1,334 @@
+"""Cost annotation: FLOPs, bytes and time of every node, analytic (roofline) or measured.
+
+Analytic model (default), per node, on a :class:`~fxsplit.ir.DeviceSpec` ``d``:
+
+* FLOPs from torch's ``FlopCounterMode`` (matmul, convolution, attention kernels), run on fake
+  tensors; attention that the counter does not see (``scaled_dot_product_attention`` on CPU) is
+  counted as ``2·B·H·L·S·(E + Ev)``; every other non-view op costs one FLOP per element of its
+  largest tensor operand or result (pointwise and reduction rule); views, ``getitem``,
+  placeholders and ``get_attr`` cost nothing. Never silently 0 for a matmul or convolution.
+* backward FLOPs: ``2 ×`` forward for counted ops (gradient of input and of weight), ``1 ×``
+  for elementwise ops, 0 when nothing upstream needs a gradient.
+* bytes moved: tensor operands plus results (0 for views); time is the roofline
+  ``fwd_s = max(flops / d.peak_flops, bytes / d.memory_bandwidth_bytes_per_s)`` and
+  ``bwd_s = max(bwd_flops / peak, 2 · bytes / bandwidth)``.
+* memory: ``param_bytes``/``buffer_bytes`` of the state the node reads, ``output_bytes`` of its
+  result, ``saved_bytes`` = its result when it needs a gradient and is not a view (the tensor the
+  next op keeps for backward).
+
+``cost_model="measured"`` runs every node on real tensors on ``device`` (warm-up, median of
+repeats) for forward and backward time, and keeps the analytic times beside them.
+
+References:
+    Williams, Waterman, Patterson, "Roofline", CACM 2009; Kaplan et al. 2020 (training FLOPs
+    = 3 × forward).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from fxsplit.errors import ConfigError
+from fxsplit.ir.devices import GiB, DeviceSpec
+from fxsplit.passes.manager import PassResult, require_meta
+from fxsplit.passes.shapes import fake_mode_of, fake_state
+
+__all__ = ["NodeCost", "AnnotateCosts", "annotate_costs", "measure_cpu_spec", "COST_MODELS", "node_cost"]
+
+log = logging.getLogger(__name__)
+
+COST_MODELS = ("analytic", "measured")
+_ATTENTION: set[Any] = {
+    torch.ops.aten.scaled_dot_product_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.nn.functional.scaled_dot_product_attention,
+}
+_EMBEDDING: set[Any] = {torch.ops.aten.embedding.default, torch.nn.functional.embedding}
+# Tensor methods / functions that only re-view their input (symbolic_trace graphs).
+_VIEW_NAMES = {
+    "view", "reshape", "transpose", "permute", "flatten", "unflatten", "unsqueeze", "squeeze",
+    "expand", "expand_as", "view_as", "t", "narrow", "select", "split", "chunk", "unbind",
+    "size", "dim", "contiguous", "detach", "getattr", "movedim", "swapaxes",
+}
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Cost of one node for the annotated batch (``node.meta["fxsplit.cost"]``).
+
+    Attributes:
+        flops, bwd_flops: Forward / backward floating-point operations.
+        fwd_s, bwd_s: Time used by the planner, seconds (analytic or measured).
+        param_bytes, buffer_bytes: Trainable parameter / buffer bytes the node reads.
+        output_bytes: Bytes of the node's result (0 for views and state).
+        saved_bytes: Bytes kept for backward.
+        is_view: True for views, getitems, placeholders and state reads (free to fold).
+        source: ``"analytic"`` or ``"measured"``.
+        analytic_fwd_s, analytic_bwd_s: Roofline times, kept when ``source == "measured"``.
+    """
+
+    flops: float = 0.0
+    bwd_flops: float = 0.0
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    param_bytes: int = 0
+    buffer_bytes: int = 0
+    output_bytes: int = 0
+    saved_bytes: int = 0
+    is_view: bool = False
+    source: str = "analytic"
+    analytic_fwd_s: float = 0.0
+    analytic_bwd_s: float = 0.0
+
+    @property
+    def is_free(self) -> bool:
+        """True when the node costs no time (a candidate for folding)."""
+        return self.fwd_s == 0.0 and self.bwd_s == 0.0
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(x))
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    if node.op in ("placeholder", "get_attr", "output"):
+        return True
+    if node.target is operator.getitem:
+        return True
+    if node.op == "call_method" or (node.op == "call_function" and not hasattr(node.target, "_schema")):
+        return getattr(node.target, "__name__", str(node.target)) in _VIEW_NAMES
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    info = schema.returns[0].alias_info
+    return info is not None and not info.is_write
+
+
+def _is_embedding(node: torch.fx.Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(node.graph.owning_module.get_submodule(str(node.target)), torch.nn.Embedding)
+    return node.target in _EMBEDDING
+
+
+def _attention_flops(args: Sequence[Any]) -> float:
+    q, k, v = args[:3]
+    bh = q.numel() // (q.shape[-2] * q.shape[-1])
+    return 2.0 * bh * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+
+
+def _state_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, trainable: set[str]) -> tuple[int, int]:
+    """(param_bytes, buffer_bytes) of the state ``node`` reads directly."""
+    if node.op == "get_attr":
+        t = _fetch_attr(gm, str(node.target))
+        if isinstance(t, torch.Tensor):
+            nb = t.numel() * t.element_size()
+            return (nb, 0) if str(node.target) in trainable else (0, nb)
+    if node.op == "call_module":
+        sub = gm.get_submodule(str(node.target))
+        p = sum(t.numel() * t.element_size() for t in sub.parameters() if t.requires_grad)
+        b = sum(t.numel() * t.element_size() for t in sub.buffers())
+        b += sum(t.numel() * t.element_size() for t in sub.parameters() if not t.requires_grad)
+        return p, b
+    return 0, 0
+
+
+def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _trainable_names(gm: torch.fx.GraphModule) -> set[str]:
+    return {n for n, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+class _FlopInterpreter(torch.fx.Interpreter):
+    """Runs the graph on fake tensors and counts each node's FLOPs with ``FlopCounterMode``."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.flops: dict[str, float] = {}
+        self.counted: dict[str, bool] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op in ("placeholder", "get_attr", "output") or _is_view(n):
+            return super().run_node(n)
+        with FlopCounterMode(display=False) as counter:
+            result = super().run_node(n)
+        flops = float(counter.get_total_flops())
+        self.counted[n.name] = flops > 0
+        if flops == 0 and n.target in _ATTENTION:
+            args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in n.args]
+            flops, self.counted[n.name] = _attention_flops(args), True
+        if flops == 0 and not _is_embedding(n):
+            operands = [t.numel() for a in n.all_input_nodes if a.op != "get_attr" for t in _tensors(a.meta.get("val"))]
+            flops = float(max([t.numel() for t in _tensors(result)] + operands + [0]))
+        elif flops == 0:
+            flops = float(sum(t.numel() for t in _tensors(result)))
+        self.flops[n.name] = flops
+        return result
+
+
+def _operand_vals(node: torch.fx.Node) -> list[torch.Tensor]:
+    vals = [a.meta.get("val") for a in node.all_input_nodes]
+    return [t for v in vals for t in _tensors(v)]
+
+
+def _count_flops(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Node]) -> tuple[dict[str, float], dict[str, bool]]:
+    mode = fake_mode_of(gm) or FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = [p.meta["val"] for p in placeholders]
+    inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) and not _is_fake(x, mode) else x for x in inputs]
+    interp = _FlopInterpreter(gm)
+    with fake_state(gm, mode), mode:
+        interp.run(*inputs)
+    return interp.flops, interp.counted
+
+
+def _is_fake(t: torch.Tensor, mode: FakeTensorMode) -> bool:
+    return getattr(t, "fake_mode", None) is mode
+
+
+def _needs_grad(gm: torch.fx.GraphModule, trainable: set[str]) -> set[str]:
+    """Names of nodes whose result depends on a trainable parameter (and is floating point)."""
+    needs: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and str(n.target) in trainable:
+            needs.add(n.name)
+        elif n.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(n.target)).parameters()):
+            needs.add(n.name)
+        elif n.op in ("call_function", "call_method", "call_module") and any(a.name in needs for a in n.all_input_nodes):
+            needs.add(n.name)
+        val = n.meta.get("val")
+        if n.name in needs and not any(t.is_floating_point() for t in _tensors(val)):
+            needs.discard(n.name)
+    return needs
+
+
+def node_cost(
+    node: torch.fx.Node, flops: float, counted: bool, needs_grad: bool, state: tuple[int, int], device: DeviceSpec
+) -> NodeCost:
+    """The analytic :class:`NodeCost` of one node (see the module docstring for the rules)."""
+    val = require_meta(node, "val", "propagate_shapes")
+    if _is_view(node):
+        out = 0 if node.op == "get_attr" else _nbytes(val)
+        return NodeCost(param_bytes=state[0], buffer_bytes=state[1], output_bytes=out, is_view=True)
+    out_bytes = _nbytes(val)
+    if _is_embedding(node):  # a gather: reads the selected rows, not the whole table
+        moved = 2 * out_bytes
+    else:
+        moved = out_bytes + sum(t.numel() * t.element_size() for t in _operand_vals(node)) + sum(state)
+    bwd_flops = (2.0 if counted else 1.0) * flops if needs_grad else 0.0
+    fwd_s = max(flops / device.peak_flops, moved / device.memory_bandwidth_bytes_per_s)
+    bwd_s = max(bwd_flops / device.peak_flops, 2 * moved / device.memory_bandwidth_bytes_per_s) if needs_grad else 0.0
+    return NodeCost(
+        flops=flops, bwd_flops=bwd_flops, fwd_s=fwd_s, bwd_s=bwd_s, param_bytes=state[0],
+        buffer_bytes=state[1], output_bytes=out_bytes, saved_bytes=out_bytes if needs_grad else 0,
+        analytic_fwd_s=fwd_s, analytic_bwd_s=bwd_s,
+    )
+
+
+@dataclass(frozen=True)
+class AnnotateCosts:
+    """Write ``node.meta["fxsplit.cost"]`` (a :class:`NodeCost`) on every node.
+
+    Args:
+        device: The reference device whose roofline gives the analytic times.
+        cost_model: ``"analytic"`` (roofline, works on fake/meta tensors) or ``"measured"``
+            (times each node on real tensors on ``measure_device``; needs ``example_inputs``).
+        example_inputs: Real flat inputs, for ``"measured"``.
+        measure_device: torch device string for ``"measured"`` (default ``"cpu"``).
+        warmup, repeats: Timing loop of the measured model; the median is kept.
+
+    Raises:
+        ConfigError: for an unknown ``cost_model`` or ``"measured"`` without real inputs.
+        AnnotationError: when a node lacks ``"val"`` (run ``propagate_shapes`` first).
+    """
+
+    device: DeviceSpec
+    cost_model: str = "analytic"
+    example_inputs: Sequence[Any] | None = None
+    measure_device: str = "cpu"
+    warmup: int = 2
+    repeats: int = 5
+    requires: tuple[str, ...] = ("val",)
+    produces: tuple[str, ...] = ("fxsplit.cost",)
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        if self.cost_model not in COST_MODELS:
+            raise ConfigError(f"cost_model={self.cost_model!r} is unknown; choose one of {COST_MODELS}")
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        for p in placeholders:
+            require_meta(p, "val", "propagate_shapes")
+        trainable = _trainable_names(gm)
+        flops, counted = _count_flops(gm, placeholders)
+        needs = _needs_grad(gm, trainable)
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                continue
+            state = _state_bytes(gm, node, trainable)
+            node.meta["fxsplit.cost"] = node_cost(
+                node, flops.get(node.name, 0.0), counted.get(node.name, False), node.name in needs, state, self.device
+            )
+        if self.cost_model == "measured":
+            from fxsplit.passes.measure import measure_node_times
+
+            if self.example_inputs is None:
+                raise ConfigError("cost_model='measured' needs example_inputs (real tensors) to time nodes")
+            measure_node_times(gm, self.example_inputs, self.measure_device, self.warmup, self.repeats)
+        return PassResult(gm, modified=True)
+
+
+def annotate_costs(gm: torch.fx.GraphModule, device: DeviceSpec | None = None, **options: Any) -> PassResult:
+    """Functional form of :class:`AnnotateCosts` (default device: :func:`measure_cpu_spec`)."""
+    return AnnotateCosts(device or measure_cpu_spec(), **options)(gm)
+
+
+# -- the CPU, measured on the spot ------------------------------------------------------------
+def _median_time(fn: Callable[[], Any], repeats: int = 5) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure_cpu_spec(name: str = "cpu", *, size: int = 512) -> DeviceSpec:
+    """A :class:`DeviceSpec` for this CPU, measured now: fp32 matmul FLOP/s and copy bandwidth.
+
+    Args:
+        name: Device name in plans.
+        size: Matmul side (``size x size``); the copy moves 32 MiB.
+
+    Returns:
+        The spec; ``memory_bytes`` is the machine's physical memory.
+    """
+    a = torch.randn(size, size)
+    peak = 2 * size**3 / _median_time(lambda: a @ a)
+    src = torch.empty(8 * 1024 * 1024)
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src))
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = 16 * GiB
+    return DeviceSpec(name, peak_flops=peak, memory_bandwidth_bytes_per_s=bw, memory_bytes=int(mem), kind="cpu", torch_device="cpu")

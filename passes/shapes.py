@@ -1,0 +1,81 @@
+"""Shape propagation: ``node.meta["val"]`` on every node, via torch's ``FakeTensorProp``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.nn.utils.stateless import _reparametrize_module
+
+from fxsplit.passes.manager import PassResult
+
+__all__ = ["PropagateShapes", "propagate_shapes", "fake_mode_of", "fake_state"]
+
+log = logging.getLogger(__name__)
+
+
+def fake_mode_of(gm: torch.fx.GraphModule) -> FakeTensorMode | None:
+    """The fake mode of the ``"val"`` tensors already on ``gm``'s nodes, if any."""
+    vals = [n.meta["val"] for n in gm.graph.nodes if "val" in n.meta]
+    return detect_fake_mode(vals)
+
+
+@contextlib.contextmanager
+def fake_state(gm: torch.nn.Module, mode: FakeTensorMode) -> Iterator[None]:
+    """Swap ``gm``'s parameters and buffers for fakes, so running it never touches real state.
+
+    Without this, in-place buffer updates (BatchNorm's ``num_batches_tracked``) would change the
+    user's model while we only wanted shapes.
+    """
+    state = {
+        **{k: mode.from_tensor(v, static_shapes=True) for k, v in gm.named_parameters(remove_duplicate=False)},
+        **{k: mode.from_tensor(v, static_shapes=True) for k, v in gm.named_buffers(remove_duplicate=False)},
+    }
+    with _reparametrize_module(gm, state, tie_weights=True):
+        yield
+
+
+def _has_all_vals(gm: torch.fx.GraphModule) -> bool:
+    return all("val" in n.meta for n in gm.graph.nodes if n.op != "output")
+
+
+@dataclass(frozen=True)
+class PropagateShapes:
+    """Write ``node.meta["val"]`` (a FakeTensor or pytree of them) on every node.
+
+    Nodes that already carry ``"val"`` from ``torch.export`` keep it; otherwise the whole graph is
+    run once under a ``FakeTensorMode`` on fakes of ``example_inputs`` (no real compute, works for
+    models on the ``meta`` device).
+
+    Args:
+        example_inputs: Flat inputs in placeholder order (``Captured.flatten_inputs``).
+        force: Recompute even when every node already has ``"val"``.
+    """
+
+    example_inputs: Sequence[Any]
+    force: bool = False
+    requires: tuple[str, ...] = ()
+    produces: tuple[str, ...] = ("val",)
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        if _has_all_vals(gm) and not self.force:
+            log.info("propagate_shapes: every node already has 'val' (from export)")
+            return PassResult(gm, modified=False)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in self.example_inputs]
+        with fake_state(gm, mode), mode:
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+        return PassResult(gm, modified=True)
+
+
+def propagate_shapes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, force: bool = False) -> PassResult:
+    """Functional form of :class:`PropagateShapes`."""
+    return PropagateShapes(tuple(example_inputs), force)(gm)
