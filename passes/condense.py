@@ -123,7 +123,30 @@ def fold_free_nodes(nodes: list[torch.fx.Node], costs: list[NodeCost]) -> list[i
         ins = {groups.find(j) for m in groups.members[r] for j in pred[m]} - {r}
         if len(ins) == 1:
             groups.union(r, ins.pop())
+    _attach_side_effects(nodes, succ, pred, groups)
     return [groups.find(i) for i in range(len(nodes))]
+
+
+def _attach_side_effects(nodes: list[torch.fx.Node], succ: list[list[int]], pred: list[list[int]], groups: _Groups) -> None:
+    """Attach groups whose results nobody reads (in-place buffer updates such as BatchNorm's
+    ``num_batches_tracked += 1``) to a neighbour, so they neither float between stages nor
+    multiply the number of ideals: to their only producer group, or, when they read nothing
+    but state, to the group of the next node in graph order (safe: no edge touches them)."""
+    feeds_output = {i for i, node in enumerate(nodes) if any(u.op == "output" for u in node.users)}
+    for i in range(len(nodes)):
+        r = groups.find(i)
+        mem = groups.members[r]
+        if any(m in feeds_output for m in mem) or any(groups.find(j) != r for m in mem for j in succ[m]):
+            continue
+        ins = {groups.find(j) for m in mem for j in pred[m]} - {r}
+        if len(ins) == 1:
+            groups.union(r, ins.pop())
+        elif not ins:
+            later = [j for j in range(max(mem) + 1, len(nodes)) if groups.find(j) != r]
+            earlier = [j for j in range(min(mem)) if groups.find(j) != r]
+            target = later[0] if later else (earlier[-1] if earlier else None)
+            if target is not None:
+                groups.union(r, target)
 
 
 def _topo_blocks(num_nodes: int, group: list[int], nodes: list[torch.fx.Node]) -> dict[int, int]:
@@ -160,7 +183,7 @@ def _build_graph(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: li
     n_blocks = max(block_of, default=-1) + 1
     index = {node: i for i, node in enumerate(nodes)}
     acc: list[dict[str, Any]] = [
-        {"nodes": [], "flops": 0.0, "fwd_s": 0.0, "bwd_s": 0.0, "param_bytes": 0, "buffer_bytes": 0,
+        {"nodes": [], "name": "", "flops": 0.0, "fwd_s": 0.0, "bwd_s": 0.0, "param_bytes": 0, "buffer_bytes": 0,
          "activation_bytes": 0, "output_bytes": 0}
         for _ in range(n_blocks)
     ]
@@ -168,6 +191,8 @@ def _build_graph(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: li
     for i, (node, c) in enumerate(zip(nodes, costs, strict=True)):
         a, b = acc[block_of[i]], block_of[i]
         a["nodes"].append(node.name)
+        if not a["name"] and not c.is_free:
+            a["name"] = node.name
         for key, value in (("flops", c.flops), ("fwd_s", c.fwd_s), ("bwd_s", c.bwd_s),
                            ("param_bytes", c.param_bytes), ("buffer_bytes", c.buffer_bytes),
                            ("activation_bytes", c.saved_bytes)):
@@ -178,7 +203,7 @@ def _build_graph(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: li
         for d in consumers - {-1}:
             edge_bytes[(b, d)] = edge_bytes.get((b, d), 0) + _value_bytes(node, c)
     blocks = tuple(
-        Block(id=i, name=a["nodes"][0], nodes=tuple(a["nodes"]), flops=a["flops"], fwd_s=a["fwd_s"],
+        Block(id=i, name=a["name"] or a["nodes"][0], nodes=tuple(a["nodes"]), flops=a["flops"], fwd_s=a["fwd_s"],
               bwd_s=a["bwd_s"], param_bytes=a["param_bytes"], buffer_bytes=a["buffer_bytes"],
               activation_bytes=a["activation_bytes"], output_bytes=a["output_bytes"])
         for i, a in enumerate(acc)

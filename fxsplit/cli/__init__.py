@@ -21,6 +21,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    """Split a PyTorch model across devices automatically and run it as a pipeline."""
+
+
 _SUBCOMMANDS = ("solve", "inspect", "compile")
 _registered = False
 

@@ -1,0 +1,196 @@
+"""The public entry points: orchestration only, no algorithm lives here.
+
+``fxsplit.inspect`` runs the front end (capture, passes, condensation) and returns every object
+it made; ``fxsplit.compile`` (in :mod:`fxsplit.compile_api`) goes on to plan, split and run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxsplit.errors import ConfigError
+from fxsplit.ir.devices import DeviceSpec
+from fxsplit.passes.capture import Captured, capture
+from fxsplit.passes.condense import Condensed, CondenseAntichains
+from fxsplit.passes.costs import AnnotateCosts, measure_cpu_spec
+from fxsplit.passes.manager import PassManager, PassRecord
+from fxsplit.passes.shapes import PropagateShapes
+
+__all__ = ["Inspection", "inspect", "load_model", "analyze"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """Everything the front end made for one model.
+
+    Attributes:
+        captured: The flat graph and its specs (``captured.gm`` is annotated).
+        condensed: Blocks, edges and ideals.
+        device: The reference device of the cost annotation.
+        records: Timing of every pass.
+        name: The model's name.
+    """
+
+    captured: Captured
+    condensed: Condensed
+    device: DeviceSpec
+    records: tuple[PassRecord, ...]
+    name: str = "model"
+
+    def node_rows(self) -> list[dict[str, Any]]:
+        """One dict per graph node: name, op, target, shape, block and costs."""
+        rows = []
+        for node in self.captured.gm.graph.nodes:
+            if node.op == "output":
+                continue
+            val, cost = node.meta.get("val"), node.meta.get("fxsplit.cost")
+            rows.append({
+                "node": node.name, "op": node.op, "target": _target_name(node.target),
+                "shape": tuple(val.shape) if hasattr(val, "shape") else None,
+                "block": node.meta.get("fxsplit.block"),
+                "flops": cost.flops if cost else 0.0, "fwd_s": cost.fwd_s if cost else 0.0,
+                "bwd_s": cost.bwd_s if cost else 0.0, "param_bytes": cost.param_bytes if cost else 0,
+                "output_bytes": cost.output_bytes if cost else 0,
+            })
+        return rows
+
+    def __repr__(self) -> str:
+        g = self.condensed.graph
+        return (
+            f"Inspection({self.name!r}: {len(self.captured.gm.graph.nodes)} nodes via {self.captured.method}, "
+            f"{g.total_param_bytes / 2**20:.1f} MiB params, {len(g)} blocks, "
+            f"{self.condensed.num_ideals}{'+' if self.condensed.truncated else ''} ideals, "
+            f"fwd+bwd {g.total_time_s * 1e3:.3f} ms on {self.device.name})"
+        )
+
+
+def _target_name(target: Any) -> str:
+    return getattr(target, "__name__", None) or str(target)
+
+
+def load_model(spec: str, *, size: str = "tiny", batch_size: int = 2, **overrides: Any) -> Any:
+    """Resolve a model spec to a :class:`fxsplit.models.ModelCase`.
+
+    Args:
+        spec: A zoo name (``"gpt"``), ``"hf:NAME"`` (``"hf:llama"``), or ``"module:function"``
+            where the function returns ``(model, example_inputs)``.
+        size: Zoo size preset.
+        batch_size: Batch of the example inputs.
+        overrides: Passed to the zoo or Hugging Face builder.
+
+    Raises:
+        ConfigError: for a spec that names nothing loadable.
+    """
+    import fxsplit.models as zoo
+
+    if spec.startswith("hf:"):
+        return zoo.hf(spec[3:], batch_size=batch_size, **overrides)
+    if ":" in spec:
+        mod_name, fn_name = spec.split(":", 1)
+        try:
+            fn = getattr(importlib.import_module(mod_name), fn_name)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"cannot load {spec!r}: {exc}; expected 'module:function' returning (model, inputs)") from exc
+        model, inputs = fn()
+        return _case(spec, model, inputs)
+    return zoo.get(spec, size=size, batch_size=batch_size, **overrides)
+
+
+def _case(name: str, model: nn.Module, inputs: Sequence[Any]) -> Any:
+    import fxsplit.models as zoo
+    from fxsplit.models.case import primary_tensor
+
+    inputs = tuple(inputs)
+
+    def make_batch(batch_size: int, seed: int) -> Any:
+        out = primary_tensor(model(*inputs))
+        return inputs, torch.zeros_like(out)
+
+    def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(primary_tensor(output), target)
+
+    return zoo.ModelCase(name=name, model=model, example_inputs=inputs, make_batch=make_batch, loss_fn=loss_fn)
+
+
+def analyze(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    method: str = "auto",
+    device: DeviceSpec | None = None,
+    cost_model: str = "analytic",
+    dump_dir: str | Path | None = None,
+    max_ideals: int = 200_000,
+    verify: bool = False,
+    name: str = "model",
+) -> Inspection:
+    """Capture ``model`` and run the front-end passes; see :func:`inspect`."""
+    captured = capture(model, example_inputs, example_kwargs, method=method)
+    flat = captured.flatten_inputs(example_inputs, example_kwargs)
+    device = device or measure_cpu_spec()
+    pm = PassManager(
+        [
+            PropagateShapes(tuple(flat)),
+            AnnotateCosts(device, cost_model=cost_model, example_inputs=tuple(flat)),
+            CondenseAntichains(max_ideals=max_ideals, name=name),
+        ],
+        verify=verify,
+        dump_dir=dump_dir,
+    )
+    pm.run(captured.gm)
+    condensed = pm.artifacts["condense_antichains"]
+    if dump_dir is not None:
+        from fxsplit.report import write_dot
+
+        write_dot(condensed, Path(dump_dir) / "condensed.dot")
+    return Inspection(captured, condensed, device, tuple(pm.records), name)
+
+
+def inspect(
+    model: nn.Module | str,
+    example_inputs: Sequence[Any] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Inspection:
+    """Capture, annotate and condense a model; return every object made.
+
+    Args:
+        model: An ``nn.Module``, or a spec for :func:`load_model` (``"gpt"``, ``"hf:bert"``,
+            ``"module:function"``).
+        example_inputs: Positional inputs (required for a module; a spec brings its own).
+        example_kwargs: Keyword inputs.
+        options: ``method``, ``device`` (a :class:`DeviceSpec`, default: this CPU measured),
+            ``cost_model`` (``"analytic"`` | ``"measured"``), ``dump_dir``, ``max_ideals``,
+            ``verify``, and for a spec ``size``.
+
+    Returns:
+        An :class:`Inspection`.
+
+    Raises:
+        ConfigError: for a module without example inputs or a bad option.
+        CaptureError: when the model cannot be captured.
+
+    Example:
+        >>> import torch, fxsplit
+        >>> ins = fxsplit.inspect(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), (torch.randn(2, 4),))
+        >>> ins.condensed.num_blocks >= 1
+        True
+    """
+    if isinstance(model, str):
+        size = options.pop("size", "tiny")
+        case = load_model(model, size=size)
+        return analyze(case.model, case.example_inputs, case.example_kwargs or None, name=model, **options)
+    if example_inputs is None:
+        raise ConfigError("fxsplit.inspect(module) needs example_inputs, e.g. (torch.randn(8, 16),)")
+    return analyze(model, example_inputs, example_kwargs, name=type(model).__name__, **options)

@@ -1,0 +1,76 @@
+"""``fxsplit inspect MODEL``: the annotated graph and its blocks, as rich tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fxsplit.report import human_bytes, human_seconds
+
+__all__ = ["register", "node_table", "block_table"]
+
+
+def node_table(ins: object, limit: int | None = None) -> Table:
+    """Rich table of the annotated graph: node, op, shape, FLOPs, time, bytes, block."""
+    table = Table(title="annotated graph", show_lines=False)
+    for col in ("node", "op", "target", "shape", "FLOPs", "fwd", "bwd", "params", "output", "block"):
+        table.add_column(col, justify="right" if col in ("FLOPs", "fwd", "bwd", "params", "output", "block") else "left")
+    rows = ins.node_rows()  # type: ignore[attr-defined]
+    for r in rows[:limit]:
+        table.add_row(
+            r["node"], r["op"], r["target"][:40], str(r["shape"] or ""), f"{r['flops']:.3g}",
+            human_seconds(r["fwd_s"]), human_seconds(r["bwd_s"]), human_bytes(r["param_bytes"]),
+            human_bytes(r["output_bytes"]), str(r["block"]),
+        )
+    if limit is not None and len(rows) > limit:
+        table.caption = f"{len(rows) - limit} more nodes not shown (--limit)"
+    return table
+
+
+def block_table(condensed: object) -> Table:
+    """Rich table of the condensed blocks."""
+    g = condensed.graph  # type: ignore[attr-defined]
+    table = Table(title=f"{condensed!r}")
+    for col in ("block", "name", "nodes", "FLOPs", "fwd", "bwd", "params", "activations", "out", "succ"):
+        table.add_column(col, justify="left" if col in ("name", "succ") else "right")
+    for b in g.blocks:
+        table.add_row(
+            str(b.id), b.name[:30], str(len(b.nodes)), f"{b.flops:.3g}", human_seconds(b.fwd_s),
+            human_seconds(b.bwd_s), human_bytes(b.param_bytes), human_bytes(b.activation_bytes),
+            human_bytes(b.output_bytes), ",".join(map(str, g.successors(b.id))),
+        )
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("inspect")
+    def inspect_cmd(
+        model: Annotated[str, typer.Argument(help="zoo name (gpt, resnet, ...), hf:NAME, or module:function")],
+        size: Annotated[str, typer.Option(help="zoo size preset: tiny, small, base")] = "tiny",
+        method: Annotated[str, typer.Option(help="capture method: auto, export, symbolic_trace")] = "auto",
+        cost_model: Annotated[str, typer.Option(help="analytic or measured")] = "analytic",
+        dump: Annotated[Path | None, typer.Option(help="write the graph after every pass and a DOT/SVG here")] = None,
+        limit: Annotated[int, typer.Option(help="show at most this many nodes")] = 60,
+        max_ideals: Annotated[int, typer.Option(help="budget of the ideal enumeration")] = 200_000,
+    ) -> None:
+        """Capture MODEL, annotate costs and condense it; print the graph and the blocks."""
+        from fxsplit.api import inspect
+        from fxsplit.errors import FxsplitError
+
+        console = Console()
+        try:
+            with console.status(f"capturing and annotating {model} ..."):
+                ins = inspect(model, size=size, method=method, cost_model=cost_model, dump_dir=dump, max_ideals=max_ideals)
+        except FxsplitError as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(2) from exc
+        console.print(node_table(ins, limit))
+        console.print(block_table(ins.condensed))
+        passes = ", ".join(f"{r.name} {human_seconds(r.time_s)}" for r in ins.records)
+        console.print(f"{ins!r}\npasses: {passes}")
+        if dump is not None:
+            console.print(f"graph after every pass and condensed.dot written to {dump}")
