@@ -1,0 +1,218 @@
+"""Discrete-event simulation of a schedule: timeline, makespan, bubble and memory (torch-free).
+
+Model: each rank runs its action list in order, one action at a time. An action starts when its
+rank is free and its inputs have arrived: the forward of stage ``s`` needs the forward of ``s - 1``,
+the backward of ``s`` its own forward and the backward of ``s + 1``. Communication is either a
+*link delay* per boundary (``comm_s``: the message is in flight while both ranks compute) or
+*busy time* per stage (``stage_comm_s``: the rank sends/receives itself, as :func:`fxsplit.ir.evaluate`
+assumes; half is charged to each forward and half to each backward).
+
+For balanced stages (``f + b`` equal everywhere) and no link delay, the makespan of both GPipe and
+1F1B is ``Σ_s (f_s + b_s) + (m - 1) · max_s (f_s + b_s)`` and the bubble fraction
+``(p - 1) / (m + p - 1)``.
+
+References:
+    Huang et al., GPipe, NeurIPS 2019, §2.3 (bubble ``O((K - 1) / (M + K - 1))``).
+    Narayanan et al., PipeDream-2BW / Flush, ICML 2021, §3.1 (1F1B memory: ``p - s`` in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fxsplit.errors import ScheduleError
+from fxsplit.ir.plan import Plan
+from fxsplit.schedule.actions import Action, B, F, Schedule
+from fxsplit.schedule.engine import execute
+from fxsplit.schedule.generators import make
+from fxsplit.schedule.validate import validate
+
+__all__ = ["Event", "Timeline", "simulate", "simulate_plan"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Event:
+    """Rank ``rank`` ran ``action`` from ``start_s`` to ``end_s`` (seconds from step start)."""
+
+    rank: int
+    action: Action
+    start_s: float
+    end_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The simulated training step.
+
+    Attributes:
+        schedule: The simulated schedule.
+        events: Every action with its times, sorted by ``(rank, start_s)``.
+        makespan_s: End of the last action, seconds.
+        busy_s: ``[num_ranks]`` seconds each rank computes (or is busy communicating).
+        peak_in_flight: ``[num_stages]`` most micro-batches whose forward has run and backward
+            has not, i.e. whose activations the stage holds at once.
+        peak_activation_bytes: ``[num_stages]`` ``peak_in_flight * activation_bytes`` per stage
+            (0 when no activation sizes were given).
+    """
+
+    schedule: Schedule
+    events: tuple[Event, ...]
+    makespan_s: float
+    busy_s: tuple[float, ...]
+    peak_in_flight: tuple[int, ...]
+    peak_activation_bytes: tuple[int, ...]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the ranks over the step: ``1 - Σ busy / (ranks · makespan)``."""
+        if self.makespan_s <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy_s) / (len(self.busy_s) * self.makespan_s)
+
+    def gantt(self, width: int = 80) -> str:
+        """ASCII Gantt chart, see :func:`fxsplit.schedule.gantt.render_gantt`."""
+        from fxsplit.schedule.gantt import render_gantt
+
+        return render_gantt(self, width=width)
+
+
+def simulate(
+    schedule: Schedule,
+    fwd_s: Sequence[float],
+    bwd_s: Sequence[float],
+    comm_s: float | Sequence[float] = 0.0,
+    activation_bytes: Sequence[int] | None = None,
+    *,
+    stage_comm_s: Sequence[float] | None = None,
+) -> Timeline:
+    """Simulate one training step of ``schedule``.
+
+    Args:
+        schedule: The schedule; validated first.
+        fwd_s: ``[num_stages]`` forward seconds of one micro-batch per stage.
+        bwd_s: ``[num_stages]`` backward seconds of one micro-batch per stage.
+        comm_s: Link delay per boundary, ``[num_stages - 1]`` (boundary ``s`` joins stages ``s``
+            and ``s + 1``) or one float for all; paid once by each activation going forward and
+            once by each gradient going back, between different ranks only. Default 0.
+        activation_bytes: ``[num_stages]`` bytes one micro-batch keeps alive on a stage from its
+            forward to its backward; default None (peak bytes reported as 0).
+        stage_comm_s: ``[num_stages]`` communication a stage's rank is busy with per micro-batch
+            (a :class:`~fxsplit.ir.StagePlan`'s ``comm_s``), half added to each F and half to each B.
+
+    Returns:
+        The :class:`Timeline`.
+
+    Raises:
+        ScheduleError: when the schedule is invalid or a cost list has the wrong length or a
+            negative entry.
+
+    Example:
+        >>> from fxsplit.schedule.generators import gpipe
+        >>> tl = simulate(gpipe(2, 4), fwd_s=[1.0, 1.0], bwd_s=[2.0, 2.0])
+        >>> tl.makespan_s, round(tl.bubble_fraction, 3), tl.peak_in_flight
+        (15.0, 0.2, (4, 4))
+    """
+    validate(schedule)
+    p = schedule.num_stages
+    fwd, bwd = _per_stage("fwd_s", fwd_s, p), _per_stage("bwd_s", bwd_s, p)
+    busy = _per_stage("stage_comm_s", stage_comm_s if stage_comm_s is not None else [0.0] * p, p)
+    link = _per_stage("comm_s", [comm_s] * (p - 1) if isinstance(comm_s, (int, float)) else comm_s, p - 1)
+    acts = _per_stage("activation_bytes", activation_bytes if activation_bytes is not None else [0] * p, p)
+
+    def duration(a: Action) -> float:
+        return (fwd if a.kind == F else bwd)[a.stage] + busy[a.stage] / 2
+
+    def delay(dep: Action, a: Action) -> float:
+        if dep.stage == a.stage or schedule.stage_to_rank[dep.stage] == schedule.stage_to_rank[a.stage]:
+            return 0.0
+        return link[min(dep.stage, a.stage)]
+
+    run = execute(schedule, duration, delay)
+    events = tuple(sorted((Event(r, a, s, e) for r, _, a, s, e in run.events), key=lambda ev: (ev.rank, ev.start_s)))
+    busy_s = [0.0] * schedule.num_ranks
+    for ev in events:
+        busy_s[ev.rank] += ev.duration_s
+    flight = peak_in_flight(schedule)
+    timeline = Timeline(
+        schedule=schedule,
+        events=events,
+        makespan_s=max((ev.end_s for ev in events), default=0.0),
+        busy_s=tuple(busy_s),
+        peak_in_flight=flight,
+        peak_activation_bytes=tuple(int(n * b) for n, b in zip(flight, acts, strict=True)),
+    )
+    logger.debug("simulated %s: makespan %.6g s, bubble %.3f", schedule.name, timeline.makespan_s,
+                 timeline.bubble_fraction)
+    return timeline
+
+
+def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
+    """``[num_stages]`` most micro-batches each stage holds between forward and backward.
+
+    Depends on the order alone, not on timing: a rank runs its list in order.
+
+    Example:
+        >>> from fxsplit.schedule.generators import one_f_one_b
+        >>> peak_in_flight(one_f_one_b(4, 8))
+        (4, 3, 2, 1)
+    """
+    now = [0] * schedule.num_stages
+    peak = [0] * schedule.num_stages
+    for _, _, a in schedule:
+        now[a.stage] += 1 if a.kind == F else -1 if a.kind == B else 0
+        peak[a.stage] = max(peak[a.stage], now[a.stage])
+    return tuple(peak)
+
+
+def simulate_plan(
+    plan: Plan,
+    schedule_kind: str | None = None,
+    microbatches: int | None = None,
+    *,
+    activation_bytes: Sequence[int] | None = None,
+    training: bool = True,
+) -> Timeline:
+    """Simulate a :class:`~fxsplit.ir.Plan` whose stage costs are per micro-batch.
+
+    Each stage's ``comm_s`` (both directions, as :func:`fxsplit.ir.evaluate` charges it) is busy
+    time: half on each forward and half on each backward in training, all on the forward otherwise.
+    With balanced stages the makespan equals ``plan.makespan_s``.
+
+    Args:
+        plan: The plan; stage ``s`` runs on rank ``s``.
+        schedule_kind: A registered schedule name; default ``plan.schedule``.
+        microbatches: Micro-batches per step; default ``plan.microbatches``.
+        activation_bytes: ``[num_stages]`` bytes kept per micro-batch, for peak-memory reporting.
+        training: False for an inference plan (no backward cost; communication on the forward).
+
+    Returns:
+        The :class:`Timeline`.
+
+    Raises:
+        ScheduleError: for an unknown schedule kind or a plan without stages.
+    """
+    if not plan.stages:
+        raise ScheduleError("plan has no stages; solve the problem first")
+    schedule = make(schedule_kind or plan.schedule, plan.num_stages, microbatches or plan.microbatches)
+    comm = [st.comm_s for st in plan.stages]
+    fwd = [st.fwd_s + (0.0 if training else c) for st, c in zip(plan.stages, comm, strict=True)]
+    bwd = [st.bwd_s if training else 0.0 for st in plan.stages]
+    return simulate(schedule, fwd, bwd, activation_bytes=activation_bytes,
+                    stage_comm_s=comm if training else None)
+
+
+def _per_stage(name: str, values: Sequence[float] | Sequence[int], n: int) -> list[float]:
+    out = [float(v) for v in values]
+    if len(out) != n:
+        raise ScheduleError(f"{name} has {len(out)} entries; expected {n}")
+    if any(not v >= 0 for v in out):
+        raise ScheduleError(f"{name}={out} has a negative or NaN entry; costs must be >= 0")
+    return out
