@@ -1,7 +1,36 @@
-"""fxsplit: split a PyTorch model across devices automatically and run it as a pipeline."""
+"""fxsplit: split a PyTorch model across devices automatically and run it as a pipeline.
+
+    pipe = fxsplit.compile(model, devices=["cuda:0", "cuda:1"], example_inputs=(x,))
+    loss = pipe.train_step(x, target=y, loss_fn=torch.nn.functional.cross_entropy)
+
+``import fxsplit`` is light: torch and the layers load on first use of ``compile``, ``inspect``
+or ``capture`` (the torch-free ``fxsplit.ir``, ``fxsplit.solvers`` and ``fxsplit.schedule`` never
+load torch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 from fxsplit import errors
 from fxsplit.errors import FxsplitError
 
 __version__ = "0.1.0"
-__all__ = ["errors", "FxsplitError", "__version__"]
+__all__ = ["errors", "FxsplitError", "__version__", "compile", "inspect", "capture", "CompileOptions"]
+
+_LAZY = {
+    "compile": ("fxsplit.api", "compile"),
+    "inspect": ("fxsplit.api", "inspect"),
+    "CompileOptions": ("fxsplit.api", "CompileOptions"),
+    "capture": ("fxsplit.passes.capture", "capture"),
+    "Captured": ("fxsplit.passes.capture", "Captured"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'fxsplit' has no attribute {name!r}")

@@ -194,3 +194,135 @@ def inspect(
     if example_inputs is None:
         raise ConfigError("fxsplit.inspect(module) needs example_inputs, e.g. (torch.randn(8, 16),)")
     return analyze(model, example_inputs, example_kwargs, name=type(model).__name__, **options)
+
+
+# -- compile -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CompileOptions:
+    """Knobs of :func:`compile` beyond its arguments.
+
+    Attributes:
+        capture_method: ``"auto"``, ``"export"`` or ``"symbolic_trace"``.
+        dynamic_batch: Export with a symbolic batch dimension so any micro-batch size runs.
+        time_limit_s: Solver time limit.
+        max_ideals: Budget of the ideal enumeration (``auto`` switches to CP-SAT past it).
+        copy_tied: Give every stage its own copy of tied tensors even on one device (tests).
+        reference: The reference device of the cost annotation (default: first device).
+        link: Link between neighbouring devices (default: the ``LinkSpec`` default).
+        training: Plan for training (True) or inference.
+    """
+
+    capture_method: str = "auto"
+    dynamic_batch: bool = True
+    time_limit_s: float | None = 30.0
+    max_ideals: int = 200_000
+    copy_tied: bool = False
+    reference: DeviceSpec | None = None
+    link: Any = None
+    training: bool = True
+
+
+def _device_specs(devices: Any, memory_limit_bytes: int | None) -> list[DeviceSpec]:
+    """Normalise ``devices`` (an int, torch device strings or DeviceSpecs) to DeviceSpecs."""
+    if isinstance(devices, int):
+        devices = ["cpu"] * devices
+    if isinstance(devices, str | DeviceSpec | torch.device) or not devices:
+        if not devices and not isinstance(devices, str | DeviceSpec | torch.device):
+            raise ConfigError("devices is empty; pass e.g. devices=['cpu', 'cpu'] or devices=2")
+        devices = [devices]
+    specs: list[DeviceSpec] = []
+    cpu: DeviceSpec | None = None
+    for i, d in enumerate(devices):
+        if isinstance(d, DeviceSpec):
+            spec = d
+        elif isinstance(d, str | torch.device):
+            dev = torch.device(d)
+            if dev.type == "cuda":
+                spec = _cuda_spec(dev)
+            else:
+                cpu = cpu or measure_cpu_spec()
+                spec = cpu.with_(torch_device=str(dev))
+            spec = spec.with_(name=f"{dev}#{i}" if [str(x) for x in devices].count(str(d)) > 1 else str(dev))
+        else:
+            raise ConfigError(f"devices[{i}]={d!r} is neither a device string nor a DeviceSpec")
+        if memory_limit_bytes is not None:
+            spec = spec.with_(memory_bytes=int(memory_limit_bytes))
+        specs.append(spec.check())
+    return specs
+
+
+def _cuda_spec(dev: torch.device) -> DeviceSpec:
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {dev} requested but CUDA is not available; use 'cpu' devices")
+    props = torch.cuda.get_device_properties(dev)
+    name = props.name.lower()
+    preset = next((p for p in ("h200", "h100", "a100", "v100", "t4") if p in name), None)
+    base = DeviceSpec.preset(preset) if preset else DeviceSpec("cuda", 100e12, 1e12)
+    return base.with_(memory_bytes=int(props.total_memory), torch_device=str(dev), kind=name)
+
+
+def _check_compile_args(solver: str, schedule: str, microbatches: Any, objective: str, cost_model: str) -> None:
+    from fxsplit import solvers
+    from fxsplit.ir.problem import OBJECTIVES, SCHEDULES
+    from fxsplit.passes.costs import COST_MODELS
+
+    if solver not in solvers.available_solvers():
+        raise ConfigError(f"solver={solver!r} is unknown; choose one of {solvers.available_solvers()}")
+    if schedule != "auto" and schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r} is unknown; choose 'auto' or one of {SCHEDULES}")
+    if microbatches != "auto" and (not isinstance(microbatches, int) or microbatches < 1):
+        raise ConfigError(f"microbatches={microbatches!r}; pass a positive int or 'auto'")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"objective={objective!r} is unknown; choose one of {OBJECTIVES}")
+    if cost_model not in COST_MODELS:
+        raise ConfigError(f"cost_model={cost_model!r} is unknown; choose one of {COST_MODELS}")
+
+
+def compile(  # noqa: A001 - the public name users expect
+    model: nn.Module,
+    devices: Any,
+    example_inputs: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    microbatches: int | str = "auto",
+    schedule: str = "auto",
+    solver: str = "auto",
+    memory_limit_bytes: int | None = None,
+    cost_model: str = "analytic",
+    objective: str = "makespan",
+    options: CompileOptions | None = None,
+) -> Any:
+    """Split ``model`` across ``devices`` and return a :class:`~fxsplit.runtime.Pipeline`.
+
+    Args:
+        model: The module (its parameters are shared with the pipeline where devices match).
+        devices: ``["cuda:0", "cuda:1"]``, ``["cpu"] * 4``, an int (that many CPU devices), or
+            :class:`DeviceSpec` s (speed, memory, torch device).
+        example_inputs: A representative batch, batch on dim 0 (e.g. tokens ``[batch, seq]``).
+        example_kwargs: Keyword inputs.
+        microbatches: Micro-batches per step, or ``"auto"`` (chosen with the schedule).
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"auto"``.
+        solver: A name from ``fxsplit.solvers.available_solvers()``.
+        memory_limit_bytes: Memory of every device, overriding the specs.
+        cost_model: ``"analytic"`` or ``"measured"``.
+        objective: ``"makespan"`` (one training step) or ``"bottleneck"``.
+        options: :class:`CompileOptions`.
+
+    Returns:
+        The pipeline: ``pipe(*inputs)``, ``pipe.train_step(*inputs, target=..., loss_fn=...)``.
+
+    Raises:
+        ConfigError: for bad arguments (no devices, unknown solver, a batch smaller than the
+            micro-batches, inputs that do not fit the model), before any work.
+        CaptureError: when the model cannot be captured.
+        InfeasibleError: when no split fits the devices' memory.
+    """
+    from fxsplit.compiler import compile_pipeline
+
+    options = options or CompileOptions()
+    _check_compile_args(solver, schedule, microbatches, objective, cost_model)
+    specs = _device_specs(devices, memory_limit_bytes)
+    return compile_pipeline(
+        model, specs, tuple(example_inputs), dict(example_kwargs or {}), microbatches=microbatches,
+        schedule=schedule, solver=solver, cost_model=cost_model, objective=objective, options=options,
+    )

@@ -18,7 +18,7 @@ import inspect
 import logging
 import os
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +106,7 @@ def capture(
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     method: str = "auto",
+    dynamic_batch: bool = False,
 ) -> Captured:
     """Capture ``model`` as a flat FX graph.
 
@@ -115,6 +116,9 @@ def capture(
             real, fake or meta tensors.
         example_kwargs: Keyword inputs, same kinds.
         method: ``"auto"`` (export, then symbolic_trace), ``"export"`` or ``"symbolic_trace"``.
+        dynamic_batch: Export with dim 0 of every batched input symbolic (``Dim.AUTO``), so the
+            graph runs on any micro-batch size; ``node.meta["val"]`` then holds symbolic shapes
+            until ``propagate_shapes(force=True)`` makes them concrete again.
 
     Returns:
         The :class:`Captured` graph.
@@ -139,7 +143,10 @@ def capture(
     failures: dict[str, BaseException] = {}
     for name in tried:
         try:
-            gm, in_spec, out_spec = _CAPTURERS[name](model, args, kwargs)
+            if name == "export":
+                gm, in_spec, out_spec = _capture_export(model, args, kwargs, dynamic_batch)
+            else:
+                gm, in_spec, out_spec = _capture_symbolic(model, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - every failure is reported in CaptureError
             log.info("capture with %s failed: %s", name, exc)
             failures[name] = exc
@@ -151,8 +158,23 @@ def capture(
 
 
 # -- export ----------------------------------------------------------------------------------
-def _capture_export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.fx.GraphModule, Any, Any]:
-    ep = torch.export.export(model, args, kwargs, strict=False)
+def _batch_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() >= 1]
+    if not leaves:
+        return None
+    batch = leaves[0].shape[0]
+    shapes = torch.export.ShapesCollection()
+    for t in leaves:
+        if t.shape[0] == batch:
+            shapes[t] = {0: torch.export.Dim.AUTO}
+    return shapes.dynamic_shapes(model, args, kwargs)
+
+
+def _capture_export(
+    model: nn.Module, args: tuple, kwargs: dict, dynamic_batch: bool = False
+) -> tuple[torch.fx.GraphModule, Any, Any]:
+    dynamic = _batch_dynamic_shapes(model, args, kwargs) if dynamic_batch else None
+    ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
     gm = ep.module()
     in_spec, out_spec = gm._in_spec, gm._out_spec
     for node in list(gm.graph.nodes):
@@ -211,12 +233,6 @@ def _flatten_output(gm: torch.fx.GraphModule) -> pytree.TreeSpec:
     leaves, spec = pytree.tree_flatten(out.args[0])
     out.args = (tuple(leaves),)
     return spec
-
-
-_CAPTURERS: dict[str, Callable[[nn.Module, tuple, dict], tuple[torch.fx.GraphModule, Any, Any]]] = {
-    "export": _capture_export,
-    "symbolic_trace": _capture_symbolic,
-}
 
 
 # -- names -----------------------------------------------------------------------------------

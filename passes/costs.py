@@ -12,7 +12,8 @@ Analytic model (default), per node, on a :class:`~fxsplit.ir.DeviceSpec` ``d``:
 * bytes moved: tensor operands plus results (0 for views); time is the roofline
   ``fwd_s = max(flops / d.peak_flops, bytes / d.memory_bandwidth_bytes_per_s)`` and
   ``bwd_s = max(bwd_flops / peak, 2 · bytes / bandwidth)``.
-* memory: ``param_bytes``/``buffer_bytes`` of the state the node reads, ``output_bytes`` of its
+* memory: ``param_bytes``/``buffer_bytes`` of the state the node reads (a tensor read by
+  several nodes, e.g. a tied embedding, is counted once, at the first), ``output_bytes`` of its
   result, ``saved_bytes`` = its result when it needs a gradient and is not a view (the tensor the
   next op keeps for backward).
 
@@ -43,7 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import GiB, DeviceSpec
-from fxsplit.passes.manager import PassResult, require_meta
+from fxsplit.passes.manager import PassResult, carries_value, require_meta
 from fxsplit.passes.shapes import fake_mode_of, fake_state
 
 __all__ = ["NodeCost", "AnnotateCosts", "annotate_costs", "measure_cpu_spec", "COST_MODELS", "node_cost"]
@@ -133,18 +134,33 @@ def _attention_flops(args: Sequence[Any]) -> float:
     return 2.0 * bh * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
 
 
-def _state_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, trainable: set[str]) -> tuple[int, int]:
-    """(param_bytes, buffer_bytes) of the state ``node`` reads directly."""
+def _state_bytes(
+    gm: torch.fx.GraphModule, node: torch.fx.Node, trainable: set[str], seen: set[int]
+) -> tuple[int, int]:
+    """(param_bytes, buffer_bytes) of the state ``node`` reads directly.
+
+    ``seen`` holds the ids of the tensors already counted at earlier nodes; a tensor read by
+    several nodes (a tied embedding read by the embedding and the LM head of a symbolically
+    traced GPT) is counted once, so the graph's total equals the model's.
+    """
     if node.op == "get_attr":
         t = _fetch_attr(gm, str(node.target))
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
             nb = t.numel() * t.element_size()
             return (nb, 0) if str(node.target) in trainable else (0, nb)
     if node.op == "call_module":
         sub = gm.get_submodule(str(node.target))
-        p = sum(t.numel() * t.element_size() for t in sub.parameters() if t.requires_grad)
-        b = sum(t.numel() * t.element_size() for t in sub.buffers())
-        b += sum(t.numel() * t.element_size() for t in sub.parameters() if not t.requires_grad)
+        p = b = 0
+        for t in [*sub.parameters(), *sub.buffers()]:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            nb = t.numel() * t.element_size()
+            if isinstance(t, torch.nn.Parameter) and t.requires_grad:
+                p += nb
+            else:
+                b += nb
         return p, b
     return 0, 0
 
@@ -169,7 +185,7 @@ class _FlopInterpreter(torch.fx.Interpreter):
         self.counted: dict[str, bool] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        if n.op in ("placeholder", "get_attr", "output") or _is_view(n):
+        if n.op in ("placeholder", "get_attr", "output") or _is_view(n) or not _tensors(n.meta.get("val")):
             return super().run_node(n)
         with FlopCounterMode(display=False) as counter:
             result = super().run_node(n)
@@ -223,18 +239,26 @@ def _needs_grad(gm: torch.fx.GraphModule, trainable: set[str]) -> set[str]:
 
 
 def node_cost(
-    node: torch.fx.Node, flops: float, counted: bool, needs_grad: bool, state: tuple[int, int], device: DeviceSpec
+    node: torch.fx.Node, flops: float, counted: bool, needs_grad: bool, state: tuple[int, int], device: DeviceSpec,
+    read_bytes: int | None = None,
 ) -> NodeCost:
-    """The analytic :class:`NodeCost` of one node (see the module docstring for the rules)."""
+    """The analytic :class:`NodeCost` of one node (see the module docstring for the rules).
+
+    ``state`` is the (param, buffer) bytes the node owns; ``read_bytes`` the state bytes it reads
+    for the roofline (default ``sum(state)``; larger for a tied weight owned by an earlier node).
+    """
+    if not carries_value(node):  # a higher-order op's subgraph module: nothing to cost
+        return NodeCost(is_view=True)
     val = require_meta(node, "val", "propagate_shapes")
-    if _is_view(node):
+    if _is_view(node) or not _tensors(val):  # views, and shape arithmetic (sym_size, ints)
         out = 0 if node.op == "get_attr" else _nbytes(val)
         return NodeCost(param_bytes=state[0], buffer_bytes=state[1], output_bytes=out, is_view=True)
     out_bytes = _nbytes(val)
     if _is_embedding(node):  # a gather: reads the selected rows, not the whole table
         moved = 2 * out_bytes
     else:
-        moved = out_bytes + sum(t.numel() * t.element_size() for t in _operand_vals(node)) + sum(state)
+        state_read = sum(state) if read_bytes is None else read_bytes
+        moved = out_bytes + sum(t.numel() * t.element_size() for t in _operand_vals(node)) + state_read
     bwd_flops = (2.0 if counted else 1.0) * flops if needs_grad else 0.0
     fwd_s = max(flops / device.peak_flops, moved / device.memory_bandwidth_bytes_per_s)
     bwd_s = max(bwd_flops / device.peak_flops, 2 * moved / device.memory_bandwidth_bytes_per_s) if needs_grad else 0.0
@@ -280,12 +304,15 @@ class AnnotateCosts:
         trainable = _trainable_names(gm)
         flops, counted = _count_flops(gm, placeholders)
         needs = _needs_grad(gm, trainable)
+        seen: set[int] = set()
         for node in gm.graph.nodes:
             if node.op == "output":
                 continue
-            state = _state_bytes(gm, node, trainable)
+            state = _state_bytes(gm, node, trainable, seen)
+            read = sum(_state_bytes(gm, node, trainable, set()))
             node.meta["fxsplit.cost"] = node_cost(
-                node, flops.get(node.name, 0.0), counted.get(node.name, False), node.name in needs, state, self.device
+                node, flops.get(node.name, 0.0), counted.get(node.name, False), node.name in needs, state, self.device,
+                read_bytes=read,
             )
         if self.cost_model == "measured":
             from fxsplit.passes.measure import measure_node_times

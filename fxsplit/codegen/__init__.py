@@ -1,1 +1,6 @@
-"""fxsplit.codegen."""
+"""Codegen: Plan + captured graph -> per-stage GraphModules (``split_graph``, ``place_stages``)."""
+
+from fxsplit.codegen.place import place_stages
+from fxsplit.codegen.split import Stage, StagedProgram, split_graph, stage_of_nodes
+
+__all__ = ["Stage", "StagedProgram", "place_stages", "split_graph", "stage_of_nodes"]

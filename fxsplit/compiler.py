@@ -1,0 +1,158 @@
+"""The steps of :func:`fxsplit.compile`, in order: capture, passes, plan (+ schedule), codegen, runtime.
+
+Orchestration only: every algorithm lives in its layer (passes, solvers, schedule, codegen,
+runtime). Called by :func:`fxsplit.api.compile` after the arguments are checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxsplit import solvers
+from fxsplit.codegen import place_stages, split_graph
+from fxsplit.errors import ConfigError
+from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
+from fxsplit.passes.capture import Captured, capture
+from fxsplit.passes.condense import Condensed, CondenseAntichains
+from fxsplit.passes.costs import AnnotateCosts
+from fxsplit.passes.manager import PassManager
+from fxsplit.passes.shapes import PropagateShapes
+from fxsplit.runtime import Pipeline, StateMap
+from fxsplit.runtime.microbatch import batch_size_of
+from fxsplit.schedule import explore
+
+__all__ = ["compile_pipeline", "front_end", "plan_pipeline", "PlanChoice"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """The plan with its schedule and micro-batch count, and why they were chosen."""
+
+    plan: Plan
+    problem: Problem
+    schedule: str
+    microbatches: int
+    reason: str
+    candidates: str = ""
+
+
+def front_end(
+    model: nn.Module, args: tuple, kwargs: dict, reference: DeviceSpec, cost_model: str, options: Any
+) -> tuple[Captured, Condensed, list[Any]]:
+    """Capture with a symbolic batch dimension, annotate at the example batch, condense."""
+    captured = capture(model, args, kwargs, method=options.capture_method, dynamic_batch=options.dynamic_batch)
+    flat = captured.flatten_inputs(args, kwargs)
+    pm = PassManager([
+        PropagateShapes(tuple(flat), force=True),
+        AnnotateCosts(reference, cost_model=cost_model, example_inputs=tuple(flat), measure_device=reference.torch_device),
+        CondenseAntichains(max_ideals=options.max_ideals, name=type(model).__name__),
+    ])
+    pm.run(captured.gm)
+    return captured, pm.artifacts["condense_antichains"], flat
+
+
+def _solve(problem: Problem, solver: str, options: Any, m: int, kind: str) -> Plan:
+    per_mb = problem.with_(graph=problem.graph.scaled(1.0 / m), microbatches=m, schedule=kind)
+    return solvers.solve(per_mb, solver, time_limit_s=options.time_limit_s)
+
+
+def plan_pipeline(
+    problem: Problem, batch: int, microbatches: int | str, schedule: str, solver: str, options: Any
+) -> PlanChoice:
+    """Solve the split and choose the schedule and micro-batch count.
+
+    ``problem`` holds whole-batch costs. With both ``microbatches`` and ``schedule`` fixed the
+    solver runs once on per-micro-batch costs. Otherwise a first plan (1F1B, ``m0`` micro-batches)
+    is handed to :func:`fxsplit.schedule.explore`, which simulates every candidate schedule and
+    micro-batch count that fits memory; the split is then solved again for the winner.
+    """
+    kinds = ("gpipe", "1f1b") if schedule == "auto" else (schedule,)
+    if isinstance(microbatches, int):
+        if microbatches > batch:
+            raise ConfigError(
+                f"microbatches={microbatches} exceeds the batch of {batch} samples in example_inputs; "
+                f"use microbatches <= {batch}"
+            )
+        candidates: Sequence[int] | None = (microbatches,)
+        m0 = microbatches
+    else:
+        candidates, m0 = None, min(batch, 2 * problem.num_devices)
+    kind0 = kinds[-1]
+    plan0 = _solve(problem, solver, options, m0, kind0)
+    if schedule != "auto" and isinstance(microbatches, int):
+        reason = f"{kind0} with {m0} micro-batches, as asked"
+        return PlanChoice(plan0, problem.with_(microbatches=m0, schedule=kind0), kind0, m0, reason)
+    stages = [st.blocks for st in plan0.stages]
+    devices = [st.device for st in plan0.stages]
+    choice = explore(problem, stages, devices, batch_size=batch, schedules=kinds, microbatch_candidates=candidates)
+    m, kind = choice.microbatches, choice.kind
+    plan = plan0 if (m, kind) == (m0, kind0) else _solve(problem, solver, options, m, kind)
+    return PlanChoice(plan, problem.with_(microbatches=m, schedule=kind), kind, m, choice.reason, choice.format_table())
+
+
+def _orphans(model: nn.Module, captured: Captured) -> dict[str, torch.Tensor]:
+    used = {a for names in captured.aliases.values() for a in names}
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in used}
+
+
+def compile_pipeline(
+    model: nn.Module,
+    specs: list[DeviceSpec],
+    args: tuple,
+    kwargs: dict,
+    *,
+    microbatches: int | str,
+    schedule: str,
+    solver: str,
+    cost_model: str,
+    objective: str,
+    options: Any,
+) -> Pipeline:
+    """Capture, plan, split and wrap ``model``; see :func:`fxsplit.compile`."""
+    t0 = time.perf_counter()
+    flat_check = [x for x in list(args) + list(kwargs.values())]
+    batch = batch_size_of(flat_check)
+    if isinstance(microbatches, int) and microbatches > batch:
+        raise ConfigError(f"microbatches={microbatches} exceeds the batch of {batch} samples; use microbatches <= {batch}")
+    reference = options.reference or specs[0]
+    captured, condensed, _ = front_end(model, args, kwargs, reference, cost_model, options)
+    t1 = time.perf_counter()
+    problem = Problem(
+        condensed.graph, tuple(specs), link=options.link or LinkSpec(), objective=objective,
+        training=options.training, schedule="1f1b",
+    ).check()
+    choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
+    t2 = time.perf_counter()
+    plan = choice.plan
+    program = split_graph(captured.gm, plan.stage_of_block(), [specs[st.device].torch_device for st in plan.stages])
+    program = place_stages(program, copy_tied=options.copy_tied)
+    state = StateMap(
+        program, captured.aliases, [n for n, _ in model.named_parameters(remove_duplicate=False)],
+        list(model.state_dict().keys()), _orphans(model, captured),
+    )
+    report = {
+        "reason": choice.reason, "candidates": choice.candidates, "capture_method": captured.method,
+        "num_blocks": condensed.num_blocks, "num_ideals": condensed.num_ideals,
+        "front_end_s": t1 - t0, "plan_s": t2 - t1, "codegen_s": time.perf_counter() - t2,
+        "devices": [s.name for s in specs], "predicted_step_s": plan.makespan_s,
+    }
+    log.info("compiled %s into %d stages: %s", type(model).__name__, plan.num_stages, choice.reason)
+    return Pipeline(
+        program, in_spec=captured.in_spec, out_spec=captured.out_spec, state=state,
+        schedule_kind=choice.schedule, microbatches=choice.microbatches, plan=plan, report=report,
+    )
+
+
+def evaluate_fixed(problem: Problem, stages: Sequence[Sequence[int]], devices: Sequence[int], m: int, kind: str) -> Plan:
+    """Cost a hand-made split at ``m`` micro-batches (used by tests and benches)."""
+    per_mb = problem.with_(graph=problem.graph.scaled(1.0 / m), microbatches=m, schedule=kind)
+    return evaluate(per_mb, stages, devices, solver="manual")

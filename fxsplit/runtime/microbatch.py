@@ -1,0 +1,83 @@
+"""Micro-batches: split flat inputs on the batch dimension and merge outputs back.
+
+A tensor whose dim 0 equals the batch size is split with ``torch.tensor_split`` (sizes differ by
+at most one, so an uneven last micro-batch is allowed); every other value (scalars, tensors
+without the batch dimension) is given whole to every micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fxsplit.errors import ConfigError
+
+__all__ = ["batch_size_of", "split_microbatches", "merge_outputs", "microbatch_sizes"]
+
+
+def batch_size_of(flat: Sequence[Any]) -> int:
+    """Dim 0 of the first tensor with at least one dimension.
+
+    Raises:
+        ConfigError: when no input is a tensor with a batch dimension.
+    """
+    for x in flat:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1:
+            return int(x.shape[0])
+    raise ConfigError("no input is a tensor with a batch dimension; pipelining needs one to split on")
+
+
+def microbatch_sizes(batch: int, m: int) -> list[int]:
+    """Sizes of ``m`` micro-batches of a batch of ``batch`` (``tensor_split`` rule)."""
+    return [batch // m + (1 if i < batch % m else 0) for i in range(m)]
+
+
+def split_microbatches(flat: Sequence[Any], m: int) -> tuple[list[list[Any]], list[int]]:
+    """Split flat inputs into ``m`` micro-batches.
+
+    Args:
+        flat: Flat model inputs; batched tensors have the batch on dim 0.
+        m: Number of micro-batches.
+
+    Returns:
+        ``([m][len(flat)] values, [m] sizes)``.
+
+    Raises:
+        ConfigError: when the batch is smaller than ``m``.
+    """
+    batch = batch_size_of(flat)
+    if batch < m:
+        raise ConfigError(
+            f"batch of {batch} samples cannot be split into {m} micro-batches; use microbatches <= {batch}"
+        )
+    columns = []
+    for x in flat:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch:
+            columns.append(list(torch.tensor_split(x, m, dim=0)))
+        else:
+            columns.append([x] * m)
+    return [list(row) for row in zip(*columns, strict=True)], microbatch_sizes(batch, m)
+
+
+def merge_outputs(per_mb: Sequence[Sequence[Any]], sizes: Sequence[int]) -> list[Any]:
+    """Merge flat outputs of the micro-batches into flat outputs of the batch.
+
+    Tensors whose dim 0 is each micro-batch's size are concatenated; 0-d tensors (a mean loss)
+    are averaged, weighted by micro-batch size; anything else is taken from the first.
+    """
+    total = sum(sizes)
+    merged = []
+    for j in range(len(per_mb[0])):
+        vals = [outs[j] for outs in per_mb]
+        first = vals[0]
+        if isinstance(first, torch.Tensor) and first.dim() >= 1 and all(
+            v.shape[0] == n for v, n in zip(vals, sizes, strict=True)
+        ):
+            merged.append(torch.cat([v.to(first.device) for v in vals], dim=0))
+        elif isinstance(first, torch.Tensor) and first.dim() == 0 and len(vals) > 1:
+            merged.append(sum(v.to(first.device) * (n / total) for v, n in zip(vals, sizes, strict=True)))
+        else:
+            merged.append(first)
+    return merged

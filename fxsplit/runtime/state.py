@@ -1,0 +1,115 @@
+"""Original names for the parameters and buffers spread over the stages.
+
+The stages own the tensors under the names the captured graph uses; a tied tensor has several
+original names (``tok_emb.weight`` and ``lm_head.weight``) and may have a copy in several stages.
+:class:`StateMap` answers in the original model's terms: ``named_parameters``, ``state_dict`` and
+``load_state_dict`` with the original keys, in the original order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from fxsplit.codegen.split import StagedProgram
+from fxsplit.errors import ConfigError
+
+__all__ = ["StateMap"]
+
+
+def _get(module: nn.Module, name: str) -> torch.Tensor:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
+
+
+class StateMap:
+    """Map original state names to the stage tensors that hold them.
+
+    Args:
+        program: The placed stages.
+        aliases: Graph state name -> every original name of that tensor (``Captured.aliases``).
+        param_order: Original ``named_parameters(remove_duplicate=False)`` names, in order.
+        state_order: Original ``state_dict()`` keys, in order.
+        orphans: Original state the graph never reads (kept, returned, loaded; never trained
+            by the pipeline).
+    """
+
+    def __init__(
+        self,
+        program: StagedProgram,
+        aliases: Mapping[str, Sequence[str]],
+        param_order: Sequence[str],
+        state_order: Sequence[str],
+        orphans: Mapping[str, torch.Tensor],
+    ) -> None:
+        self.program = program
+        self.orphans = dict(orphans)
+        self.param_order, self.state_order = list(param_order), list(state_order)
+        self.to_graph: dict[str, str] = {a: g for g, names in aliases.items() for a in names}
+        self.copies: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for st in program.stages:
+            for name in st.state:
+                t = _get(st.gm, name)
+                held = self.copies.setdefault(name, [])
+                if all(t is not other for _, other in held):
+                    held.append((st.index, t))
+
+    def tensor(self, stage: int, name: str) -> torch.Tensor:
+        """The tensor stage ``stage`` uses for graph state ``name``."""
+        return _get(self.program.stages[stage].gm, name)
+
+    def _copies_of(self, original: str) -> list[torch.Tensor]:
+        g = self.to_graph.get(original, original)
+        if g in self.copies:
+            return [t for _, t in self.copies[g]]
+        return [self.orphans[original]] if original in self.orphans else []
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Original names and parameters; each copy once (copies take the next unused alias)."""
+        seen: set[int] = set()
+        last_name: dict[int, str] = {}
+        for name in self.param_order:
+            for t in self._copies_of(name):
+                if isinstance(t, nn.Parameter) and id(t) not in seen:
+                    seen.add(id(t))
+                    yield name, t
+                    break
+            else:
+                continue
+            for t in self._copies_of(name):
+                last_name[id(t)] = name
+        for copies in self.copies.values():  # more copies than aliases
+            for _, t in copies:
+                if isinstance(t, nn.Parameter) and id(t) not in seen:
+                    seen.add(id(t))
+                    yield last_name.get(id(copies[0][1]), ""), t
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name in self.state_order:
+            copies = self._copies_of(name)
+            if copies:
+                out[name] = copies[0].detach()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy values into every stage tensor (and tied copy) they name.
+
+        Raises:
+            ConfigError: with ``strict``, listing missing and unexpected keys.
+        """
+        expected = set(self.state_order)
+        missing = sorted(expected - set(state_dict))
+        unexpected = sorted(set(state_dict) - expected)
+        if strict and (missing or unexpected):
+            raise ConfigError(
+                f"state dict does not match the model: missing keys {missing[:8]}, unexpected keys "
+                f"{unexpected[:8]}; pass strict=False to load a subset"
+            )
+        with torch.no_grad():
+            for name, value in state_dict.items():
+                for t in self._copies_of(name):
+                    t.copy_(value.to(t.device))
