@@ -9,9 +9,10 @@ Analytic model (default), per node, on a :class:`~fxsplit.ir.DeviceSpec` ``d``:
   placeholders and ``get_attr`` cost nothing. Never silently 0 for a matmul or convolution.
 * backward FLOPs: ``2 ×`` forward for counted ops (gradient of input and of weight), ``1 ×``
   for elementwise ops, 0 when nothing upstream needs a gradient.
-* bytes moved: tensor operands plus results (0 for views); time is the roofline
-  ``fwd_s = max(flops / d.peak_flops, bytes / d.memory_bandwidth_bytes_per_s)`` and
-  ``bwd_s = max(bwd_flops / peak, 2 · bytes / bandwidth)``.
+* bytes moved: tensor operands plus results (0 for views); time is the roofline plus the
+  device's per-operator overhead ``o`` (kernel launch, dispatch):
+  ``fwd_s = max(flops / d.peak_flops, bytes / d.memory_bandwidth_bytes_per_s) + o`` and
+  ``bwd_s = max(bwd_flops / peak, 2 · bytes / bandwidth) + 2·o``.
 * memory: ``param_bytes``/``buffer_bytes`` of the state the node reads (a tensor read by
   several nodes, e.g. a tied embedding, is counted once, at the first), ``output_bytes`` of its
   result, ``saved_bytes`` = its result when it needs a gradient and is not a view (the tensor the
@@ -260,8 +261,12 @@ def node_cost(
         state_read = sum(state) if read_bytes is None else read_bytes
         moved = out_bytes + sum(t.numel() * t.element_size() for t in _operand_vals(node)) + state_read
     bwd_flops = (2.0 if counted else 1.0) * flops if needs_grad else 0.0
-    fwd_s = max(flops / device.peak_flops, moved / device.memory_bandwidth_bytes_per_s)
-    bwd_s = max(bwd_flops / device.peak_flops, 2 * moved / device.memory_bandwidth_bytes_per_s) if needs_grad else 0.0
+    fwd_s = max(flops / device.peak_flops, moved / device.memory_bandwidth_bytes_per_s) + device.op_overhead_s
+    bwd_s = (
+        max(bwd_flops / device.peak_flops, 2 * moved / device.memory_bandwidth_bytes_per_s) + 2 * device.op_overhead_s
+        if needs_grad
+        else 0.0
+    )
     return NodeCost(
         flops=flops, bwd_flops=bwd_flops, fwd_s=fwd_s, bwd_s=bwd_s, param_bytes=state[0],
         buffer_bytes=state[1], output_bytes=out_bytes, saved_bytes=out_bytes if needs_grad else 0,
@@ -340,7 +345,8 @@ def _median_time(fn: Callable[[], Any], repeats: int = 5) -> float:
 
 
 def measure_cpu_spec(name: str = "cpu", *, size: int = 512) -> DeviceSpec:
-    """A :class:`DeviceSpec` for this CPU, measured now: fp32 matmul FLOP/s and copy bandwidth.
+    """A :class:`DeviceSpec` for this CPU, measured now: fp32 matmul FLOP/s, copy bandwidth and
+    the per-operator overhead (median time of a tiny ``torch.add``).
 
     Args:
         name: Device name in plans.
@@ -354,8 +360,13 @@ def measure_cpu_spec(name: str = "cpu", *, size: int = 512) -> DeviceSpec:
     src = torch.empty(8 * 1024 * 1024)
     dst = torch.empty_like(src)
     bw = 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src))
+    x = torch.ones(8)
+    overhead = _median_time(lambda: torch.add(x, x), repeats=51)
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 16 * GiB
-    return DeviceSpec(name, peak_flops=peak, memory_bandwidth_bytes_per_s=bw, memory_bytes=int(mem), kind="cpu", torch_device="cpu")
+    return DeviceSpec(
+        name, peak_flops=peak, memory_bandwidth_bytes_per_s=bw, memory_bytes=int(mem), kind="cpu",
+        torch_device="cpu", op_overhead_s=overhead,
+    )

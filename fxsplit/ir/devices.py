@@ -28,6 +28,8 @@ class DeviceSpec:
         speed: Compute speed relative to the reference device (1.0 = same).
         kind: Device type; devices of one kind are interchangeable to the solvers.
         torch_device: Where the stage runs (``"cuda:1"``); defaults to ``name``.
+        op_overhead_s: Fixed cost of launching one operator (kernel launch, dispatch),
+            seconds; added to every computing node's forward time (twice to its backward).
 
     Raises:
         ConfigError: from :meth:`check` when a number is not positive.
@@ -44,6 +46,7 @@ class DeviceSpec:
     speed: float = 1.0
     kind: str = ""
     torch_device: str = ""
+    op_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.kind:
@@ -110,10 +113,10 @@ class LinkSpec:
 
 
 PRESETS: dict[str, DeviceSpec] = {
-    "h100": DeviceSpec("h100", 989e12, 3.35e12, 80 * GiB, kind="h100", torch_device="cuda"),
-    "h200": DeviceSpec("h200", 989e12, 4.8e12, 141 * GiB, kind="h200", torch_device="cuda"),
-    "a100": DeviceSpec("a100", 312e12, 2.039e12, 80 * GiB, kind="a100", torch_device="cuda"),
-    "a100-40gb": DeviceSpec("a100-40gb", 312e12, 1.555e12, 40 * GiB, kind="a100", torch_device="cuda"),
-    "v100": DeviceSpec("v100", 125e12, 900e9, 32 * GiB, kind="v100", torch_device="cuda"),
-    "t4": DeviceSpec("t4", 65e12, 320e9, 16 * GiB, kind="t4", torch_device="cuda"),
+    "h100": DeviceSpec("h100", 989e12, 3.35e12, 80 * GiB, kind="h100", torch_device="cuda", op_overhead_s=5e-6),
+    "h200": DeviceSpec("h200", 989e12, 4.8e12, 141 * GiB, kind="h200", torch_device="cuda", op_overhead_s=5e-6),
+    "a100": DeviceSpec("a100", 312e12, 2.039e12, 80 * GiB, kind="a100", torch_device="cuda", op_overhead_s=5e-6),
+    "a100-40gb": DeviceSpec("a100-40gb", 312e12, 1.555e12, 40 * GiB, kind="a100", torch_device="cuda", op_overhead_s=5e-6),
+    "v100": DeviceSpec("v100", 125e12, 900e9, 32 * GiB, kind="v100", torch_device="cuda", op_overhead_s=5e-6),
+    "t4": DeviceSpec("t4", 65e12, 320e9, 16 * GiB, kind="t4", torch_device="cuda", op_overhead_s=5e-6),
 }

@@ -1,0 +1,115 @@
+"""``fxsplit compile MODEL``: the main job — plan, split, train K steps, and check against the original."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from fxsplit.report import human_seconds
+
+__all__ = ["register", "parse_devices", "train_and_compare"]
+
+
+def parse_devices(devices: str) -> list[str]:
+    """``"4"`` -> four ``"cpu"`` devices; ``"cuda:0,cuda:1"`` -> that list."""
+    if devices.isdigit():
+        return ["cpu"] * int(devices)
+    return [d.strip() for d in devices.split(",") if d.strip()]
+
+
+def train_and_compare(pipe: Any, case: Any, reference: Any, steps: int, lr: float, batch_size: int, progress: Progress | None = None) -> dict[str, Any]:
+    """Train ``pipe`` and ``reference`` (the unsplit model) side by side with SGD.
+
+    Returns:
+        ``loss_diff`` and ``grad_diff`` (largest absolute differences over all steps and
+        parameters), ``worst_param`` (its name), ``step_s`` (measured pipeline step times) and
+        ``losses``.
+    """
+    import torch
+
+    opt_pipe = torch.optim.SGD(list(pipe.parameters()), lr=lr)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=lr)
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    out: dict[str, Any] = {"loss_diff": 0.0, "grad_diff": 0.0, "worst_param": "", "step_s": [], "losses": []}
+    task = progress.add_task("training", total=steps) if progress else None
+    for step in range(steps):
+        inputs, target = case.make_batch(batch_size, 1000 + step)
+        opt_pipe.zero_grad(set_to_none=True)
+        opt_ref.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
+        out["step_s"].append(time.perf_counter() - start)
+        ref_loss = case.loss_fn(reference(*inputs), target)
+        ref_loss.backward()
+        out["losses"].append(float(loss))
+        out["loss_diff"] = max(out["loss_diff"], abs(loss.item() - ref_loss.item()))
+        for name, p in pipe.named_parameters():
+            g, rg = p.grad, ref_params[name].grad
+            if g is None or rg is None:
+                continue
+            d = float((g.detach().cpu() - rg.detach().cpu()).abs().max())
+            if d > out["grad_diff"]:
+                out["grad_diff"], out["worst_param"] = d, name
+        opt_pipe.step()
+        opt_ref.step()
+        if progress and task is not None:
+            progress.update(task, advance=1, description=f"step {step + 1}/{steps} loss {float(loss):.4f}")
+    return out
+
+
+def _summary(pipe: Any, result: dict[str, Any]) -> Table:
+    table = Table(title="predicted vs measured")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    measured = result["step_s"][1:] or result["step_s"]
+    table.add_row("predicted step time (cost model)", human_seconds(pipe.plan.makespan_s))
+    table.add_row("measured step time (median)", human_seconds(sorted(measured)[len(measured) // 2]))
+    table.add_row("largest loss difference vs original", f"{result['loss_diff']:.3e}")
+    table.add_row(f"largest gradient difference vs original ({result['worst_param'] or '-'})", f"{result['grad_diff']:.3e}")
+    table.add_row("final loss", f"{result['losses'][-1]:.4f}" if result["losses"] else "-")
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("compile")
+    def compile_cmd(
+        model: Annotated[str, typer.Argument(help="zoo name (gpt, resnet, ...), hf:NAME, or module:function")] = "gpt",
+        devices: Annotated[str, typer.Option(help="a count of CPU devices (4) or a list (cuda:0,cuda:1)")] = "4",
+        steps: Annotated[int, typer.Option(help="training steps on synthetic data")] = 5,
+        microbatches: Annotated[str, typer.Option(help="micro-batches per step, or auto")] = "auto",
+        schedule: Annotated[str, typer.Option(help="gpipe, 1f1b or auto")] = "auto",
+        solver: Annotated[str, typer.Option(help="dp, cpsat, auto, uniform, params, blockpartition, greedy")] = "auto",
+        size: Annotated[str, typer.Option(help="zoo size preset: tiny, small, base")] = "small",
+        batch_size: Annotated[int, typer.Option(help="samples per step")] = 8,
+        lr: Annotated[float, typer.Option(help="SGD learning rate")] = 1e-2,
+        objective: Annotated[str, typer.Option(help="makespan or bottleneck")] = "makespan",
+    ) -> None:
+        """Plan MODEL over DEVICES, train STEPS steps, and compare with the unsplit model."""
+        import fxsplit
+        from fxsplit.api import load_model
+        from fxsplit.errors import FxsplitError
+
+        console = Console()
+        try:
+            case = load_model(model, size=size, batch_size=batch_size)
+            reference = copy.deepcopy(case.model)
+            m: int | str = int(microbatches) if microbatches.isdigit() else microbatches
+            with console.status(f"capturing, annotating and planning {model} over {devices} devices ..."):
+                pipe = fxsplit.compile(
+                    case.model, parse_devices(devices), case.example_inputs, case.example_kwargs or None,
+                    microbatches=m, schedule=schedule, solver=solver, objective=objective,
+                )
+            console.print(pipe.__repr__())
+            console.print(f"schedule: {pipe.report['reason']}")
+            with Progress(console=console, transient=False) as progress:
+                result = train_and_compare(pipe, case, reference, steps, lr, batch_size, progress)
+        except FxsplitError as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(2) from exc
+        console.print(_summary(pipe, result))
