@@ -119,7 +119,10 @@ def _case(name: str, model: nn.Module, inputs: Sequence[Any]) -> Any:
     def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.mse_loss(primary_tensor(output), target)
 
-    return zoo.ModelCase(name=name, model=model, example_inputs=inputs, make_batch=make_batch, loss_fn=loss_fn)
+    return zoo.ModelCase(
+        name=name, model=model, example_inputs=inputs, make_batch=make_batch, loss_fn=loss_fn,
+        description=f"{type(model).__name__} from {name}",
+    )
 
 
 def analyze(
@@ -210,6 +213,7 @@ class CompileOptions:
         reference: The reference device of the cost annotation (default: first device).
         link: Link between neighbouring devices (default: the ``LinkSpec`` default).
         training: Plan for training (True) or inference.
+        allow_idle_devices: Let the plan use fewer stages than devices (False: one stage each).
     """
 
     capture_method: str = "auto"
@@ -220,6 +224,7 @@ class CompileOptions:
     reference: DeviceSpec | None = None
     link: Any = None
     training: bool = True
+    allow_idle_devices: bool = True
 
 
 def _device_specs(devices: Any, memory_limit_bytes: int | None) -> list[DeviceSpec]:

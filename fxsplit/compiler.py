@@ -28,7 +28,7 @@ from fxsplit.runtime import Pipeline, StateMap
 from fxsplit.runtime.microbatch import batch_size_of
 from fxsplit.schedule import explore
 
-__all__ = ["compile_pipeline", "front_end", "plan_pipeline", "PlanChoice"]
+__all__ = ["compile_pipeline", "front_end", "plan_pipeline", "assemble", "PlanChoice"]
 
 log = logging.getLogger(__name__)
 
@@ -128,27 +128,50 @@ def compile_pipeline(
     t1 = time.perf_counter()
     problem = Problem(
         condensed.graph, tuple(specs), link=options.link or LinkSpec(), objective=objective,
-        training=options.training, schedule="1f1b",
+        training=options.training, schedule="1f1b", allow_idle_devices=options.allow_idle_devices,
     ).check()
     choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
     t2 = time.perf_counter()
-    plan = choice.plan
+    pipe = assemble(model, captured, choice.plan, specs, choice.schedule, choice.microbatches, options)
+    report = {
+        "reason": choice.reason, "candidates": choice.candidates, "capture_method": captured.method,
+        "num_blocks": condensed.num_blocks, "num_ideals": condensed.num_ideals,
+        "front_end_s": t1 - t0, "plan_s": t2 - t1, "codegen_s": time.perf_counter() - t2,
+        "devices": [s.name for s in specs], "predicted_step_s": choice.plan.makespan_s,
+    }
+    pipe.report.update(report)
+    log.info("compiled %s into %d stages: %s", type(model).__name__, choice.plan.num_stages, choice.reason)
+    return pipe
+
+
+def assemble(
+    model: nn.Module,
+    captured: Captured,
+    plan: Plan,
+    specs: Sequence[DeviceSpec],
+    schedule: str,
+    microbatches: int,
+    options: Any,
+) -> Pipeline:
+    """Codegen and runtime for a given plan (any valid plan, not only a solver's).
+
+    Args:
+        model: The original module (for state names and state the graph never reads).
+        captured: Its captured, condensed graph (nodes carry ``"fxsplit.block"``).
+        plan: The split; ``plan.stages[s].device`` indexes ``specs``.
+        specs: The devices.
+        schedule, microbatches: How the pipeline runs.
+        options: ``CompileOptions`` (``copy_tied``).
+    """
     program = split_graph(captured.gm, plan.stage_of_block(), [specs[st.device].torch_device for st in plan.stages])
     program = place_stages(program, copy_tied=options.copy_tied)
     state = StateMap(
         program, captured.aliases, [n for n, _ in model.named_parameters(remove_duplicate=False)],
         list(model.state_dict().keys()), _orphans(model, captured),
     )
-    report = {
-        "reason": choice.reason, "candidates": choice.candidates, "capture_method": captured.method,
-        "num_blocks": condensed.num_blocks, "num_ideals": condensed.num_ideals,
-        "front_end_s": t1 - t0, "plan_s": t2 - t1, "codegen_s": time.perf_counter() - t2,
-        "devices": [s.name for s in specs], "predicted_step_s": plan.makespan_s,
-    }
-    log.info("compiled %s into %d stages: %s", type(model).__name__, plan.num_stages, choice.reason)
     return Pipeline(
         program, in_spec=captured.in_spec, out_spec=captured.out_spec, state=state,
-        schedule_kind=choice.schedule, microbatches=choice.microbatches, plan=plan, report=report,
+        schedule_kind=schedule, microbatches=microbatches, plan=plan,
     )
 
 

@@ -102,7 +102,7 @@ def register(app: typer.Typer) -> None:
             m: int | str = int(microbatches) if microbatches.isdigit() else microbatches
             with console.status(f"capturing, annotating and planning {model} over {devices} devices ..."):
                 pipe = fxsplit.compile(
-                    case.model, parse_devices(devices), case.example_inputs, case.example_kwargs or None,
+                    case.model, parse_devices(devices), case.example_inputs,
                     microbatches=m, schedule=schedule, solver=solver, objective=objective,
                 )
             console.print(pipe.__repr__())

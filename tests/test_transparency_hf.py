@@ -1,0 +1,43 @@
+"""Transparency on Hugging Face models (random weights from configs, nothing downloaded)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import fxsplit.models as zoo  # noqa: E402
+from pipeline_utils import Compiled, assert_same_training  # noqa: E402
+
+pytestmark = pytest.mark.hf
+BATCH = 4
+
+
+@pytest.fixture(scope="module", params=["bert", "gpt2", "vit", "llama"])
+def compiled(request):
+    return Compiled(zoo.hf(request.param, batch_size=BATCH))
+
+
+@pytest.mark.parametrize(("num_stages", "schedule", "microbatches"), [(2, "gpipe", 2), (3, "1f1b", 4), (4, "1f1b", 2), (4, "gpipe", 4)])
+def test_hf_model_trains_like_the_original(compiled, num_stages, schedule, microbatches):
+    pipe = compiled.pipeline(num_stages, schedule, microbatches)
+    assert pipe.num_stages == num_stages
+    inputs, target = compiled.case.make_batch(BATCH, 11)
+    assert_same_training(pipe, compiled, inputs, target)
+    assert list(pipe.state_dict()) == list(compiled.reference.state_dict())
+
+
+def test_keyword_inputs_reach_the_right_stage():
+    case = zoo.hf("bert", batch_size=BATCH)
+    compiled = Compiled(case, use_kwargs=True)
+    pipe = compiled.pipeline(3, "1f1b", 2)
+    ids = case.example_inputs[0]
+    mask = case.example_kwargs["attention_mask"].clone()
+    mask[:, -3:] = 0
+    from fxsplit.models import primary_tensor
+    import torch
+
+    with torch.no_grad():
+        torch.testing.assert_close(
+            primary_tensor(pipe(ids, attention_mask=mask)), primary_tensor(compiled.reference(ids, attention_mask=mask))
+        )
