@@ -1,0 +1,174 @@
+"""``fxsplit solve GRAPH``: split a graph file across devices and print the plan.
+
+Example::
+
+    fxsplit solve ../shared/data/pipedream/resnet50.txt --devices 4 --no-comm
+    fxsplit solve problem.json --solver cpsat --time-limit 30 --json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fxsplit.errors import ConfigError, FxsplitError, InfeasibleError
+from fxsplit.ir.devices import DeviceSpec, GiB, LinkSpec
+from fxsplit.ir.formats import load_graph_or_problem
+from fxsplit.ir.graph import CondensedGraph
+from fxsplit.ir.plan import Plan
+from fxsplit.ir.problem import Problem
+
+__all__ = ["register", "build_problem", "parse_bytes", "plan_json"]
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"16GiB"`` -> 17179869184, ``"1e9"`` -> 1000000000.
+
+    Raises:
+        ConfigError: for text that is not a number with an optional unit (B, KB, KiB, MB, MiB, GB,
+            GiB, TB, TiB).
+    """
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read {text!r} as bytes; write e.g. 16GiB, 500MB or 1e9")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _load_devices(path: Path) -> dict[str, Any]:
+    """Devices file: a list of devices, or ``{"devices": [...], "link": {...}, "links": [...],
+    "device_order": "free"}``; a device is a preset name (``"a100"``) or DeviceSpec fields."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read devices file {str(path)!r}: {exc}") from exc
+    if isinstance(data, list):
+        data = {"devices": data}
+    devices = []
+    for i, d in enumerate(data.get("devices", [])):
+        spec = DeviceSpec.preset(d) if isinstance(d, str) else DeviceSpec.from_dict(d)
+        if isinstance(d, str):
+            spec = spec.with_(name=f"{d}:{i}")
+        devices.append(spec)
+    out: dict[str, Any] = {"devices": tuple(devices)}
+    if "link" in data:
+        out["link"] = LinkSpec(**data["link"])
+    if "links" in data:
+        out["links"] = tuple((int(i), int(j), LinkSpec(**s)) for i, j, s in data["links"])
+    for key in ("device_order", "allow_idle_devices"):
+        if key in data:
+            out[key] = data[key]
+    return out
+
+
+def build_problem(loaded: CondensedGraph | Problem, *, devices: int | None = None,
+                  devices_file: Path | None = None, **overrides: Any) -> Problem:
+    """The problem the CLI solves: the loaded file plus the command-line options.
+
+    Args:
+        loaded: A graph or a problem (its devices are kept unless ``devices``/``devices_file``).
+        devices: Number of identical devices ``dev0..dev{N-1}`` (16 GiB each by default).
+        devices_file: JSON devices file (see :func:`_load_devices`).
+        **overrides: ``objective``, ``microbatches``, ``schedule``, ``memory_limit``
+            (bytes, every device), ``no_comm`` (bool); ``None`` leaves the file's value.
+
+    Raises:
+        ConfigError: when neither the file nor the options give devices, or both options are set.
+    """
+    if devices is not None and devices_file is not None:
+        raise ConfigError("pass either --devices N or --devices-file F, not both")
+    fields: dict[str, Any] = {}
+    if devices_file is not None:
+        fields.update(_load_devices(devices_file))
+    elif devices is not None:
+        fields["devices"] = tuple(DeviceSpec(f"dev{i}", memory_bytes=16 * GiB, kind="dev") for i in range(devices))
+    if isinstance(loaded, Problem):
+        problem = loaded.with_(**fields)
+    elif "devices" in fields:
+        problem = Problem(graph=loaded, **fields)
+    else:
+        raise ConfigError("the graph file has no devices: pass --devices N or --devices-file F")
+    for key in ("objective", "microbatches", "schedule"):
+        if overrides.get(key) is not None:
+            problem = problem.with_(**{key: overrides[key]})
+    if overrides.get("memory_limit") is not None:
+        cap = overrides["memory_limit"]
+        problem = problem.with_(devices=tuple(d.with_(memory_bytes=cap) for d in problem.devices))
+    if overrides.get("no_comm"):
+        problem = problem.with_(link=LinkSpec(bytes_per_s=math.inf, latency_s=0.0), links=())
+    return problem.check()
+
+
+def plan_json(plan: Plan, problem: Problem) -> dict[str, Any]:
+    """The ``--json`` document: the plan's fields, each stage with ``nodes`` and ``device_name``."""
+    return plan.to_dict(problem)
+
+
+def _table(plan: Plan, problem: Problem) -> Table:
+    ms = 1e3
+    title = (f"{problem.graph.name}: {plan.solver} ({plan.status}), {plan.objective} "
+             f"{plan.objective_s * ms:.4g} ms, bound {plan.lower_bound_s * ms:.4g} ms, gap {plan.gap:.2%}, "
+             f"solved in {plan.solve_time_s:.3f} s")
+    table = Table(title=title)
+    for col in ("stage", "device", "blocks", "nodes", "compute ms", "comm ms", "time ms", "memory GiB"):
+        table.add_column(col, justify="right" if col not in ("device", "nodes") else "left")
+    for s, st in enumerate(plan.stages):
+        nodes = [n for b in st.blocks for n in problem.graph.blocks[b].nodes]
+        shown = nodes[0] if len(nodes) == 1 else f"{nodes[0]} … {nodes[-1]} ({len(nodes)})" if nodes else ""
+        table.add_row(str(s), problem.devices[st.device].name, str(len(st.blocks)), shown,
+                      f"{st.compute_s * ms:.4g}", f"{st.comm_s * ms:.4g}", f"{st.time_s * ms:.4g}",
+                      f"{st.memory_bytes / GiB:.3f}")
+    return table
+
+
+def solve_command(
+    graph: Annotated[Path, typer.Argument(help="Graph or problem file.")],
+    format: Annotated[str, typer.Option("--format", help="auto|fxsplit|pipedream|tarnawski")] = "auto",
+    devices: Annotated[int | None, typer.Option("--devices", help="N identical devices.")] = None,
+    devices_file: Annotated[Path | None, typer.Option("--devices-file", help="JSON devices file.")] = None,
+    solver: Annotated[str, typer.Option("--solver", help="auto, dp, cpsat, uniform, params, blockpartition, greedy")] = "auto",
+    objective: Annotated[str | None, typer.Option("--objective", help="bottleneck|makespan")] = None,
+    microbatches: Annotated[int | None, typer.Option("--microbatches", help="Micro-batches per step.")] = None,
+    schedule: Annotated[str | None, typer.Option("--schedule", help="gpipe|1f1b")] = None,
+    memory_limit: Annotated[str | None, typer.Option("--memory-limit", help="Bytes per device (16GiB, 1e9).")] = None,
+    no_comm: Annotated[bool, typer.Option("--no-comm", help="Free communication.")] = False,
+    time_limit: Annotated[float | None, typer.Option("--time-limit", help="Seconds.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Split GRAPH into pipeline stages and print the plan."""
+    from fxsplit.solvers import solve
+
+    err = Console(stderr=True)
+    try:
+        problem = build_problem(
+            load_graph_or_problem(graph, format), devices=devices, devices_file=devices_file,
+            objective=objective, microbatches=microbatches, schedule=schedule, no_comm=no_comm,
+            memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
+        )
+        with err.status(f"solving {problem.graph.name} with {solver}…"):
+            plan = solve(problem, solver, time_limit_s=time_limit)
+    except InfeasibleError as exc:
+        err.print(f"[red]infeasible:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from exc
+    except FxsplitError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from exc
+    if as_json:
+        sys.stdout.write(json.dumps(plan_json(plan, problem), indent=1) + "\n")
+    else:
+        Console().print(_table(plan, problem))
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``solve`` subcommand to ``app``."""
+    app.command("solve")(solve_command)

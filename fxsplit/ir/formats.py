@@ -1,0 +1,255 @@
+"""Loaders for the graph formats fxsplit reads: its own JSON, PipeDream profiles, Tarnawski JSON.
+
+* ``fxsplit``: :meth:`Problem.to_json` (a whole problem) or :meth:`CondensedGraph.to_json`.
+* ``pipedream``: the profiler's ``graph.txt`` (PipeDream, SOSP 2019): one line per node
+  ``nodeK -- Description -- forward_compute_time=…, backward_compute_time=…,
+  activation_size=…, parameter_size=…`` and one tab-indented ``src -- dst`` line per edge. Times
+  are milliseconds; the ``Input`` nodes' forward time is data loading and counts 0.
+* ``tarnawski``: the input JSON of Tarnawski et al. (NeurIPS 2020): ``maxSizePerFPGA``,
+  ``maxFPGAs``, ``nodes`` (``id``, ``fpgaLatency``, ``size``, ``isBackwardNode``, optional
+  ``colorClass``: nodes that must share a device) and ``edges`` (``sourceId``, ``destId``,
+  ``cost``: seconds to move the source's output).
+
+References:
+    Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN Training", SOSP 2019;
+    Tarnawski et al., "Efficient Algorithms for Device Placement of DNN Graph Operators",
+    NeurIPS 2020 (input format of github.com/msr-fiddle/dnn-partitioning).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from fxsplit.errors import ConfigError
+from fxsplit.ir.devices import DeviceSpec, LinkSpec
+from fxsplit.ir.graph import Block, CondensedGraph, Edge
+from fxsplit.ir.problem import Problem
+
+__all__ = ["FORMATS", "load_pipedream", "load_tarnawski", "load_graph_or_problem", "topological_graph"]
+
+FORMATS = ("auto", "fxsplit", "pipedream", "tarnawski")
+
+_ATTR = re.compile(r"(\w+)=(\[[^\]]*\]|[-+0-9.eE]+)")
+
+
+def topological_graph(
+    name: str, blocks: dict[str, dict[str, Any]], edges: list[tuple[str, str, int]]
+) -> CondensedGraph:
+    """Build a :class:`CondensedGraph` from named blocks and edges in any order.
+
+    Blocks are numbered in a topological order (Kahn's algorithm, ties broken by input order).
+
+    Args:
+        name: Graph name.
+        blocks: ``{block name: Block keyword arguments except id and name}`` (insertion order).
+        edges: ``(src name, dst name, size_bytes)``; parallel edges are merged (largest size).
+
+    Raises:
+        ConfigError: when an edge names an unknown block or the edges form a cycle.
+    """
+    order = list(blocks)
+    pos = {b: i for i, b in enumerate(order)}
+    merged: dict[tuple[str, str], int] = {}
+    for src, dst, size in edges:
+        for end in (src, dst):
+            if end not in pos:
+                raise ConfigError(f"graph {name!r}: edge {src} -> {dst} names unknown node {end!r}")
+        if src != dst:
+            merged[(src, dst)] = max(merged.get((src, dst), 0), size)
+    indeg = dict.fromkeys(order, 0)
+    succ: dict[str, list[str]] = defaultdict(list)
+    for src, dst in merged:
+        indeg[dst] += 1
+        succ[src].append(dst)
+    ready = sorted((b for b in order if indeg[b] == 0), key=pos.__getitem__)
+    topo: list[str] = []
+    while ready:
+        b = ready.pop(0)
+        topo.append(b)
+        for s in succ[b]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+        ready.sort(key=pos.__getitem__)
+    if len(topo) != len(order):
+        stuck = sorted(set(order) - set(topo), key=pos.__getitem__)[:8]
+        raise ConfigError(f"graph {name!r} has a cycle through nodes {stuck}; edges must form a DAG")
+    ids = {b: i for i, b in enumerate(topo)}
+    out_blocks = tuple(Block(id=ids[b], name=b, **blocks[b]) for b in topo)
+    out_edges = tuple(
+        Edge(ids[s], ids[d], size)
+        for (s, d), size in sorted(merged.items(), key=lambda kv: (ids[kv[0][0]], ids[kv[0][1]]))
+    )
+    return CondensedGraph(blocks=out_blocks, edges=out_edges, name=name).check()
+
+
+def _pipedream_value(text: str) -> float:
+    if text.startswith("["):
+        return sum(float(v) for v in text.strip("[]").split(";") if v.strip())
+    return float(text)
+
+
+def load_pipedream(path: str | Path, *, time_unit_s: float = 1e-3, name: str | None = None) -> CondensedGraph:
+    """Read a PipeDream profile ``graph.txt`` into a :class:`CondensedGraph`.
+
+    Each node becomes a block: ``fwd_s``/``bwd_s`` = profiled times × ``time_unit_s``,
+    ``param_bytes`` = ``parameter_size``, ``activation_bytes`` = ``output_bytes`` =
+    ``activation_size`` (a list of sizes is summed); each edge carries the source's
+    ``activation_size``. ``Input`` nodes get ``fwd_s = 0`` (their time is data loading).
+
+    Args:
+        path: The ``graph.txt`` file.
+        time_unit_s: Seconds per unit of the profiled times (PipeDream: milliseconds, 1e-3).
+        name: Graph name; default the file's stem.
+
+    Raises:
+        ConfigError: for a line that is neither a node nor an edge, an edge to an unknown node, or
+            a cycle; the message gives the file and line number.
+    """
+    path = Path(path)
+    blocks: dict[str, dict[str, Any]] = {}
+    raw_edges: list[tuple[str, str]] = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.startswith("\t"):
+            parts = [p.strip() for p in line.strip().split(" -- ")]
+            if len(parts) != 2:
+                raise ConfigError(f"{path}:{lineno}: expected an edge 'src -- dst', got {line.strip()!r}")
+            raw_edges.append((parts[0], parts[1]))
+            continue
+        head, _, attrs_text = line.rpartition(" -- ")
+        node, _, desc = head.partition(" -- ")
+        attrs = {k: _pipedream_value(v) for k, v in _ATTR.findall(attrs_text)}
+        if not node or "forward_compute_time" not in attrs:
+            raise ConfigError(f"{path}:{lineno}: expected 'nodeK -- desc -- forward_compute_time=…', got {line[:80]!r}")
+        is_input = desc.strip().startswith("Input")
+        act = int(round(attrs.get("activation_size", 0.0)))
+        blocks[node.strip()] = {
+            "nodes": (node.strip(),),
+            "fwd_s": 0.0 if is_input else attrs["forward_compute_time"] * time_unit_s,
+            "bwd_s": attrs.get("backward_compute_time", 0.0) * time_unit_s,
+            "param_bytes": int(round(attrs.get("parameter_size", 0.0))),
+            "activation_bytes": act,
+            "output_bytes": act,
+        }
+    edges = [(s, d, blocks[s]["output_bytes"] if s in blocks else 0) for s, d in raw_edges]
+    return topological_graph(name or path.stem, blocks, edges)
+
+
+def _tarnawski_blocks(nodes: list[dict[str, Any]], time_unit_s: float) -> tuple[dict[str, dict[str, Any]], dict[int, str]]:
+    """Group nodes by colour class: one block per class, named after its first forward node."""
+    classes: dict[Any, list[dict[str, Any]]] = {}
+    for node in nodes:
+        key = node.get("colorClass", ("node", node["id"]))
+        classes.setdefault(key, []).append(node)
+    blocks: dict[str, dict[str, Any]] = {}
+    block_of: dict[int, str] = {}
+    for members in classes.values():
+        fwd = [m for m in members if not m.get("isBackwardNode")]
+        head = (fwd or members)[0]
+        name = str(head.get("name", f"n{head['id']}"))
+        blocks[name] = {
+            "nodes": tuple(str(m.get("name", f"n{m['id']}")) for m in members),
+            "fwd_s": sum(float(m.get("fpgaLatency", 0.0)) for m in fwd) * time_unit_s,
+            "bwd_s": sum(float(m.get("fpgaLatency", 0.0)) for m in members if m.get("isBackwardNode")) * time_unit_s,
+            "buffer_bytes": int(round(sum(float(m.get("size", 0.0)) for m in members))),
+        }
+        for m in members:
+            block_of[int(m["id"])] = name
+    return blocks, block_of
+
+
+def load_tarnawski(
+    path: str | Path, *, time_unit_s: float = 1.0, link: LinkSpec | None = None, name: str | None = None
+) -> Problem:
+    """Read a Tarnawski et al. JSON instance into a :class:`Problem`.
+
+    Mapping: ``maxFPGAs`` identical devices (speed 1, ``memory_bytes = maxSizePerFPGA``); nodes of
+    one ``colorClass`` form one block (forward latencies sum to ``fwd_s``, backward ones to
+    ``bwd_s``; ``size`` becomes ``buffer_bytes``, static memory counted once); edges between
+    forward nodes of different blocks are kept with ``size_bytes = cost × link.bytes_per_s`` (the
+    backward edges mirror them and the cost model pays each boundary twice in training).
+    ``maxCPUs``/``cpuLatency`` are ignored. ``training`` is True when any node is a backward node.
+
+    Args:
+        path: The JSON file.
+        time_unit_s: Seconds per unit of ``fpgaLatency`` and edge ``cost``.
+        link: Link of the devices; default 1e9 bytes/s and no latency.
+        name: Graph name; default the file's stem.
+
+    Raises:
+        ConfigError: when a field is missing, or the merged blocks form a cycle.
+    """
+    path = Path(path)
+    data = json.loads(path.read_text())
+    for key in ("maxSizePerFPGA", "maxFPGAs", "nodes", "edges"):
+        if key not in data:
+            raise ConfigError(f"{path}: Tarnawski JSON needs field {key!r}; found {sorted(data)}")
+    link = link or LinkSpec(bytes_per_s=1e9, latency_s=0.0)
+    blocks, block_of = _tarnawski_blocks(data["nodes"], time_unit_s)
+    backward = {int(n["id"]) for n in data["nodes"] if n.get("isBackwardNode")}
+    edges = []
+    for e in data["edges"]:
+        u, v = int(e["sourceId"]), int(e["destId"])
+        if u in backward or v in backward or block_of[u] == block_of[v]:
+            continue
+        edges.append((block_of[u], block_of[v], int(round(float(e["cost"]) * time_unit_s * link.bytes_per_s))))
+    graph = topological_graph(name or path.stem, blocks, edges)
+    cap = int(data["maxSizePerFPGA"])
+    devices = tuple(
+        DeviceSpec(f"acc{i}", memory_bytes=cap, kind="acc") for i in range(int(data["maxFPGAs"]))
+    )
+    return Problem(graph=graph, devices=devices, link=link, training=bool(backward),
+                   optimizer_state_factor=0.0, grad_factor=0.0).check()
+
+
+def _detect(path: Path) -> str:
+    text = path.read_text()
+    stripped = text.lstrip()
+    if not stripped.startswith("{"):
+        return "pipedream"
+    data = json.loads(stripped)
+    if "maxFPGAs" in data or "maxSizePerFPGA" in data:
+        return "tarnawski"
+    return "fxsplit"
+
+
+def load_graph_or_problem(path: str | Path, format: str = "auto") -> CondensedGraph | Problem:
+    """Load a graph or a whole problem from ``path``.
+
+    Args:
+        path: The file.
+        format: ``"auto"`` (JSON with ``maxFPGAs`` → tarnawski, other JSON → fxsplit, text →
+            pipedream), ``"fxsplit"``, ``"pipedream"`` or ``"tarnawski"``.
+
+    Returns:
+        A :class:`Problem` for Tarnawski files and fxsplit problem JSON (it has ``"devices"``),
+        otherwise a :class:`CondensedGraph`.
+
+    Raises:
+        ConfigError: for an unknown format, a missing file, or a malformed file.
+    """
+    path = Path(path)
+    if format not in FORMATS:
+        raise ConfigError(f"unknown graph format {format!r}; choose one of {FORMATS}")
+    if not path.is_file():
+        raise ConfigError(f"graph file {str(path)!r} does not exist")
+    fmt = _detect(path) if format == "auto" else format
+    if fmt == "pipedream":
+        return load_pipedream(path)
+    if fmt == "tarnawski":
+        return load_tarnawski(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc}); pass --format to choose a reader") from exc
+    if "devices" in data:
+        return Problem.from_dict(data).check()
+    if "blocks" in data:
+        return CondensedGraph.from_dict(data).check()
+    raise ConfigError(f"{path}: fxsplit JSON needs 'blocks' (a graph) or 'graph' and 'devices' (a problem)")

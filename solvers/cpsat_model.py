@@ -1,0 +1,257 @@
+"""The CP-SAT model of :mod:`fxsplit.solvers.cpsat`: data, variables, constraint families, hint.
+
+Reads like the OR-Tools samples: integer data first (:class:`CpData`), variables in tuple-keyed
+dicts (:class:`CpVars`), one function per constraint family saying why it exists, the objective,
+the hint. ``cp_model`` is passed in so that OR-Tools is imported only by the solver function.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from fxsplit.solvers.layout import device_classes
+
+from fxsplit.errors import SolverError
+from fxsplit.ir.plan import Plan
+from fxsplit.ir.problem import Problem
+
+__all__ = ["CpData", "CpVars", "build_model"]
+
+
+@dataclass(frozen=True)
+class CpData:
+    """The problem as integers: times in quanta (rounded down), bytes exact.
+
+    Attributes:
+        num_stages: ``S``, the most stages a plan may use.
+        unit_devices: ``[T]`` device indices of each unit (fixed: one device; free: a class).
+        allowed: ``[S]`` units stage ``s`` may run on (fixed: ``[s]``; free: all).
+        time_q: ``[T][n]`` block time on unit ``t`` in quanta.
+        static_bytes, act_bytes: ``[n]`` per block.
+        producers: ``{u: [(v, size_bytes), ...]}`` out-edges with bytes > 0.
+        comm_q: ``[S - 1]`` ``(latency quanta, quanta per byte)`` of the link after stage ``s``.
+        flights: ``{q: [S] in-flight per stage}`` for each possible number of stages ``q``
+            (one entry ``{0: ...}`` when in-flight counts do not depend on it).
+        check_memory: Whether memory can bind at all.
+    """
+
+    problem: Problem
+    quantum_s: float
+    num_stages: int
+    unit_devices: tuple[tuple[int, ...], ...]
+    allowed: tuple[tuple[int, ...], ...]
+    time_q: tuple[tuple[int, ...], ...]
+    static_bytes: tuple[int, ...]
+    act_bytes: tuple[int, ...]
+    producers: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    comm_q: tuple[tuple[int, float], ...] = ()
+    flights: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    check_memory: bool = True
+
+    @classmethod
+    def of(cls, problem: Problem, quantum_s: float | None = None) -> CpData:
+        g, k = problem.graph, problem.num_devices
+        S = min(k, len(g))
+        if problem.device_order == "free":
+            if problem.links:
+                raise SolverError("cpsat: device_order='free' with per-pair link overrides is not "
+                                  "supported; use device_order='fixed' or one link for all pairs")
+            units = tuple(device_classes(problem))
+            allowed = tuple(tuple(range(len(units))) for _ in range(S))
+        else:
+            units, allowed = tuple((d,) for d in range(k)), tuple((s,) for s in range(S))
+        times = [b.time_s if problem.training else b.fwd_s for b in g.blocks]
+        slowest = min(d.speed for d in problem.devices)
+        q = quantum_s or max(sum(times) / slowest, 1e-12) / 2**20
+        time_q = tuple(tuple(int(t / problem.devices[u[0]].speed / q) for t in times) for u in units)
+        state = problem.state_bytes_per_param_byte()
+        static = tuple(int(b.param_bytes * state + b.buffer_bytes) for b in g.blocks)
+        act = tuple(b.activation_bytes for b in g.blocks)
+        producers: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for e in g.edges:
+            if e.size_bytes > 0:
+                producers[e.src].append((e.dst, e.size_bytes))
+        comm = []
+        for s in range(S - 1):
+            link = problem.link_between(s, s + 1) if problem.device_order == "fixed" else problem.link
+            comm.append((int(link.latency_s / q), 1.0 / (link.bytes_per_s * q)))
+        worst_flight = problem.in_flight(0, k)
+        whole = sum(static) + (sum(act) + 2 * sum(sz for es in producers.values() for _, sz in es)) * worst_flight
+        check = whole > min(d.memory_bytes for d in problem.devices)
+        per_q = check and problem.training and problem.schedule == "1f1b" and problem.microbatches > 1
+        counts = ([k] if not problem.allow_idle_devices else list(range(1, S + 1))) if per_q else [0]
+        flights = {p: tuple(problem.in_flight(s, p if p else k) for s in range(S)) for p in counts}
+        return cls(problem, q, S, units, allowed, time_q, static, act, dict(producers), tuple(comm),
+                   flights, check)
+
+
+@dataclass
+class CpVars:
+    """Model variables, keyed like the data."""
+
+    x: dict[tuple[int, int], Any] = field(default_factory=dict)          # block b in stage s
+    nonempty: dict[int, Any] = field(default_factory=dict)               # stage s has blocks
+    use: dict[tuple[int, int], Any] = field(default_factory=dict)        # stage s runs on unit t
+    pipe: dict[int, Any] = field(default_factory=dict)                   # exactly q stages (1F1B)
+    out_bytes: dict[int, Any] = field(default_factory=dict)              # bytes over boundary s
+    comm_q: dict[int, Any] = field(default_factory=dict)                 # quanta over boundary s
+    load: dict[int, Any] = field(default_factory=dict)                   # stage s time, quanta
+    bottleneck: Any = None
+
+
+def _prefix(v: CpVars, b: int, s: int) -> Any:
+    """``a[b, s]``: 1 when block ``b`` is in stages ``0..s``."""
+    return sum(v.x[b, r] for r in range(s + 1))
+
+
+def add_assignment(m: Any, d: CpData, v: CpVars) -> None:
+    """Each block in exactly one stage; stages used in order (empty ones last)."""
+    n, S = len(d.static_bytes), d.num_stages
+    for b in range(n):
+        for s in range(S):
+            v.x[b, s] = m.NewBoolVar(f"x[{b},{s}]")
+        m.AddExactlyOne(v.x[b, s] for s in range(S))
+    for s in range(S):
+        v.nonempty[s] = m.NewBoolVar(f"nonempty[{s}]")
+        m.AddMaxEquality(v.nonempty[s], [v.x[b, s] for b in range(n)])
+        if s > 0:
+            m.Add(v.nonempty[s] <= v.nonempty[s - 1])
+    if not d.problem.allow_idle_devices:
+        for s in range(S):
+            m.Add(v.nonempty[s] == 1)
+
+
+def add_precedence(m: Any, d: CpData, v: CpVars) -> None:
+    """Stage index never decreases along an edge, so every stage prefix is a downset."""
+    S = d.num_stages
+    for e in d.problem.graph.edges:
+        m.Add(sum(s * v.x[e.src, s] for s in range(S)) <= sum(s * v.x[e.dst, s] for s in range(S)))
+
+
+def add_units(m: Any, d: CpData, v: CpVars) -> None:
+    """A non-empty stage runs on one allowed unit; a unit runs at most as many stages as it has."""
+    for s, units in enumerate(d.allowed):
+        for t in units:
+            v.use[s, t] = m.NewBoolVar(f"use[{s},{t}]")
+        m.Add(sum(v.use[s, t] for t in units) == v.nonempty[s])
+    for t, devs in enumerate(d.unit_devices):
+        m.Add(sum(v.use[s, t] for s in range(d.num_stages) if (s, t) in v.use) <= len(devs))
+
+
+def _max_comm_q(d: CpData, s: int) -> int:
+    lat_q, q_per_byte = d.comm_q[s]
+    return lat_q + sum(int(max(sz for _, sz in outs) * q_per_byte) for outs in d.producers.values())
+
+
+def add_boundaries(m: Any, d: CpData, v: CpVars) -> None:
+    """Bytes and time over each boundary: a producer sends its largest crossing edge once.
+
+    ``cross[u, size, s]`` is forced to 1 when an edge of that size from ``u`` crosses boundary
+    ``s`` (``a[u, s] - a[v, s] = 1``); the minimisation keeps it 0 otherwise.
+    """
+    for s in range(d.num_stages - 1):
+        lat_q, q_per_byte = d.comm_q[s]
+        any_cross = m.NewBoolVar(f"any_cross[{s}]")
+        sent_bytes, sent_q = [], []
+        for u, outs in d.producers.items():
+            by_size: dict[int, list[int]] = defaultdict(list)
+            for dst, sz in outs:
+                by_size[sz].append(dst)
+            cross = {}
+            for sz, dsts in by_size.items():
+                cross[sz] = m.NewBoolVar(f"cross[{u},{sz},{s}]")
+                for dst in dsts:
+                    m.Add(cross[sz] >= _prefix(v, u, s) - _prefix(v, dst, s))
+                m.AddImplication(cross[sz], any_cross)
+            big = max(by_size)
+            if len(cross) == 1:
+                sent_bytes.append(big * cross[big])
+                sent_q.append(int(big * q_per_byte) * cross[big])
+                continue
+            b_var = m.NewIntVar(0, big, f"sent_bytes[{u},{s}]")
+            q_var = m.NewIntVar(0, int(big * q_per_byte), f"sent_q[{u},{s}]")
+            for sz, c in cross.items():
+                m.Add(b_var >= sz * c)
+                m.Add(q_var >= int(sz * q_per_byte) * c)
+            sent_bytes.append(b_var)
+            sent_q.append(q_var)
+        v.out_bytes[s] = sum(sent_bytes)
+        v.comm_q[s] = lat_q * any_cross + sum(sent_q)
+
+
+def add_loads(m: Any, d: CpData, v: CpVars) -> None:
+    """Stage time on its unit: compute plus communication in and out (twice in training)."""
+    n, k, S = len(d.static_bytes), 2 if d.problem.training else 1, d.num_stages
+    comm_max = max((_max_comm_q(d, s) for s in range(S - 1)), default=0)
+    horizon = max(sum(tq) for tq in d.time_q) + 2 * k * comm_max
+    v.bottleneck = m.NewIntVar(0, horizon, "bottleneck")
+    for s in range(S):
+        v.load[s] = m.NewIntVar(0, horizon, f"load[{s}]")
+        comm = (v.comm_q[s - 1] if s > 0 else 0) + (v.comm_q[s] if s < S - 1 else 0)
+        for t in d.allowed[s]:
+            work = sum(d.time_q[t][b] * v.x[b, s] for b in range(n))
+            m.Add(v.load[s] >= work + k * comm).OnlyEnforceIf(v.use[s, t])
+        m.Add(v.bottleneck >= v.load[s])
+
+
+def add_memory(m: Any, d: CpData, v: CpVars) -> None:
+    """Stage memory fits its device: state + (activations + inputs) × in-flight + outputs."""
+    if not d.check_memory:
+        return
+    n, S = len(d.static_bytes), d.num_stages
+    if len(d.flights) > 1:
+        for q in d.flights:
+            v.pipe[q] = m.NewBoolVar(f"pipe[{q}]")
+        m.AddExactlyOne(v.pipe.values())
+        for s in range(S):
+            m.Add(v.nonempty[s] == sum(v.pipe[q] for q in d.flights if q > s))
+    for s in range(S):
+        in_b = v.out_bytes[s - 1] if s > 0 else 0
+        out_b = v.out_bytes[s] if s < S - 1 else 0
+        for q, flight in d.flights.items():
+            if q and q <= s:
+                continue
+            f = flight[s]
+            mem = sum((d.static_bytes[b] + d.act_bytes[b] * f) * v.x[b, s] for b in range(n)) + f * in_b + out_b
+            for t in d.allowed[s]:
+                cap = d.problem.devices[d.unit_devices[t][0]].memory_bytes
+                lits = [v.use[s, t]] + ([v.pipe[q]] if q in v.pipe else [])
+                m.Add(mem <= cap).OnlyEnforceIf(lits)
+
+
+def add_objective(m: Any, d: CpData, v: CpVars) -> None:
+    """Bottleneck, or the fill-drain makespan ``Σ load + (m - 1) · bottleneck``."""
+    if d.problem.objective == "bottleneck":
+        m.Minimize(v.bottleneck)
+    else:
+        m.Minimize(sum(v.load.values()) + (d.problem.microbatches - 1) * v.bottleneck)
+
+
+def add_hint(m: Any, d: CpData, v: CpVars, plan: Plan) -> None:
+    """Start from ``plan`` (its stage of each block and unit of each stage)."""
+    stage_of = plan.stage_of_block()
+    for (b, s), var in v.x.items():
+        m.AddHint(var, int(stage_of.get(b) == s))
+    unit_of_device = {dev: t for t, devs in enumerate(d.unit_devices) for dev in devs}
+    for (s, t), var in v.use.items():
+        m.AddHint(var, int(s < plan.num_stages and unit_of_device.get(plan.stages[s].device, -1) == t))
+    for q, var in v.pipe.items():
+        m.AddHint(var, int(q == plan.num_stages))
+
+
+def build_model(cp_model: Any, d: CpData, hint: Plan | None) -> tuple[Any, CpVars]:
+    """The full model and its variables; ``hint`` seeds the search when given."""
+    m, v = cp_model.CpModel(), CpVars()
+    add_assignment(m, d, v)
+    add_precedence(m, d, v)
+    add_units(m, d, v)
+    add_boundaries(m, d, v)
+    add_loads(m, d, v)
+    add_memory(m, d, v)
+    add_objective(m, d, v)
+    if hint is not None and math.isfinite(hint.objective_s):
+        add_hint(m, d, v, hint)
+    return m, v

@@ -1,0 +1,133 @@
+"""Explain why no plan fits: which stage and device, by how much, and what would fix it.
+
+The explanation is itself exact: the DP with stage cost ``memory - device memory`` and ``max``
+finds the split whose worst overflow is smallest. Its overflow is the least memory to add to every
+device; adding copies of the largest device until that DP reaches ``<= 0`` gives the least number
+of devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+
+from fxsplit.solvers.dpcore import DPResult
+
+from fxsplit.errors import InfeasibleError, SolverError
+from fxsplit.ir.devices import DeviceSpec
+from fxsplit.ir.plan import evaluate
+from fxsplit.ir.problem import Problem
+
+__all__ = ["fmt_bytes", "infeasible_error", "stage_count_error"]
+
+logger = logging.getLogger(__name__)
+
+RunExcess = Callable[[Problem, float], DPResult]
+"""Runs the min-max-overflow DP for a problem; returns the best result and the layouts used."""
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable bytes: ``fmt_bytes(3 * 2**30) == '3.00 GiB'``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def stage_count_error(problem: Problem) -> InfeasibleError:
+    """``allow_idle_devices=False`` but the graph has fewer blocks than there are devices."""
+    n, k = len(problem.graph), problem.num_devices
+    err = InfeasibleError(
+        f"graph {problem.graph.name!r} has {n} blocks but allow_idle_devices=False asks for "
+        f"{k} non-empty stages; use at most {n} devices, or set allow_idle_devices=True"
+    )
+    err.min_devices = None  # type: ignore[attr-defined]
+    return err
+
+
+def _least_devices(problem: Problem, run_excess: RunExcess, deadline: float) -> int | None:
+    """Fewest devices (copies of the largest added) with no overflow: doubling, then bisection.
+
+    Returns ``None`` when a single block cannot fit the largest device, when the search limit
+    (``min(blocks, 4k + 4, 64)``) is reached, or when ``deadline`` passes.
+    """
+    big = max(problem.devices, key=lambda d: (d.memory_bytes, d.speed))
+    state = problem.state_bytes_per_param_byte()
+    alone = max(b.param_bytes * state + b.buffer_bytes + b.activation_bytes for b in problem.graph.blocks)
+    if alone > big.memory_bytes:
+        return None
+
+    def fits(k: int) -> bool:
+        extra = tuple(big.with_(name=f"{big.name}+{i}") for i in range(k - problem.num_devices))
+        return run_excess(problem.with_(devices=tuple(problem.devices) + extra), deadline).value <= 0
+
+    lo, limit = problem.num_devices, min(len(problem.graph), 4 * problem.num_devices + 4, 64)
+    try:
+        step, hi = 1, lo + 1
+        while not fits(hi):
+            if hi >= limit:
+                return None
+            lo, step = hi, 2 * step
+            hi = min(limit, lo + step)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    except SolverError:  # deadline passed inside the DP
+        return None
+    return hi
+
+
+def infeasible_error(
+    problem: Problem,
+    stages: Sequence[Sequence[int]],
+    devices: Sequence[int],
+    overflow_bytes: float,
+    run_excess: RunExcess,
+    *,
+    budget_s: float = 3.0,
+) -> InfeasibleError:
+    """Build the :class:`InfeasibleError` for a problem whose best split still overflows.
+
+    Args:
+        problem: The infeasible problem.
+        stages, devices: The split with the smallest worst overflow (``[num_stages][*]`` block
+            ids and ``[num_stages]`` device indices).
+        overflow_bytes: That split's worst overflow (``> 0``), bytes.
+        run_excess: Re-runs the overflow DP on a problem with more devices.
+        budget_s: Seconds to spend looking for the least number of devices.
+
+    Returns:
+        The error (not raised), with attributes ``stage``, ``device``, ``need_bytes``,
+        ``cap_bytes``, ``over_bytes``, ``min_memory_bytes`` and ``min_devices`` (``None`` when
+        no number of devices up to the search limit helps).
+    """
+    plan = evaluate(problem, stages, devices)
+    worst = max(range(plan.num_stages),
+                key=lambda s: plan.stages[s].memory_bytes - problem.devices[plan.stages[s].device].memory_bytes)
+    st = plan.stages[worst]
+    dev: DeviceSpec = problem.devices[st.device]
+    over = st.memory_bytes - dev.memory_bytes
+    min_mem = max(d.memory_bytes for d in problem.devices) + math.ceil(overflow_bytes)
+    if len({d.memory_bytes for d in problem.devices}) > 1:
+        mem_fix = f"add {fmt_bytes(overflow_bytes)} to every device's memory"
+    else:
+        mem_fix = f"give every device at least {fmt_bytes(min_mem)} ({min_mem} bytes)"
+    min_dev = _least_devices(problem, run_excess, time.perf_counter() + budget_s)
+    dev_fix = (f"or use {min_dev} devices" if min_dev is not None
+               else "adding devices alone does not help (or the search gave up)")
+    err = InfeasibleError(
+        f"no split of graph {problem.graph.name!r} ({len(problem.graph)} blocks) over "
+        f"{problem.num_devices} devices fits in memory (schedule={problem.schedule}, "
+        f"microbatches={problem.microbatches}): the split that overflows least still needs "
+        f"{fmt_bytes(st.memory_bytes)} on stage {worst} (blocks {list(st.blocks)[:6]}"
+        f"{'…' if len(st.blocks) > 6 else ''}), device {st.device} {dev.name!r} has "
+        f"{fmt_bytes(dev.memory_bytes)}: {fmt_bytes(over)} over. Fix: {mem_fix}, {dev_fix}"
+    )
+    for key, value in (("stage", worst), ("device", st.device), ("need_bytes", st.memory_bytes),
+                       ("cap_bytes", dev.memory_bytes), ("over_bytes", over),
+                       ("min_memory_bytes", min_mem), ("min_devices", min_dev)):
+        setattr(err, key, value)
+    logger.info("infeasible: %s", err)
+    return err

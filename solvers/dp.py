@@ -1,0 +1,204 @@
+"""``dp``: the exact dynamic program over downsets and devices (torch-free).
+
+Bottleneck. With ``f[slot][I]`` the least bottleneck of a pipeline covering the downset ``I`` whose
+stages used the devices summarised by ``slot`` (see :mod:`fxsplit.solvers.layout`)::
+
+    f[0][∅] = 0,   f[dst][I] = min over moves (src -> dst), J ⊊ I of max(f[src][J], cost(J, I))
+
+and the optimum is ``min over end slots of f[slot][V]``; ``cost`` is the stage time on the
+move's device with communication, ``+inf`` when its memory does not fit (memory prunes states).
+Ties are broken by a second pass minimising the sum of stage times under the optimal bottleneck.
+Time ``O(P · M)`` for ``P ≤ D²/2`` downset pairs and ``M`` moves (fixed order: ``k`` devices;
+free order: ``Π(n_t + 1) · T`` for ``T`` device classes of ``n_t`` devices); memory ``O(S · D)``.
+
+Makespan ``Σ_s t_s + (m - 1) · max_s t_s`` is not a min-max, so it is solved exactly by a
+parametric sweep over the bottleneck ``τ``: ``S(τ)`` = least sum of stage times with every stage
+``≤ τ`` (the same DP with ``+``), evaluated at ``τ_0`` = the optimal bottleneck and then at each
+next larger stage cost (the DP reports it), until ``S(∞) + (m - 1) · τ`` reaches the best makespan
+found. Every plan ``P`` is dominated at ``τ = max(P)``, so the sweep is exact; it stops with status
+``feasible`` and a proven bound after ``max_rounds`` rounds.
+
+1F1B memory depends on the number of stages ``p`` (stage ``s`` holds ``min(m, p - s)``
+micro-batches); when memory can bind, the DP runs once per ``p``.
+
+References:
+    Tarnawski et al., "Efficient Algorithms for Device Placement of DNN Graph Operators",
+    NeurIPS 2020, §4; Narayanan et al., "PipeDream", SOSP 2019, §3.1 (its optimizer is this DP on
+    chains).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fxsplit.solvers.diagnose import infeasible_error, stage_count_error
+from fxsplit.solvers.dpcore import DPResult, run_dp
+from fxsplit.solvers.layout import Layout, build_layout
+from fxsplit.solvers.tables import DownsetTables, build_tables
+
+from fxsplit.errors import InternalError
+from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, members
+from fxsplit.ir.plan import Plan, evaluate
+from fxsplit.ir.problem import Problem
+
+__all__ = ["solve_dp"]
+
+logger = logging.getLogger(__name__)
+
+
+def _memory_can_bind(problem: Problem, tb: DownsetTables) -> bool:
+    """False when even the whole graph on one stage with the most micro-batches in flight fits."""
+    flight = problem.in_flight(0, problem.num_devices)
+    cut = float(tb.cut_bytes.max())
+    worst = tb.static_bytes[tb.full] + (tb.act_bytes[tb.full] + cut) * flight + cut
+    return bool(worst >= min(d.memory_bytes for d in problem.devices) + 1)
+
+
+def _layout(problem: Problem, tb: DownsetTables) -> Layout:
+    """The DP state space; one chain of slots per stage count when 1F1B in-flight counts matter."""
+    bind = _memory_can_bind(problem, tb)
+    per_p = bind and problem.training and problem.schedule == "1f1b" and problem.microbatches > 1
+    return build_layout(problem, len(problem.graph), bind, per_p)
+
+
+def _to_lists(res: DPResult, layout: Layout) -> tuple[list[list[int]], list[int]]:
+    """Block lists and concrete device indices (free order: next unused device of the class)."""
+    stages, devices = [], []
+    used: dict[int, int] = {}
+    for mask, unit in res.stages:
+        stages.append(members(mask))
+        devices.append(layout.units[unit][used.get(unit, 0)])
+        used[unit] = used.get(unit, 0) + 1
+    return stages, devices
+
+
+def _infeasible(problem: Problem, tb: DownsetTables, comm: float) -> Exception:
+    def run_excess(pb: Problem, deadline: float) -> DPResult:
+        return run_dp(tb, _layout(pb, tb), comm_factor=comm, kind="excess", deadline=deadline)
+
+    lay = _layout(problem, tb)
+    res = run_dp(tb, lay, comm_factor=comm, kind="excess")
+    if not res.stages:
+        return stage_count_error(problem)
+    stages, devices = _to_lists(res, lay)
+    return infeasible_error(problem, stages, devices, res.value, run_excess)
+
+
+class _Sweep:
+    """Sum-of-stage-times DPs under a bottleneck cap, counted, with the best makespan seen."""
+
+    def __init__(self, problem: Problem, tb: DownsetTables, lay: Layout, comm: float,
+                 deadline: float | None) -> None:
+        self.problem, self.tb, self.lay, self.comm, self.deadline = problem, tb, lay, comm, deadline
+        self.runs = 0
+        self.best: tuple[float, DPResult] | None = None
+
+    def __call__(self, cap_s: float) -> DPResult:
+        self.runs += 1
+        res = run_dp(self.tb, self.lay, comm_factor=self.comm, combine="sum", cap_s=cap_s,
+                     deadline=self.deadline)
+        if res.stages:
+            obj = evaluate(self.problem, *_to_lists(res, self.lay)).makespan_s
+            if self.best is None or obj < self.best[0]:
+                self.best = (obj, res)
+        return res
+
+
+def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau0: float,
+              deadline: float | None, max_rounds: int) -> tuple[DPResult, float, int]:
+    """Exact makespan by visiting the drops of ``S(τ)`` (least sum of stage times, stages ``<= τ``).
+
+    Within an interval where ``S`` is constant the best ``S(τ) + (m - 1)·τ`` is at its left end,
+    so only ``τ_0`` and the points where ``S`` drops matter; each drop is found by bisection on
+    ``τ`` snapped to the DP's next stage cost. Plans with bottleneck ``>= τ`` cost at least
+    ``S(∞) + (m - 1)·τ``, which bounds the sweep. Returns the best result, a proven lower bound
+    and the number of DP runs.
+    """
+    m1 = problem.microbatches - 1
+    smin = run_dp(tb, lay, comm_factor=comm, combine="sum", deadline=deadline)
+    if m1 == 0:
+        return smin, smin.value, 1
+    sweep = _Sweep(problem, tb, lay, comm, deadline)
+    cur = sweep(tau0)
+    tau = tau0
+    while sweep.best is not None and sweep.runs < max_rounds:
+        tau_max = (sweep.best[0] - smin.value) / m1
+        if tau_max <= tau or sweep(tau_max).value >= cur.value:
+            return sweep.best[1], sweep.best[0], sweep.runs
+        lo, hi, nb = tau, tau_max, cur.next_break
+        while nb < hi and sweep.runs < max_rounds:
+            mid = max(nb, (lo + hi) / 2)
+            probe = sweep(mid)
+            if probe.value < cur.value:
+                hi = mid
+            else:
+                lo, nb = mid, probe.next_break
+        tau = min(nb, hi)
+        cur = sweep(tau)
+    if sweep.best is None:
+        raise InternalError("dp makespan sweep found no plan under the optimal bottleneck")
+    return sweep.best[1], min(sweep.best[0], smin.value + m1 * tau), sweep.runs
+
+
+def solve_dp(
+    problem: Problem,
+    *,
+    time_limit_s: float | None = None,
+    max_downsets: int | None = DEFAULT_MAX_DOWNSETS,
+    tie_break: bool = True,
+    max_rounds: int = 200,
+) -> Plan:
+    """Optimal contiguous split by dynamic programming over the downsets of the graph.
+
+    Args:
+        problem: The problem; devices in pipeline order (``"fixed"``) or chosen (``"free"``).
+        time_limit_s: Give up after this many seconds (``None``: no limit).
+        max_downsets: Downset budget; above it the DP refuses (use ``cpsat``).
+        tie_break: Among bottleneck-optimal splits return one with the least sum of stage times.
+        max_rounds: Makespan only: most rounds of the bottleneck sweep before returning the best
+            plan found with status ``feasible`` and a proven lower bound.
+
+    Returns:
+        The plan, built by :func:`evaluate`, status ``optimal`` (or ``feasible`` when the makespan
+        sweep was cut short), ``lower_bound_s`` = the proven optimum or bound.
+
+    Raises:
+        InfeasibleError: when no split fits in memory (stage, device, overflow, least memory and
+            least number of devices), or too few blocks for ``allow_idle_devices=False``.
+        DownsetBudgetError: when the graph has more than ``max_downsets`` downsets.
+        SolverError: on time-out, or free device order with per-pair links.
+
+    Example:
+        >>> from fxsplit.ir import CondensedGraph, DeviceSpec, Problem
+        >>> devices = tuple(DeviceSpec(f"d{i}") for i in range(3))
+        >>> solve_dp(Problem(CondensedGraph.chain([5, 1, 1, 1, 1, 1, 1, 1, 1]), devices)).bottleneck_s
+        5.0
+    """
+    start = time.perf_counter()
+    deadline = None if time_limit_s is None else start + time_limit_s
+    problem.check()
+    if not problem.allow_idle_devices and len(problem.graph) < problem.num_devices:
+        raise stage_count_error(problem)
+    tb = build_tables(problem, max_downsets)
+    lay = _layout(problem, tb)
+    comm = 2.0 if problem.training else 1.0
+    res = run_dp(tb, lay, comm_factor=comm, deadline=deadline)
+    if not res.stages:
+        raise _infeasible(problem, tb, comm)
+    bound, rounds = res.value, 0
+    if problem.objective == "makespan":
+        res, bound, rounds = _makespan(problem, tb, lay, comm, res.value, deadline, max_rounds)
+    elif tie_break:
+        res = run_dp(tb, lay, comm_factor=comm, combine="sum", cap_s=res.value, deadline=deadline,
+                     want_break=False)
+    stages, devices = _to_lists(res, lay)
+    stats = {"downsets": tb.num, "slots": lay.num_slots, "moves": len(lay.moves), "rounds": rounds}
+    plan = evaluate(problem, stages, devices, solver="dp", lower_bound_s=bound, stats=stats)
+    status = "optimal" if plan.gap <= 1e-9 else "feasible"
+    if status == "optimal":  # the DP's value and evaluate() differ only by summation order
+        plan = plan.with_(lower_bound_s=plan.objective_s)
+    plan = plan.with_(status=status, solve_time_s=time.perf_counter() - start)
+    logger.debug("dp: %s %.6g s (bound %.6g, %s) in %.3f s", problem.objective, plan.objective_s,
+                 bound, status, plan.solve_time_s)
+    return plan

@@ -1,0 +1,85 @@
+"""``fxsplit solve``: options, JSON fields, table, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fxsplit.cli import _register_all, app
+from fxsplit.cli.solve import parse_bytes
+from fxsplit.errors import ConfigError
+from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, Problem
+
+runner = CliRunner()
+_register_all()
+
+
+@pytest.fixture
+def graph_file(tmp_path: Path) -> Path:
+    blocks = tuple(Block(i, f"b{i}", (f"n{i}",), fwd_s=1.0 + i, bwd_s=1.0, param_bytes=1000,
+                         activation_bytes=100, output_bytes=100) for i in range(6))
+    g = CondensedGraph(blocks, tuple(Edge(i, i + 1, 100) for i in range(5)), name="six")
+    path = tmp_path / "g.json"
+    path.write_text(g.to_json())
+    return path
+
+
+def test_json_output_fields(graph_file: Path) -> None:
+    res = runner.invoke(app, ["solve", str(graph_file), "--devices", "3", "--solver", "dp", "--json",
+                              "--objective", "makespan", "--microbatches", "4", "--schedule", "gpipe"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    for key in ("solver", "status", "bottleneck_s", "objective_s", "lower_bound_s", "solve_time_s", "stages"):
+        assert key in doc
+    assert doc["solver"] == "dp" and doc["status"] == "optimal" and doc["objective"] == "makespan"
+    for st in doc["stages"]:
+        assert {"device", "nodes", "compute_s", "comm_s", "memory_bytes"} <= set(st)
+    assert sorted(n for st in doc["stages"] for n in st["nodes"]) == [f"n{i}" for i in range(6)]
+
+
+def test_table_output_and_no_comm(graph_file: Path) -> None:
+    res = runner.invoke(app, ["solve", str(graph_file), "--devices", "2", "--no-comm", "--solver", "uniform"])
+    assert res.exit_code == 0, res.output
+    assert "uniform" in res.stdout and "stage" in res.stdout
+
+
+def test_devices_file_and_memory_limit(graph_file: Path, tmp_path: Path) -> None:
+    devs = tmp_path / "devs.json"
+    devs.write_text(json.dumps({"devices": [{"name": "fast", "speed": 4.0}, {"name": "slow"}],
+                                "device_order": "free"}))
+    res = runner.invoke(app, ["solve", str(graph_file), "--devices-file", str(devs), "--json",
+                              "--memory-limit", "1MiB", "--time-limit", "10"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert {st["device_name"] for st in doc["stages"]} <= {"fast", "slow"}
+
+
+def test_infeasible_exit_code_and_message(graph_file: Path) -> None:
+    res = runner.invoke(app, ["solve", str(graph_file), "--devices", "2", "--memory-limit", "2000"])
+    assert res.exit_code == 2
+    assert "infeasible" in res.output and "over" in res.output
+
+
+def test_config_errors(graph_file: Path) -> None:
+    res = runner.invoke(app, ["solve", str(graph_file)])
+    assert res.exit_code == 1 and "--devices" in res.output
+    res = runner.invoke(app, ["solve", str(graph_file), "--devices", "2", "--solver", "magic"])
+    assert res.exit_code == 1 and "unknown solver" in res.output
+
+
+def test_problem_file_keeps_its_devices(tmp_path: Path) -> None:
+    pb = Problem(CondensedGraph.chain([1.0, 1.0, 1.0]), (DeviceSpec("x"), DeviceSpec("y")))
+    path = tmp_path / "p.json"
+    path.write_text(pb.to_json())
+    res = runner.invoke(app, ["solve", str(path), "--json", "--format", "fxsplit"])
+    assert res.exit_code == 0, res.output
+    assert {st["device_name"] for st in json.loads(res.stdout)["stages"]} == {"x", "y"}
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("16GiB") == 16 * 2**30 and parse_bytes("1e9") == 10**9 and parse_bytes("500 MB") == 5 * 10**8
+    with pytest.raises(ConfigError):
+        parse_bytes("lots")

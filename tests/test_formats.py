@@ -1,0 +1,88 @@
+"""Loaders: PipeDream graph.txt, Tarnawski JSON, fxsplit JSON, format detection."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fxsplit.errors import ConfigError
+from fxsplit.ir import CondensedGraph, DeviceSpec, Problem
+from fxsplit.ir.formats import load_graph_or_problem, load_pipedream, load_tarnawski
+
+PIPEDREAM = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "pipedream"
+needs_pipedream = pytest.mark.skipif(not PIPEDREAM.is_dir(), reason=f"PipeDream graphs not found at {PIPEDREAM}")
+
+SMALL = """node2 -- Conv2d(3, 64) -- forward_compute_time=2.000, backward_compute_time=4.000, activation_size=100.0, parameter_size=50.000
+\tnode2 -- node3
+node1 -- Input -- forward_compute_time=600.0, backward_compute_time=0.000, activation_size=10.0, parameter_size=0.000
+\tnode1 -- node2
+node3 -- LSTM -- forward_compute_time=1.0, backward_compute_time=1.0, activation_size=[6.0; 1.0; 1.0], parameter_size=8.000
+"""
+
+
+def test_pipedream_small(tmp_path: Path) -> None:
+    path = tmp_path / "graph.txt"
+    path.write_text(SMALL)
+    g = load_pipedream(path)
+    assert [b.name for b in g.blocks] == ["node1", "node2", "node3"]
+    assert g.blocks[0].fwd_s == 0.0  # Input counts 0
+    assert g.blocks[1].fwd_s == pytest.approx(2e-3) and g.blocks[1].bwd_s == pytest.approx(4e-3)
+    assert g.blocks[2].activation_bytes == 8 and g.blocks[1].param_bytes == 50
+    assert [(e.src, e.dst, e.size_bytes) for e in g.edges] == [(0, 1, 10), (1, 2, 100)]
+    assert load_graph_or_problem(path) == g
+
+
+def test_pipedream_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.txt"
+    path.write_text("this is not a node\n")
+    with pytest.raises(ConfigError, match="bad.txt:1"):
+        load_pipedream(path)
+
+
+@needs_pipedream
+@pytest.mark.parametrize("name,nodes", [("alexnet", 23), ("vgg16", 41), ("resnet18", 71), ("resnet50", 177),
+                                        ("densenet121", 429), ("gnmt", 48)])
+def test_pipedream_shared_graphs(name: str, nodes: int) -> None:
+    g = load_pipedream(PIPEDREAM / f"{name}.txt")
+    assert len(g) == nodes and g.validate() == [] and g.total_time_s > 0
+
+
+def test_tarnawski_color_classes_and_backward(tmp_path: Path) -> None:
+    data = {
+        "maxSizePerFPGA": 1000.0, "maxFPGAs": 3, "maxCPUs": 0,
+        "nodes": [
+            {"id": 0, "fpgaLatency": 1.0, "size": 10, "isBackwardNode": 0, "colorClass": 7},
+            {"id": 1, "fpgaLatency": 2.0, "size": 20, "isBackwardNode": 0},
+            {"id": 2, "fpgaLatency": 3.0, "size": 0, "isBackwardNode": 1, "colorClass": 7},
+            {"id": 3, "fpgaLatency": 0.5, "size": 5, "isBackwardNode": 0, "colorClass": 7},
+        ],
+        "edges": [{"sourceId": 0, "destId": 1, "cost": 0.25}, {"sourceId": 1, "destId": 2, "cost": 0.5},
+                  {"sourceId": 0, "destId": 3, "cost": 0.25}],
+    }
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))
+    pb = load_graph_or_problem(path)
+    assert isinstance(pb, Problem) and pb.num_devices == 3 and pb.training
+    assert {d.memory_bytes for d in pb.devices} == {1000}
+    merged = next(b for b in pb.graph.blocks if len(b.nodes) == 3)
+    assert merged.fwd_s == pytest.approx(1.5) and merged.bwd_s == pytest.approx(3.0) and merged.buffer_bytes == 15
+    assert len(pb.graph) == 2 and len(pb.graph.edges) == 1
+    assert load_tarnawski(path) == pb
+
+
+def test_fxsplit_json_graph_and_problem(tmp_path: Path) -> None:
+    g = CondensedGraph.chain([1.0, 2.0])
+    (tmp_path / "g.json").write_text(g.to_json())
+    pb = Problem(g, (DeviceSpec("a"),))
+    (tmp_path / "p.json").write_text(pb.to_json())
+    assert load_graph_or_problem(tmp_path / "g.json") == g
+    assert load_graph_or_problem(tmp_path / "p.json", format="fxsplit") == pb
+
+
+def test_unknown_format_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="format"):
+        load_graph_or_problem(tmp_path / "x", format="onnx")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_graph_or_problem(tmp_path / "x")

@@ -1,0 +1,186 @@
+"""The exact DP: equal to brute force, valid plans, invariances, heterogeneous devices, errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+from fxsplit.solvers import solve, solve_dp
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from strategies import MiB, problems
+
+from fxsplit.errors import InfeasibleError, SolverError
+from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, LinkSpec, Problem, evaluate
+from fxsplit.ir.downsets import count_downsets, members
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def brute_force(problem: Problem) -> float:
+    """Least objective over every chain of downsets and every device assignment (math.inf if none)."""
+    g, k = problem.graph, problem.num_devices
+    n, full = len(g), (1 << len(g)) - 1
+    downs = [m for m in range(full + 1) if g.is_downset(set(members(m)))]
+    best = math.inf
+
+    def consider(chain: list[int]) -> None:
+        nonlocal best
+        stages = [members(b & ~a) for a, b in itertools.pairwise(chain)]
+        p = len(stages)
+        if not problem.allow_idle_devices and p != k:
+            return
+        assigns = [tuple(range(p))] if problem.device_order == "fixed" else itertools.permutations(range(k), p)
+        for devs in assigns:
+            plan = evaluate(problem, stages, devs)
+            if all(st.memory_bytes <= problem.devices[st.device].memory_bytes for st in plan.stages):
+                best = min(best, plan.objective_s)
+
+    def rec(chain: list[int]) -> None:
+        last = chain[-1]
+        if last == full:
+            consider(chain)
+            return
+        if len(chain) - 1 >= k:
+            return
+        for ideal in downs:
+            if ideal != last and ideal & last == last:
+                rec(chain + [ideal])
+
+    if n:
+        rec([0])
+    return best
+
+
+def _check_against_brute(problem: Problem) -> None:
+    expected = brute_force(problem)
+    if math.isinf(expected):
+        with pytest.raises(InfeasibleError):
+            solve(problem, "dp")
+        return
+    plan = solve(problem, "dp")
+    assert plan.status == "optimal"
+    assert plan.objective_s == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert plan.lower_bound_s == pytest.approx(plan.objective_s, rel=1e-9)
+
+
+@SETTINGS
+@given(problems(max_blocks=9, max_devices=4, objective=None, memory_mib=(8, 64)))
+def test_dp_equals_brute_force_fixed_order(problem: Problem) -> None:
+    assume(count_downsets(problem.graph, limit=40) is not None)
+    _check_against_brute(problem)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_blocks=6, max_devices=4, heterogeneous=True, device_order="free", objective=None,
+                memory_mib=(8, 64)))
+def test_dp_equals_brute_force_free_order_heterogeneous(problem: Problem) -> None:
+    assume(count_downsets(problem.graph, limit=25) is not None)
+    _check_against_brute(problem)
+
+
+@SETTINGS
+@given(problems(max_blocks=9, max_devices=4, heterogeneous=True, objective=None), st.sampled_from([0.5, 3.0]))
+def test_scaling_times_scales_optimum(problem: Problem, c: float) -> None:
+    g = problem.graph
+    scaled = CondensedGraph(tuple(replace(b, fwd_s=b.fwd_s * c, bwd_s=b.bwd_s * c) for b in g.blocks), g.edges)
+    link = LinkSpec(problem.link.bytes_per_s / c, problem.link.latency_s * c)
+    base = solve(problem, "dp").objective_s
+    assert solve(problem.with_(graph=scaled, link=link), "dp").objective_s == pytest.approx(c * base, rel=1e-9)
+
+
+@SETTINGS
+@given(problems(max_blocks=9, max_devices=4, objective=None, memory_mib=(16, 64)))
+def test_one_more_device_never_worse(problem: Problem) -> None:
+    more = problem.with_(devices=problem.devices + (problem.devices[-1].with_(name="extra"),))
+    try:
+        before = solve(problem, "dp").objective_s
+    except InfeasibleError:
+        solve_or_infeasible = None
+    else:
+        solve_or_infeasible = before
+    after = solve(more, "dp").objective_s if solve_or_infeasible is not None else None
+    if solve_or_infeasible is not None:
+        assert after is not None and after <= solve_or_infeasible * (1 + 1e-12)
+
+
+def test_fast_device_gets_heavy_stage_free_order() -> None:
+    g = CondensedGraph.chain([1.0, 1.0, 8.0, 1.0])
+    devices = (DeviceSpec("slow0", speed=1.0), DeviceSpec("slow1", speed=1.0), DeviceSpec("fast", speed=4.0))
+    pb = Problem(g, devices, device_order="free", link=LinkSpec(float("inf"), 0.0), training=False)
+    plan = solve(pb, "dp")
+    heavy = next(st for st in plan.stages if 2 in st.blocks)
+    assert pb.devices[heavy.device].name == "fast"
+    assert plan.bottleneck_s == pytest.approx(2.0)
+
+
+def test_fixed_order_puts_heavy_work_on_fast_position() -> None:
+    g = CondensedGraph.chain([1.0] * 10)
+    pb = Problem(g, (DeviceSpec("slow", speed=1.0), DeviceSpec("fast", speed=4.0)), training=False,
+                 link=LinkSpec(float("inf"), 0.0))
+    plan = solve(pb, "dp")
+    assert [len(st.blocks) for st in plan.stages] == [2, 8]
+    assert plan.bottleneck_s == pytest.approx(2.0)
+
+
+def test_makespan_prefers_fewer_stages_when_comm_is_costly() -> None:
+    g = CondensedGraph.chain([1.0, 1.0], edge_bytes=100)
+    pb = Problem(g, (DeviceSpec("a"), DeviceSpec("b")), link=LinkSpec(100.0, 0.0), training=False,
+                 objective="makespan", microbatches=2)
+    plan = solve(pb, "dp")
+    assert plan.num_stages == 1 and plan.objective_s == pytest.approx(4.0)
+
+
+def test_infeasible_error_names_stage_device_and_fixes() -> None:
+    blocks = tuple(Block(i, f"b{i}", (f"b{i}",), fwd_s=1.0, param_bytes=100) for i in range(12))
+    g = CondensedGraph(blocks, tuple(Edge(i, i + 1) for i in range(11)))
+    pb = Problem(g, (DeviceSpec("d0", memory_bytes=1000), DeviceSpec("d1", memory_bytes=1000)))
+    with pytest.raises(InfeasibleError) as info:
+        solve(pb, "dp")
+    err = info.value
+    assert err.min_devices == 6 and err.min_memory_bytes == 2400
+    assert err.over_bytes == 1400 and err.device in (0, 1)
+    assert "stage" in str(err) and "'d" in str(err) and "6 devices" in str(err)
+    # the numbers in the message are enough to make it feasible
+    assert solve(pb.with_(devices=tuple(d.with_(memory_bytes=2400) for d in pb.devices)), "dp")
+
+
+def test_infeasible_when_too_few_blocks_and_no_idle_devices() -> None:
+    pb = Problem(CondensedGraph.chain([1.0, 1.0]), tuple(DeviceSpec(f"d{i}") for i in range(3)),
+                 allow_idle_devices=False)
+    with pytest.raises(InfeasibleError, match="2 blocks"):
+        solve(pb, "dp")
+
+
+def test_one_f_one_b_memory_depends_on_number_of_stages() -> None:
+    # 1F1B: stage s of p holds min(m, p - s) micro-batches: [1, 3] needs 20 and 30 MiB, [2, 2] 40.
+    blocks = tuple(Block(i, f"b{i}", fwd_s=1.0, activation_bytes=10 * MiB) for i in range(4))
+    g = CondensedGraph(blocks, tuple(Edge(i, i + 1) for i in range(3)))
+    devs = tuple(DeviceSpec(f"d{i}", memory_bytes=35 * MiB) for i in range(2))
+    pb = Problem(g, devs, microbatches=4, schedule="1f1b", link=LinkSpec(float("inf"), 0.0))
+    plan = solve(pb, "dp")
+    assert [len(s.blocks) for s in plan.stages] == [1, 3]
+
+
+def test_free_order_with_link_overrides_is_refused() -> None:
+    pb = Problem(CondensedGraph.chain([1.0, 1.0]), (DeviceSpec("a"), DeviceSpec("b")),
+                 device_order="free", links=((0, 1, LinkSpec(1e9, 0.0)),))
+    with pytest.raises(SolverError, match="per-pair link"):
+        solve_dp(pb)
+
+
+def test_per_pair_links_fixed_order_are_exact() -> None:
+    g = CondensedGraph.chain([1.0, 1.0, 1.0], edge_bytes=10)
+    pb = Problem(g, tuple(DeviceSpec(f"d{i}") for i in range(3)), training=False,
+                 links=((0, 1, LinkSpec(1.0, 0.0)), (1, 2, LinkSpec(1e9, 0.0))))
+    assert solve(pb, "dp").objective_s == pytest.approx(brute_force(pb))
+
+
+def test_time_limit_raises_solver_error() -> None:
+    blocks = tuple(Block(i, f"b{i}", fwd_s=1.0) for i in range(14))
+    g = CondensedGraph(blocks, ())  # 2^14 downsets
+    pb = Problem(g, tuple(DeviceSpec(f"d{i}") for i in range(2)))
+    with pytest.raises(SolverError, match="timed out"):
+        solve_dp(pb, time_limit_s=0.0, max_downsets=None)
