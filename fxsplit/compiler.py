@@ -172,6 +172,7 @@ def assemble(
     return Pipeline(
         program, in_spec=captured.in_spec, out_spec=captured.out_spec, state=state,
         schedule_kind=schedule, microbatches=microbatches, plan=plan,
+        report={"device_names": [specs[st.device].name for st in plan.stages]},
     )
 
 

@@ -22,11 +22,12 @@ def stage_table(pipe: Any) -> Table:
     table = Table(title=title)
     for col in ("stage", "device", "blocks", "nodes", "params", "time/mb", "comm/mb", "memory"):
         table.add_column(col, justify="left" if col in ("device", "blocks") else "right")
+    names = pipe.report.get("device_names") or [st.device for st in pipe.stages]
     for st in pipe.stages:
         sp = plan.stages[st.index] if plan is not None and st.index < len(plan.stages) else None
         blocks = _ranges(sp.blocks) if sp is not None else ""
         table.add_row(
-            str(st.index), st.device, blocks, str(len(st.gm.graph.nodes)),
+            str(st.index), names[st.index] if names[st.index] == st.device else f"{names[st.index]} ({st.device})", blocks, str(len(st.gm.graph.nodes)),
             str(sum(p.numel() for p in st.gm.parameters())),
             human_seconds(sp.compute_s) if sp else "", human_seconds(sp.comm_s) if sp else "",
             human_bytes(sp.memory_bytes) if sp else "",
