@@ -93,8 +93,8 @@ def load_model(spec: str, *, size: str = "tiny", batch_size: int = 2, **override
     """
     import fxsplit.models as zoo
 
-    if spec.startswith("hf:"):
-        return zoo.hf(spec[3:], batch_size=batch_size, **overrides)
+    if spec.startswith("hf:"):  # zoo.get refuses a size other than "tiny" for these
+        return zoo.get(spec, size=size, batch_size=batch_size, **overrides)
     if ":" in spec:
         mod_name, fn_name = spec.split(":", 1)
         try:
@@ -134,7 +134,7 @@ def analyze(
     device: DeviceSpec | None = None,
     cost_model: str = "analytic",
     dump_dir: str | Path | None = None,
-    max_ideals: int = 200_000,
+    max_ideals: int = 20_000,
     verify: bool = False,
     name: str = "model",
 ) -> Inspection:
@@ -219,7 +219,7 @@ class CompileOptions:
     capture_method: str = "auto"
     dynamic_batch: bool = True
     time_limit_s: float | None = 30.0
-    max_ideals: int = 200_000
+    max_ideals: int = 20_000
     copy_tied: bool = False
     reference: DeviceSpec | None = None
     link: Any = None

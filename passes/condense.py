@@ -28,8 +28,9 @@ from typing import Any
 
 import torch.fx
 
-from fxsplit.ir.downsets import DownsetBudgetError, enumerate_downsets, members
+from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, DownsetBudgetError, enumerate_downsets, members
 from fxsplit.ir.graph import Block, CondensedGraph, Edge
+from fxsplit.passes.coarsen import coarsen_blocks
 from fxsplit.passes.costs import NodeCost
 from fxsplit.passes.manager import PassResult, require_meta
 
@@ -48,6 +49,7 @@ class Condensed:
         ideals: The downsets as bitmasks (``[num_ideals]``, by size), or ``None`` past the budget.
         num_ideals: ``len(ideals)``, or a lower bound (``> max_ideals``) when truncated.
         truncated: True when enumeration stopped at the budget.
+        fine_blocks: Blocks before coarsening (``== num_blocks`` when nothing was merged).
     """
 
     graph: CondensedGraph
@@ -55,6 +57,7 @@ class Condensed:
     ideals: tuple[int, ...] | None
     num_ideals: int
     truncated: bool
+    fine_blocks: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -67,8 +70,9 @@ class Condensed:
 
     def __repr__(self) -> str:
         more = "+" if self.truncated else ""
+        merged = f" (coarsened from {self.fine_blocks})" if self.fine_blocks > self.num_blocks else ""
         return (
-            f"Condensed({self.graph.name!r}: {self.num_blocks} blocks, {len(self.graph.edges)} edges, "
+            f"Condensed({self.graph.name!r}: {self.num_blocks} blocks{merged}, {len(self.graph.edges)} edges, "
             f"{self.num_ideals}{more} ideals)"
         )
 
@@ -217,15 +221,19 @@ class CondenseAntichains:
     """Fold free nodes, build blocks and enumerate the ideals (see the module docstring).
 
     Args:
-        max_ideals: Budget of the ideal enumeration; past it ``ideals`` is ``None``.
+        max_ideals: Budget of the ideal enumeration (the exact DP's budget by default).
         name: Name of the condensed graph.
+        coarsen: Past the budget, merge cheap neighbouring blocks (:mod:`fxsplit.passes.coarsen`)
+            until the ideals fit; if they never do, ``ideals`` is ``None`` and the solvers use
+            CP-SAT.
 
     Raises:
         AnnotationError: when a node lacks ``"fxsplit.cost"`` (run ``annotate_costs`` first).
     """
 
-    max_ideals: int = 200_000
+    max_ideals: int = DEFAULT_MAX_DOWNSETS
     name: str = "graph"
+    coarsen: bool = True
     requires: tuple[str, ...] = ("fxsplit.cost",)
     produces: tuple[str, ...] = ("fxsplit.block",)
 
@@ -235,19 +243,36 @@ class CondenseAntichains:
         group = fold_free_nodes(nodes, costs)
         order = _topo_blocks(len(nodes), group, nodes)
         block_of = [order[g] for g in group]
+        graph = _build_graph(nodes, costs, block_of, self.name)
+        ideals, num, truncated = _ideals(graph, self.max_ideals)
+        fine_blocks = len(graph)
+        if truncated and self.coarsen:
+            mapping = coarsen_blocks(graph, self.max_ideals)
+            if mapping is not None:
+                group = [mapping[b] for b in block_of]
+                order = _topo_blocks(len(nodes), group, nodes)
+                block_of = [order[g] for g in group]
+                graph = _build_graph(nodes, costs, block_of, self.name)
+                ideals, num, truncated = _ideals(graph, self.max_ideals)
         for node, b in zip(nodes, block_of, strict=True):
             node.meta["fxsplit.block"] = b
-        graph = _build_graph(nodes, costs, block_of, self.name)
-        try:
-            ideals: tuple[int, ...] | None = tuple(enumerate_downsets(graph, self.max_ideals))
-            num, truncated = len(ideals), False
-        except DownsetBudgetError as exc:
-            ideals, num, truncated = None, exc.seen, True
-        result = Condensed(graph, {n.name: b for n, b in zip(nodes, block_of, strict=True)}, ideals, num, truncated)
+        result = Condensed(
+            graph, {n.name: b for n, b in zip(nodes, block_of, strict=True)}, ideals, num, truncated, fine_blocks
+        )
         log.info("condense_antichains: %d nodes -> %r", len(nodes), result)
         return PassResult(gm, modified=True, artifact=result)
 
 
-def condense_antichains(gm: torch.fx.GraphModule, *, max_ideals: int = 200_000, name: str = "graph") -> Condensed:
+def _ideals(graph: CondensedGraph, budget: int) -> tuple[tuple[int, ...] | None, int, bool]:
+    try:
+        ideals = tuple(enumerate_downsets(graph, budget))
+    except DownsetBudgetError as exc:
+        return None, exc.seen, True
+    return ideals, len(ideals), False
+
+
+def condense_antichains(
+    gm: torch.fx.GraphModule, *, max_ideals: int = DEFAULT_MAX_DOWNSETS, name: str = "graph", coarsen: bool = True
+) -> Condensed:
     """Functional form of :class:`CondenseAntichains`; returns the :class:`Condensed` result."""
-    return CondenseAntichains(max_ideals, name)(gm).artifact
+    return CondenseAntichains(max_ideals, name, coarsen)(gm).artifact

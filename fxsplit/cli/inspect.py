@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
         cost_model: Annotated[str, typer.Option(help="analytic or measured")] = "analytic",
         dump: Annotated[Path | None, typer.Option(help="write the graph after every pass and a DOT/SVG here")] = None,
         limit: Annotated[int, typer.Option(help="show at most this many nodes")] = 60,
-        max_ideals: Annotated[int, typer.Option(help="budget of the ideal enumeration")] = 200_000,
+        max_ideals: Annotated[int, typer.Option(help="budget of the ideal enumeration")] = 20_000,
     ) -> None:
         """Capture MODEL, annotate costs and condense it; print the graph and the blocks."""
         from fxsplit.api import inspect
