@@ -19,7 +19,7 @@ from torch import nn
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec
 from fxsplit.passes.capture import Captured, capture
-from fxsplit.passes.condense import Condensed, CondenseAntichains
+from fxsplit.passes.condense import CondenseAntichains, Condensed
 from fxsplit.passes.costs import AnnotateCosts, measure_cpu_spec
 from fxsplit.passes.manager import PassManager, PassRecord
 from fxsplit.passes.shapes import PropagateShapes

@@ -20,7 +20,7 @@ from fxsplit.codegen import place_stages, split_graph
 from fxsplit.errors import ConfigError
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
 from fxsplit.passes.capture import Captured, capture
-from fxsplit.passes.condense import Condensed, CondenseAntichains
+from fxsplit.passes.condense import CondenseAntichains, Condensed
 from fxsplit.passes.costs import AnnotateCosts
 from fxsplit.passes.manager import PassManager
 from fxsplit.passes.shapes import PropagateShapes

@@ -27,12 +27,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.fx
-
-from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, DownsetBudgetError, enumerate_downsets, members
-from fxsplit.ir.graph import Block, CondensedGraph, Edge
 from fxsplit.passes.coarsen import coarsen_blocks
 from fxsplit.passes.costs import NodeCost
 from fxsplit.passes.manager import PassResult, require_meta
+
+from fxsplit.ir.downsets import (
+    DEFAULT_MAX_DOWNSETS,
+    DownsetBudgetError,
+    enumerate_downsets,
+    members,
+)
+from fxsplit.ir.graph import Block, CondensedGraph, Edge
 
 __all__ = ["Condensed", "CondenseAntichains", "condense_antichains", "fold_free_nodes"]
 

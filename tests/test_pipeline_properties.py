@@ -7,10 +7,10 @@ import random
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pipeline_utils import Compiled, assert_same_training, devices
 
 import fxsplit.models as zoo
 from fxsplit.ir import LinkSpec, Problem, evaluate
-from pipeline_utils import Compiled, assert_same_training, devices
 
 
 def random_valid_split(graph, num_stages: int, rng: random.Random) -> list[list[int]]:

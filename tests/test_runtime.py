@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from pipeline_utils import Compiled, devices
 from typer.testing import CliRunner
 
 import fxsplit
@@ -13,7 +14,6 @@ import fxsplit.models as zoo
 from fxsplit.errors import ConfigError, ExecutionError, FxsplitError
 from fxsplit.runtime import execution_order, merge_outputs, split_microbatches
 from fxsplit.schedule import make
-from pipeline_utils import Compiled, devices
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pipeline_utils import Compiled, assert_same_training
 
 import fxsplit.models as zoo
-from pipeline_utils import Compiled, assert_same_training
 
 BATCH = 4
 # BatchNorm normalises each micro-batch on its own in training mode, so these run in eval mode

@@ -6,8 +6,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import fxsplit.models as zoo  # noqa: E402
 from pipeline_utils import Compiled, assert_same_training  # noqa: E402
+
+import fxsplit.models as zoo  # noqa: E402
 
 pytestmark = pytest.mark.hf
 BATCH = 4
@@ -34,8 +35,9 @@ def test_keyword_inputs_reach_the_right_stage():
     ids = case.example_inputs[0]
     mask = case.example_kwargs["attention_mask"].clone()
     mask[:, -3:] = 0
-    from fxsplit.models import primary_tensor
     import torch
+
+    from fxsplit.models import primary_tensor
 
     with torch.no_grad():
         torch.testing.assert_close(
