@@ -77,13 +77,23 @@ class Captured:
         Raises:
             ConfigError: when the structure differs from the captured example inputs.
         """
-        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+        kwargs = dict(kwargs or {})
+        order = self._kwarg_order()
+        if order is not None and set(order) == set(kwargs):  # keyword order never matters
+            kwargs = {k: kwargs[k] for k in order}
+        leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
         if spec != self.in_spec:
             raise ConfigError(
                 f"inputs have structure {spec} but the model was captured with {self.in_spec}; "
                 "call with the same positional/keyword structure as example_inputs"
             )
         return leaves
+
+    def _kwarg_order(self) -> list[str] | None:
+        """Keyword names in captured (placeholder) order, or ``None`` for an unusual spec."""
+        if self.in_spec.num_children != 2 or self.in_spec.child(1).type is not dict:
+            return None
+        return list(self.in_spec.child(1).context)
 
     def unflatten_outputs(self, flat: Sequence[Any]) -> Any:
         """Rebuild the model's output structure from flat outputs."""
@@ -243,7 +253,7 @@ def _aliases(model: nn.Module, gm: torch.fx.GraphModule) -> tuple[dict[str, tupl
         model.named_buffers(remove_duplicate=False)
     ):
         by_id.setdefault(id(t), []).append(name)
-    orig = dict(model.named_parameters(remove_duplicate=False))
+    orig: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     orig.update(dict(model.named_buffers(remove_duplicate=False)))
     aliases: dict[str, tuple[str, ...]] = {}
     for name in _graph_state_names(gm):
@@ -254,15 +264,26 @@ def _aliases(model: nn.Module, gm: torch.fx.GraphModule) -> tuple[dict[str, tupl
 
 
 def _graph_state_names(gm: torch.fx.GraphModule) -> list[str]:
+    """Names of the parameters and buffers the graph reads. A ``get_attr`` of a submodule (the
+    subgraph of a higher-order op such as export's ``wrap_with_set_grad_enabled`` for a
+    ``torch.no_grad()`` block) is no state: only the tensors it owns are."""
     names: list[str] = []
     for node in gm.graph.nodes:
-        if node.op == "get_attr":
+        is_module = node.op == "get_attr" and isinstance(_get_attr(gm, str(node.target)), nn.Module)
+        if node.op == "get_attr" and not is_module:
             names.append(str(node.target))
-        elif node.op == "call_module":
+        elif node.op == "call_module" or is_module:
             sub = gm.get_submodule(str(node.target))
             names += [f"{node.target}.{k}" for k, _ in sub.named_parameters()]
             names += [f"{node.target}.{k}" for k, _ in sub.named_buffers()]
     return list(dict.fromkeys(names))
+
+
+def _get_attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 # -- errors ----------------------------------------------------------------------------------

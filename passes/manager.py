@@ -21,7 +21,9 @@ import torch.fx
 
 from fxsplit.errors import AnnotationError, FxsplitError, PassError
 
-__all__ = ["PassResult", "GraphPass", "graph_pass", "PassManager", "PassRecord", "require_meta"]
+__all__ = [
+    "PassResult", "GraphPass", "graph_pass", "PassManager", "PassRecord", "require_meta", "carries_value",
+]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,21 @@ def pass_name(p: Any) -> str:
         return str(p.__name__)
     cls = type(p).__name__
     return "".join("_" + c.lower() if c.isupper() else c for c in cls).lstrip("_")
+
+
+def carries_value(node: torch.fx.Node) -> bool:
+    """True when ``node`` has a value for ``node.meta["val"]``: every node except the output and
+    ``get_attr`` nodes of non-tensor attributes (the subgraph ``GraphModule`` of a higher-order op
+    such as ``wrap_with_set_grad_enabled``, which export emits for a ``torch.no_grad()`` region)."""
+    if node.op == "output":
+        return False
+    if node.op == "get_attr":
+        owner = node.graph.owning_module
+        obj: Any = owner
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part, None)
+        return obj is None or not isinstance(obj, torch.nn.Module)
+    return True
 
 
 def require_meta(node: torch.fx.Node, key: str, writer: str) -> Any:
@@ -155,7 +172,7 @@ class PassManager:
             raise PassError(f"graph does not lint after pass {name!r}: {exc}") from exc
         for key in getattr(p, "produces", ()):
             for node in gm.graph.nodes:
-                if node.op != "output" and key not in node.meta:
+                if _should_have(node, key) and key not in node.meta:
                     raise PassError(f"pass {name!r} declares {key!r} but node {node.name!r} lacks it")
 
     def _dump(self, gm: torch.fx.GraphModule, i: int, name: str) -> None:
@@ -172,5 +189,9 @@ class PassManager:
         return [(r.name, r.time_s, r.modified, r.num_nodes) for r in self.records]
 
 
+def _should_have(node: torch.fx.Node, key: str) -> bool:
+    return carries_value(node) if key == "val" else node.op != "output"
+
+
 def _all_have(gm: torch.fx.GraphModule, key: str) -> bool:
-    return all(key in n.meta for n in gm.graph.nodes if n.op != "output")
+    return all(key in n.meta for n in gm.graph.nodes if _should_have(n, key))

@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.nn.utils.stateless import _reparametrize_module
 
-from fxsplit.passes.manager import PassResult
+from fxsplit.passes.manager import PassResult, carries_value
 
 __all__ = ["PropagateShapes", "propagate_shapes", "fake_mode_of", "fake_state"]
 
@@ -35,7 +36,7 @@ def fake_state(gm: torch.nn.Module, mode: FakeTensorMode) -> Iterator[None]:
     Without this, in-place buffer updates (BatchNorm's ``num_batches_tracked``) would change the
     user's model while we only wanted shapes.
     """
-    state = {
+    state: dict[str, torch.Tensor] = {
         **{k: mode.from_tensor(v, static_shapes=True) for k, v in gm.named_parameters(remove_duplicate=False)},
         **{k: mode.from_tensor(v, static_shapes=True) for k, v in gm.named_buffers(remove_duplicate=False)},
     }
@@ -43,8 +44,27 @@ def fake_state(gm: torch.nn.Module, mode: FakeTensorMode) -> Iterator[None]:
         yield
 
 
+_IMMUTABLE_LEAVES = (torch.device, torch.dtype, torch.layout, torch.memory_format, str, type(None))
+
+
+class _ShapeProp(FakeTensorProp):
+    """``FakeTensorProp`` that also records immutable non-tensor results.
+
+    torch's ``FakeTensorProp`` writes ``"val"`` only for tensors and numbers, so a symbolically
+    traced ``tokens.device`` (a ``torch.device``) or a call returning ``None`` would be left
+    without ``"val"`` and every later pass would stop on it. Such results are immutable, so they
+    are stored as they are.
+    """
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        if "val" not in n.meta and all(isinstance(x, _IMMUTABLE_LEAVES) for x in pytree.tree_leaves(result)):
+            n.meta["val"] = result if not isinstance(result, list) else tuple(result)
+        return result
+
+
 def _has_all_vals(gm: torch.fx.GraphModule) -> bool:
-    return all("val" in n.meta for n in gm.graph.nodes if n.op != "output")
+    return all("val" in n.meta for n in gm.graph.nodes if carries_value(n))
 
 
 @dataclass(frozen=True)
@@ -72,7 +92,7 @@ class PropagateShapes:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in self.example_inputs]
         with fake_state(gm, mode), mode:
-            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+            _ShapeProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
         return PassResult(gm, modified=True)
 
 

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from fxsplit.codegen.split import StagedProgram
+from fxsplit.errors import InternalError
 
-__all__ = ["place_stages"]
+__all__ = ["place_stages", "get_state"]
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,16 @@ def _set_state(module: nn.Module, name: str, value: torch.Tensor) -> None:
         owner._buffers[leaf] = value
 
 
-def _get_state(module: nn.Module, name: str) -> torch.Tensor:
+def get_state(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer ``name`` (dotted path) of ``module``, the object itself."""
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
-    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
+    tensor: torch.Tensor | None = owner._parameters.get(leaf)
+    if tensor is None:
+        tensor = owner._buffers.get(leaf)
+    if tensor is None:
+        raise InternalError(f"stage module has no parameter or buffer {name!r} (a bug in fxsplit)")
+    return tensor
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
@@ -66,7 +73,7 @@ def place_stages(program: StagedProgram, *, copy_tied: bool = False) -> StagedPr
         for s in stages[1:]:
             st = program.stages[s]
             if copy_tied or torch.device(st.device) != torch.device(first.device):
-                _set_state(st.gm, name, _clone(_get_state(first.gm, name)))
+                _set_state(st.gm, name, _clone(get_state(first.gm, name)))
                 holders.append(s)
         if len(holders) > 1:
             tied[name] = tuple(holders)

@@ -223,7 +223,7 @@ def split_graph(
     for b, values in enumerate(crossing):
         _check_sendable(values, b)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    out_args = gm.graph.output_node().args[0]
+    out_args = tuple(gm.graph.output_node().args[0])  # type: ignore[arg-type]  # flat tuple (capture)
     stages = []
     for s in range(num_stages):
         builder = _StageBuilder(gm, s)

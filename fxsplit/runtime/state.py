@@ -13,16 +13,11 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from fxsplit.codegen.place import get_state
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError
 
 __all__ = ["StateMap"]
-
-
-def _get(module: nn.Module, name: str) -> torch.Tensor:
-    owner_name, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
-    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
 
 
 class StateMap:
@@ -52,14 +47,14 @@ class StateMap:
         self.copies: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for st in program.stages:
             for name in st.state:
-                t = _get(st.gm, name)
+                t = get_state(st.gm, name)
                 held = self.copies.setdefault(name, [])
                 if all(t is not other for _, other in held):
                     held.append((st.index, t))
 
     def tensor(self, stage: int, name: str) -> torch.Tensor:
         """The tensor stage ``stage`` uses for graph state ``name``."""
-        return _get(self.program.stages[stage].gm, name)
+        return get_state(self.program.stages[stage].gm, name)
 
     def _copies_of(self, original: str) -> list[torch.Tensor]:
         g = self.to_graph.get(original, original)
