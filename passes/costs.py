@@ -40,13 +40,13 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from fxsplit.passes.manager import PassResult, carries_value, require_meta
-from fxsplit.passes.shapes import fake_mode_of, fake_state
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, GiB
+from fxsplit.passes.manager import PassResult, carries_value, require_meta
+from fxsplit.passes.shapes import fake_mode_of, fake_state
 
 __all__ = ["NodeCost", "AnnotateCosts", "annotate_costs", "measure_cpu_spec", "COST_MODELS", "node_cost"]
 

@@ -89,6 +89,9 @@ def register(app: typer.Typer) -> None:
         batch_size: Annotated[int, typer.Option(help="samples per step")] = 8,
         lr: Annotated[float, typer.Option(help="SGD learning rate")] = 1e-2,
         objective: Annotated[str, typer.Option(help="makespan or bottleneck")] = "makespan",
+        distributed: Annotated[bool, typer.Option(help="one stage per process, under torchrun (see compile_dist)")] = False,
+        backend: Annotated[str, typer.Option(help="--distributed: gloo, nccl or auto")] = "auto",
+        timeout_s: Annotated[float, typer.Option(help="--distributed: seconds before a silent peer is an error")] = 60.0,
     ) -> None:
         """Plan MODEL over DEVICES, train STEPS steps, and compare with the unsplit model."""
         import fxsplit
@@ -96,6 +99,17 @@ def register(app: typer.Typer) -> None:
         from fxsplit.errors import FxsplitError
 
         console = Console()
+        # -- distributed path (issue 5): everything lives in fxsplit/cli/compile_dist.py -------
+        if distributed:
+            from fxsplit.cli.compile_dist import run_distributed
+
+            try:
+                run_distributed(model, steps=steps, microbatches=microbatches, schedule=schedule, size=size,
+                                batch_size=batch_size, lr=lr, backend=backend, timeout_s=timeout_s)
+            except FxsplitError as exc:
+                console.print(f"[red]error:[/red] {exc}")
+                raise typer.Exit(2) from exc
+            return
         try:
             case = load_model(model, size=size, batch_size=batch_size)
             reference = copy.deepcopy(case.model)

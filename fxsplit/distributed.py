@@ -1,0 +1,317 @@
+"""Pipelines across processes and machines: ``fxsplit.distributed.compile`` on every rank.
+
+Launch one process per stage with ``torchrun`` (gloo on CPU, NCCL on GPUs)::
+
+    torchrun --nproc_per_node=4 train.py          # train.py calls fxsplit.distributed.compile
+
+Every rank builds the model on the meta device, captures and plans it the same way (the plan is
+deterministic: a fixed cost model and reference device), checks that all ranks agree (a digest
+of the plan, all-gathered), and then materialises only its own stage: global rank ``i`` runs
+stage ``i``. See :mod:`fxsplit.runtime.distributed` for the runtime.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxsplit.api import CompileOptions
+from fxsplit.codegen import split_graph
+from fxsplit.compiler import front_end, plan_pipeline
+from fxsplit.errors import ConfigError, PlanError
+from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem
+from fxsplit.runtime.dist_stage import StageModule
+from fxsplit.runtime.dist_state import StageState, materialise
+from fxsplit.runtime.distributed import PLAN_FILE, SCHEDULES, DistributedPipeline, TiedGroup
+from fxsplit.runtime.microbatch import batch_size_of
+
+__all__ = ["compile", "load", "DistributedPipeline", "REFERENCE_CPU", "init_process_group"]
+
+log = logging.getLogger(__name__)
+
+REFERENCE_CPU = DeviceSpec(
+    "cpu", peak_flops=50e9, memory_bandwidth_bytes_per_s=20e9, memory_bytes=64 * 2**30,
+    kind="cpu", torch_device="cpu", op_overhead_s=5e-6,
+)
+"""The fixed CPU the plan is costed on (never measured, so every rank plans the same)."""
+
+
+def init_process_group(backend: str | None, timeout_s: float) -> tuple[int, int, torch.device]:
+    """Join the default process group (from torchrun's environment) unless already joined.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"`` or None (NCCL when CUDA is available, else gloo).
+        timeout_s: Seconds any collective or point-to-point call waits before failing.
+
+    Returns:
+        ``(rank, world_size, device)``: ``cpu`` for gloo, ``cuda:LOCAL_RANK`` for NCCL.
+
+    Raises:
+        ConfigError: when the process was not launched by torchrun (or with ``RANK``,
+            ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set).
+    """
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise ConfigError(
+                f"environment variables {missing} are not set: launch with torchrun, e.g. "
+                "`torchrun --nproc_per_node=2 train.py`, or call torch.distributed.init_process_group first"
+            )
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if dist.get_backend() == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def _reference(device: torch.device) -> DeviceSpec:
+    if device.type == "cuda":
+        from fxsplit.api import _cuda_spec
+
+        return _cuda_spec(device)
+    return REFERENCE_CPU
+
+
+def _check_args(schedule: str, microbatches: int, world: int, num_stages: int | None) -> None:
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ConfigError(f"microbatches={microbatches!r}; pass a positive int")
+    if num_stages is not None and num_stages != world:
+        raise ConfigError(
+            f"the plan has {num_stages} stages but {world} processes were launched; rank i runs stage i, "
+            f"so launch with --nproc_per_node={num_stages} (times --nnodes) or plan for {world} stages"
+        )
+    if schedule == "1f1b" and microbatches < world:
+        raise ConfigError(
+            f"1f1b needs at least as many micro-batches as stages: microbatches={microbatches}, "
+            f"{world} stages; use microbatches >= {world} or schedule='gpipe'"
+        )
+
+
+def plan_digest(plan: Plan, schedule: str, microbatches: int, gm: torch.fx.GraphModule) -> str:
+    """SHA-256 of what must agree across ranks: blocks per stage, schedule, the graph's nodes
+    and their shapes."""
+    doc = {
+        "stages": [list(st.blocks) for st in plan.stages], "schedule": schedule, "microbatches": microbatches,
+        "nodes": [(n.name, str(getattr(n.meta.get("val"), "shape", ""))) for n in gm.graph.nodes],
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def _agree(digest: str, world: int) -> None:
+    """Raise on every rank unless all ranks computed the same plan digest."""
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, digest)
+    groups: dict[str, list[int]] = {}
+    for r, d in enumerate(digests):
+        groups.setdefault(d, []).append(r)
+    if len(groups) > 1:
+        detail = "; ".join(f"ranks {ranks}: {d[:12]}" for d, ranks in groups.items())
+        raise PlanError(
+            f"the ranks planned different pipelines ({detail}); every rank must call compile with "
+            "the same model_fn, example inputs, schedule, micro-batches and plan: check for "
+            "rank-dependent model code or differing package versions"
+        )
+
+
+def _to_meta(values: Any) -> Any:
+    return pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, values)
+
+
+def _plan(meta_model: nn.Module, args: tuple, kwargs: dict, world: int, device: torch.device, schedule: str,
+          microbatches: int, solver: str, plan: Plan | None, options: CompileOptions) -> tuple[Any, Plan]:
+    reference = _reference(device)
+    captured, condensed, _ = front_end(meta_model, _to_meta(args), _to_meta(kwargs), reference, "analytic", options)
+    if plan is None:
+        specs = tuple(reference.with_(name=f"rank{i}") for i in range(world))
+        problem = Problem(condensed.graph, specs, LinkSpec(), allow_idle_devices=False).check()
+        batch = batch_size_of(pytree.tree_leaves((args, kwargs)))
+        plan = plan_pipeline(problem, batch, microbatches, schedule, solver, options).plan
+    _check_args(schedule, microbatches, world, plan.num_stages)
+    return captured, plan
+
+
+def _tied_groups(program: Any, world: int) -> list[TiedGroup]:
+    """One subgroup per tensor read by several stages; created on every rank, in name order
+    (``new_group`` is collective); returns the groups this rank belongs to."""
+    holders: dict[str, list[int]] = {}
+    for st in program.stages:
+        for name in st.state:
+            holders.setdefault(name, []).append(st.index)
+    groups = []
+    for name in sorted(holders):
+        ranks = tuple(holders[name])
+        if len(ranks) > 1:
+            group = dist.new_group(ranks=list(ranks))
+            if dist.get_rank() in ranks:
+                groups.append(TiedGroup(name, ranks, group))
+    return groups
+
+
+def _barrier(timeout_s: float) -> None:
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    else:
+        dist.barrier()
+
+
+def compile(  # noqa: A001 - mirrors fxsplit.compile
+    model_fn: Callable[[], nn.Module],
+    example_inputs: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    schedule: str = "1f1b",
+    microbatches: int | None = None,
+    backend: str | None = None,
+    state_dict: Mapping[str, torch.Tensor] | str | None = None,
+    init_fn: Callable[[str, torch.Tensor], None] | None = None,
+    plan: Plan | None = None,
+    solver: str = "dp",
+    timeout_s: float = 60.0,
+    watchdog: bool = True,
+    options: CompileOptions | None = None,
+) -> DistributedPipeline:
+    """Build this rank's stage of a pipeline over all ranks; call on every rank.
+
+    Args:
+        model_fn: Builds the model; called under ``torch.device("meta")`` (no weights allocated),
+            and again for real buffers if the stage needs some no state dict provides.
+        example_inputs: A representative batch, batch on dim 0 (fixes the micro-batch size).
+        example_kwargs: Keyword inputs.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        microbatches: Micro-batches per step (default: the number of ranks).
+        backend: ``"gloo"``, ``"nccl"`` or None (NCCL with CUDA, else gloo); used when this
+            function creates the process group.
+        state_dict: The original model's state dict, or a path to one (``torch.save``); each rank
+            reads only its stage's keys.
+        init_fn: ``init_fn(original_name, tensor)`` filling a stage tensor in place, for the
+            tensors ``state_dict`` lacks. Without both, ``reset_parameters()`` of the owning module.
+        plan: A fixed plan (its stage count must equal the world size); default: solve.
+        solver: The solver (deterministic ones only: every rank solves and the results must agree).
+        timeout_s: Seconds a rank waits for a peer before raising ``ExecutionError``.
+        watchdog: End a process stuck past ``timeout_s`` + 5 s where no timeout reaches.
+        options: :class:`~fxsplit.api.CompileOptions` (capture method, ideal budget).
+
+    Returns:
+        The :class:`DistributedPipeline` of this rank.
+
+    Raises:
+        ConfigError: for a launch without torchrun's environment, a plan whose stage count is
+            not the world size, a bad schedule or micro-batch count, or stage tensors no source
+            fills; on every rank, before any stage is built.
+        PlanError: when the ranks planned different pipelines.
+        CaptureError, InfeasibleError: as :func:`fxsplit.compile`.
+
+    Example:
+        >>> # on every rank, under torchrun --nproc_per_node=2:
+        >>> # pipe = fxsplit.distributed.compile(lambda: GPT(cfg), (tokens,), microbatches=4)
+        >>> # loss = pipe.train_step(tokens, target=labels, loss_fn=F.cross_entropy)
+    """
+    rank, world, device = init_process_group(backend, timeout_s)
+    m = microbatches if microbatches is not None else world
+    _check_args(schedule, m, world, None)
+    options = options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0)
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    with torch.device("meta"):
+        meta_model = model_fn()
+    captured, plan = _plan(meta_model, args, kwargs, world, device, schedule, m, solver, plan, options)
+    _agree(plan_digest(plan, schedule, m, captured.gm), world)
+    program = split_graph(captured.gm, plan.stage_of_block(), [str(device)] * world)
+    tied = _tied_groups(program, world)
+    stage = program.stages[rank]
+    state = StageState(stage.state, captured.aliases)
+    origin = materialise(stage.gm, state, device, state_dict=state_dict, init_fn=init_fn,
+                         meta_model=meta_model, model_fn=model_fn)
+    log.info("rank %d: stage %d state from %s", rank, rank, sorted(set(origin.values())))
+    flat = pytree.tree_leaves((args, kwargs))
+    batch = batch_size_of(flat)
+    batched = [isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch for x in flat]
+    module = StageModule(stage.gm, first=rank == 0, last=rank == world - 1, batched=batched)
+    meta = {"plan": plan.to_dict(), "schedule": schedule, "microbatches": m, "model": type(meta_model).__name__}
+    pipe = DistributedPipeline(
+        module, state=state, stage_index=rank, num_stages=world, device=device, schedule_kind=schedule,
+        microbatches=m, in_spec=captured.in_spec, out_spec=captured.out_spec, tied=tied,
+        state_order=list(meta_model.state_dict().keys()), meta=meta, timeout_s=timeout_s, watchdog=watchdog,
+    )
+    _barrier(timeout_s)
+    if rank == 0:
+        log.info("pipeline over %d ranks: %s x %d, stage sizes %s", world, schedule, m, [len(s.blocks) for s in plan.stages])
+    return pipe
+
+
+class ShardedStateDict(Mapping[str, torch.Tensor]):
+    """The original state dict spread over a checkpoint's shards, read lazily (``mmap``).
+
+    Args:
+        directory: A directory written by :meth:`DistributedPipeline.save`.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        path = os.path.join(directory, PLAN_FILE)
+        if not os.path.exists(path):
+            raise ConfigError(f"{path} not found: pass a directory written by pipe.save(dir)")
+        with open(path) as f:
+            self.meta = json.load(f)
+        self.directory = str(directory)
+        self._where = {k: shard for shard, keys in self.meta["shards"].items() for k in keys}
+        self._open: dict[str, Mapping[str, torch.Tensor]] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        shard = self._where[key]
+        if shard not in self._open:
+            self._open[shard] = torch.load(os.path.join(self.directory, shard), map_location="cpu", mmap=True, weights_only=True)
+        return self._open[shard][key]
+
+    def __iter__(self) -> Any:
+        order = self.meta.get("state_order") or list(self._where)
+        return iter([k for k in order if k in self._where])
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+
+def load(
+    directory: str | os.PathLike[str],
+    model_fn: Callable[[], nn.Module],
+    example_inputs: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> DistributedPipeline:
+    """Rebuild a saved pipeline on the ranks of this launch (same or different number).
+
+    Plans again for the current world size, then each rank reads the keys its new stage needs
+    from the shards. The schedule defaults to the saved one; the micro-batch count too, when
+    it still suits the new number of stages.
+
+    Args:
+        directory: Written by :meth:`DistributedPipeline.save`.
+        model_fn, example_inputs, example_kwargs: As :func:`compile`.
+        kwargs: Other :func:`compile` arguments (``schedule``, ``microbatches``, ``timeout_s``).
+
+    Raises:
+        ConfigError: for a directory without ``plan.json``; and as :func:`compile`.
+    """
+    shards = ShardedStateDict(directory)
+    _, world, _ = init_process_group(kwargs.get("backend"), kwargs.get("timeout_s", 60.0))
+    schedule = kwargs.setdefault("schedule", shards.meta.get("schedule", "1f1b"))
+    saved_m = int(shards.meta.get("microbatches") or world)
+    kwargs.setdefault("microbatches", max(saved_m, world) if schedule == "1f1b" else saved_m)
+    log.info("loading a %d-stage checkpoint onto %d ranks", shards.meta.get("num_stages", 0), world)
+    return compile(model_fn, example_inputs, example_kwargs, state_dict=shards, **kwargs)

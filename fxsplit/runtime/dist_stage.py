@@ -1,0 +1,200 @@
+"""One stage as a ``torch.distributed.pipelining`` submodule: flat tensors in, flat tensors out.
+
+``PipelineStage`` sends and receives tuples of tensors only. A fxsplit stage may receive or send
+a list of tensors (``torch.chunk`` outputs), a Python scalar (a size computed from a shape) or
+``None``; :class:`StageModule` wraps the stage's ``GraphModule`` so that, on the wire, every value
+is tensors:
+
+============  ===========================================  ==========================
+value          on the wire                                   rebuilt by the receiver
+============  ===========================================  ==========================
+tensor         itself                                        itself
+list/tuple     its tensors, one after another                a list of them
+int/float      a 0-d ``int64`` / ``float64`` tensor           ``tensor.item()``
+bool           a 0-d ``bool`` tensor                          ``bool(tensor)``
+None           nothing                                       ``None``
+============  ===========================================  ==========================
+
+The layout of every boundary value comes from ``node.meta["val"]`` of the stage's placeholders
+and output arguments, so both neighbours agree on it without talking. The first stage receives
+the model's flat inputs: batched tensors come positionally from the schedule (which splits them
+into micro-batches), everything else is bound per step with :meth:`StageModule.bind_static`.
+
+References:
+    torch.distributed.pipelining, https://pytorch.org/docs/stable/distributed.pipelining.html
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxsplit.errors import PlanError
+
+__all__ = ["Layout", "StageModule", "layout_of", "boundary_layouts"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one boundary value travels.
+
+    Attributes:
+        kind: ``"tensor"``, ``"list"``, ``"scalar"`` or ``"none"``.
+        length: Number of tensors of a ``"list"``.
+        pytype: ``"int"``, ``"float"`` or ``"bool"`` for a ``"scalar"``.
+    """
+
+    kind: str
+    length: int = 0
+    pytype: str = ""
+
+    @property
+    def width(self) -> int:
+        """Number of tensors on the wire."""
+        return {"tensor": 1, "scalar": 1, "none": 0}.get(self.kind, self.length)
+
+
+def layout_of(node: torch.fx.Node) -> Layout:
+    """The :class:`Layout` of a node's value, from ``node.meta["val"]``.
+
+    Raises:
+        PlanError: for a value that is none of tensor, list of tensors, scalar or None.
+    """
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return Layout("tensor")
+    if isinstance(val, list | tuple) and all(isinstance(v, torch.Tensor) for v in val):
+        return Layout("list", len(val))
+    if isinstance(val, bool):
+        return Layout("scalar", pytype="bool")
+    if isinstance(val, int | torch.SymInt):
+        return Layout("scalar", pytype="int")
+    if isinstance(val, float | torch.SymFloat):
+        return Layout("scalar", pytype="float")
+    if val is None:
+        return Layout("none")
+    raise PlanError(
+        f"value {node.name!r} ({type(val).__name__}) cannot cross a process boundary; only tensors, "
+        "lists of tensors, Python scalars and None can: move the split point"
+    )
+
+
+def boundary_layouts(gm: torch.fx.GraphModule) -> tuple[list[Layout], list[Layout]]:
+    """Layouts of a stage's placeholders and of its output arguments, in order."""
+    ins = [layout_of(n) for n in gm.graph.find_nodes(op="placeholder")]
+    outs = []
+    out_args: Sequence[Any] = gm.graph.output_node().args[0]  # type: ignore[assignment]
+    for arg in out_args:
+        outs.append(layout_of(arg) if isinstance(arg, torch.fx.Node) else Layout("none"))
+    return ins, outs
+
+
+_SCALAR_DTYPES = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}
+
+
+def encode(values: Sequence[Any], layouts: Sequence[Layout], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Flatten boundary values into the tensors that go on the wire.
+
+    Tensors are made contiguous: gloo sends and receives contiguous buffers only, and
+    ``PipelineStage`` sizes the gradient buffers by the activations' strides.
+    """
+    wire: list[torch.Tensor] = []
+    for value, layout in zip(values, layouts, strict=True):
+        if layout.kind == "tensor":
+            wire.append(value.contiguous())
+        elif layout.kind == "list":
+            wire.extend(v.contiguous() for v in value)
+        elif layout.kind == "scalar":
+            wire.append(torch.tensor(value, dtype=_SCALAR_DTYPES[layout.pytype], device=device))
+    return tuple(wire)
+
+
+def decode(wire: Sequence[torch.Tensor], layouts: Sequence[Layout]) -> list[Any]:
+    """Rebuild boundary values from the tensors received (inverse of :func:`encode`)."""
+    values: list[Any] = []
+    pos = 0
+    for layout in layouts:
+        if layout.kind == "tensor":
+            values.append(wire[pos])
+        elif layout.kind == "list":
+            values.append(list(wire[pos : pos + layout.length]))
+        elif layout.kind == "scalar":
+            values.append(wire[pos].item())
+        else:
+            values.append(None)
+        pos += layout.width
+    return values
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    The gradient of a received activation is often a view (the backward of ``cat`` slices the
+    incoming gradient); ``PipelineStage`` sizes the previous rank's receive buffer by its
+    strides, and gloo only receives into contiguous buffers.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _contiguous_grads(wire: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [_ContiguousGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in wire]
+
+
+class StageModule(nn.Module):
+    """A stage ``GraphModule`` behind a tensors-only interface, for ``PipelineStage``.
+
+    Args:
+        gm: The stage's code (placeholders: values received; output: values sent).
+        first: True for stage 0, whose inputs are the model's flat inputs.
+        last: True for the last stage, whose outputs (the model's flat outputs) go to the loss
+            and are not encoded.
+        batched: For the first stage, which flat inputs are batched tensors (``[num_inputs]``);
+            those arrive positionally, the others through :meth:`bind_static`.
+
+    Shape:
+        ``forward(*wire)``: the tensors of the received values (first stage: the batched
+        inputs of one micro-batch, ``[micro_batch, ...]``) -> the tensors of the values sent.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, *, first: bool, last: bool, batched: Sequence[bool] = ()) -> None:
+        super().__init__()
+        self.gm = gm
+        self.first, self.last = first, last
+        self.in_layouts, self.out_layouts = boundary_layouts(gm)
+        self.batched = list(batched) if first else []
+        self._static: list[Any] = [None] * len(self.batched)
+        self.forwards = 0
+
+    def bind_static(self, flat_inputs: Sequence[Any]) -> list[torch.Tensor]:
+        """First stage: keep the non-batched inputs, return the batched ones for the schedule."""
+        self._static = [None if b else v for v, b in zip(flat_inputs, self.batched, strict=True)]
+        return [v for v, b in zip(flat_inputs, self.batched, strict=True) if b]
+
+    def _inputs(self, wire: Sequence[torch.Tensor]) -> list[Any]:
+        if not self.first:
+            return decode(_contiguous_grads(wire), self.in_layouts)
+        it = iter(wire)
+        return [next(it) if b else s for b, s in zip(self.batched, self._static, strict=True)]
+
+    def forward(self, *wire: torch.Tensor) -> Any:
+        self.forwards += 1
+        out = tuple(self.gm(*self._inputs(wire)))
+        if self.last:
+            return out
+        device = next((t.device for t in wire if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        return encode(out, self.out_layouts, device)

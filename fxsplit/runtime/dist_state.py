@@ -1,0 +1,215 @@
+"""Materialise one stage of a model captured on the meta device, and name its state.
+
+A rank never holds the whole model: the model is built under ``torch.device("meta")``, captured
+and split there, and only this rank's stage is allocated (``to_empty``) and filled, in order:
+
+1. from a state dict with the original model's keys (a mapping, or a file loaded with
+   ``mmap=True`` so that only the needed tensors are read);
+2. from a per-stage initialiser ``init_fn(original_name, tensor)`` that fills ``tensor`` in place;
+3. otherwise parameters from their module's ``reset_parameters()`` (the module's default
+   initialisation, run on that module alone) and buffers (causal masks, rotary tables, which
+   ``state_dict`` leaves out when non-persistent) by calling ``model_fn()`` once more with every
+   parameter moved to the meta device as it is registered, so that only the buffers are real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxsplit.errors import ConfigError
+
+__all__ = ["StageState", "materialise", "parameters_on_meta", "retarget_meta_devices"]
+
+log = logging.getLogger(__name__)
+
+InitFn = Callable[[str, torch.Tensor], None]
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    owner_name, _, leaf = name.rpartition(".")
+    return (module.get_submodule(owner_name) if owner_name else module), leaf
+
+
+def get_tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer ``name`` (dotted) of ``module``."""
+    owner, leaf = _owner(module, name)
+    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]  # type: ignore[return-value]
+
+
+class StageState:
+    """The graph names of one stage's state and their original names.
+
+    Args:
+        names: Graph state names the stage owns (``Stage.state``).
+        aliases: Graph name -> every original name of that tensor (``Captured.aliases``).
+    """
+
+    def __init__(self, names: Sequence[str], aliases: Mapping[str, Sequence[str]]) -> None:
+        self.names = list(names)
+        self.originals = {g: tuple(aliases.get(g, (g,))) for g in self.names}
+
+    def keys(self) -> list[str]:
+        """Every original key this stage holds (tied tensors under each alias)."""
+        return [o for g in self.names for o in self.originals[g]]
+
+    def items(self, module: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """``(graph name, first original name, tensor)`` of each state tensor."""
+        for g in self.names:
+            yield g, self.originals[g][0], get_tensor(module, g)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Inside the block, every parameter a module registers moves to the meta device at once.
+
+    Buffers stay real. The peak extra memory is one parameter (the one being registered).
+    Patches ``nn.Module.register_parameter`` for the duration of the block (not thread-safe).
+    """
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def retarget_meta_devices(gm: torch.fx.GraphModule, device: torch.device) -> int:
+    """Point factory calls the meta capture recorded on ``meta`` to ``device``.
+
+    Capturing on the meta device bakes ``device=meta`` into factory nodes (``aten.arange(16,
+    device=meta)`` for position ids); run on a real device, such a tensor would silently hold
+    garbage. Every ``torch.device("meta")`` in a node's arguments becomes ``device``.
+
+    Returns:
+        The number of nodes changed.
+    """
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, torch.device) and value.type == "meta":
+            return device
+        if isinstance(value, list | tuple):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    changed = 0
+    for node in gm.graph.nodes:
+        args, kwargs = swap(node.args), {k: swap(v) for k, v in node.kwargs.items()}
+        if args != node.args or kwargs != dict(node.kwargs):
+            node.args, node.kwargs = args, kwargs
+            changed += 1
+    if changed:
+        gm.recompile()
+        log.debug("retargeted %d factory node(s) from meta to %s", changed, device)
+    return changed
+
+
+def _load_source(state_dict: Mapping[str, torch.Tensor] | str | None) -> Mapping[str, torch.Tensor]:
+    if state_dict is None:
+        return {}
+    if isinstance(state_dict, str):
+        return torch.load(state_dict, map_location="cpu", mmap=True, weights_only=True)
+    return state_dict
+
+
+def _reset_parameter(meta_model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    owner, leaf = _owner(meta_model, name)
+    reset = getattr(owner, "reset_parameters", None)
+    if leaf not in owner._parameters or reset is None:
+        return False
+    owner.to_empty(device="cpu", recurse=False)
+    reset()
+    with torch.no_grad():
+        tensor.copy_(owner._parameters[leaf])  # type: ignore[arg-type]
+    owner.to("meta")
+    return True
+
+
+def _real_buffers(model_fn: Callable[[], nn.Module]) -> dict[str, torch.Tensor]:
+    with parameters_on_meta():
+        model = model_fn()
+    return {k: v for k, v in model.named_buffers(remove_duplicate=False) if v.device.type != "meta"}
+
+
+def materialise(
+    module: nn.Module,
+    state: StageState,
+    device: torch.device,
+    *,
+    state_dict: Mapping[str, torch.Tensor] | str | None,
+    init_fn: InitFn | None,
+    meta_model: nn.Module,
+    model_fn: Callable[[], nn.Module] | None,
+) -> dict[str, str]:
+    """Allocate ``module`` on ``device`` and fill every state tensor; see the module docstring.
+
+    Args:
+        module: The stage (its tensors on the meta device).
+        state: Its state names.
+        device: Where the stage runs.
+        state_dict: Original-key state dict (or a path to one), or None.
+        init_fn: ``init_fn(original_name, tensor)`` filling ``tensor`` in place, or None.
+        meta_model: The model built on the meta device (for ``reset_parameters``).
+        model_fn: Builds the model (for real buffers); None to not rebuild.
+
+    Returns:
+        Original name -> where its value came from (``"state_dict"``, ``"init_fn"``,
+        ``"reset_parameters"``, ``"model_fn"``), for logs and tests.
+
+    Raises:
+        ConfigError: naming every tensor no source could fill, with the fix.
+    """
+    module.to_empty(device=device)
+    if isinstance(module, torch.fx.GraphModule):
+        retarget_meta_devices(module, device)
+    source = _load_source(state_dict)
+    origin: dict[str, str] = {}
+    todo: list[tuple[str, str, torch.Tensor]] = []
+    with torch.no_grad():
+        for g, name, tensor in state.items(module):
+            key = next((k for k in state.originals[g] if k in source), None)
+            if key is not None:
+                tensor.copy_(source[key].to(tensor.dtype))
+                origin[name] = "state_dict"
+            elif init_fn is not None:
+                init_fn(name, tensor)
+                origin[name] = "init_fn"
+            else:
+                todo.append((g, name, tensor))
+    _fill_defaults(todo, origin, meta_model, model_fn)
+    return origin
+
+
+def _fill_defaults(todo: list[tuple[str, str, torch.Tensor]], origin: dict[str, str], meta_model: nn.Module, model_fn: Any) -> None:
+    buffers: dict[str, torch.Tensor] | None = None
+    missing = []
+    for _g, name, tensor in todo:
+        if isinstance(tensor, nn.Parameter):
+            if _reset_parameter(meta_model, name, tensor):
+                origin[name] = "reset_parameters"
+                continue
+        elif model_fn is not None:
+            buffers = _real_buffers(model_fn) if buffers is None else buffers
+            if name in buffers:
+                with torch.no_grad():
+                    tensor.copy_(buffers[name])
+                origin[name] = "model_fn"
+                continue
+        missing.append(name)
+    if missing:
+        raise ConfigError(
+            f"no value for {len(missing)} tensor(s) of this stage: {missing[:8]}; pass a state_dict "
+            "with these keys or an init_fn(name, tensor) that fills them"
+        )

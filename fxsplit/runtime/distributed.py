@@ -1,0 +1,345 @@
+"""The distributed pipeline: this rank's stage under a ``torch.distributed.pipelining`` schedule.
+
+Global rank ``i`` runs stage ``i``. Communication is torch's, not ours:
+
+* activations and their gradients travel through ``PipelineStage`` (built from
+  :class:`~fxsplit.runtime.dist_stage.StageModule`, which puts lists, scalars and ``None`` crossing
+  a boundary into tensors) under ``ScheduleGPipe`` or ``Schedule1F1B``; shapes are inferred by
+  ``PipelineStage`` from the first micro-batch;
+* the loss is weighted by each micro-batch's share of the batch inside the loss function given
+  to the schedule (``scale_grads=False``), so gradients equal those of the unsplit model's
+  mean-reduced loss; the schedules need equal micro-batches (their receive buffers are sized by
+  the first one), which :meth:`DistributedPipeline.train_step` checks;
+* tied tensors (a tied embedding and LM head in the first and last stage) get their gradients
+  summed with ``torch.distributed.all_reduce`` over a subgroup of the ranks holding a copy
+  (plain ``torch.distributed``: the schedules know nothing of tied weights);
+* the loss is broadcast from the last rank with ``torch.distributed.broadcast`` when asked.
+
+References:
+    torch.distributed.pipelining, https://pytorch.org/docs/stable/distributed.pipelining.html;
+    Huang et al., "GPipe", NeurIPS 2019; Narayanan et al., "Memory-efficient pipeline-parallel
+    DNN training" (1F1B), ICML 2021.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from fxsplit.errors import ConfigError, ExecutionError
+from fxsplit.runtime.dist_faults import Progress, Watchdog
+from fxsplit.runtime.dist_stage import StageModule
+from fxsplit.runtime.dist_state import StageState
+from fxsplit.runtime.microbatch import batch_size_of
+
+__all__ = ["DistributedPipeline", "TiedGroup", "SCHEDULES", "shard_name", "PLAN_FILE"]
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+PLAN_FILE = "plan.json"
+
+
+def shard_name(stage: int) -> str:
+    """File name of stage ``stage``'s state dict in a checkpoint directory."""
+    return f"stage{stage:03d}.pt"
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """A tensor with a copy on several ranks, and the process group that sums its gradient."""
+
+    name: str
+    ranks: tuple[int, ...]
+    group: Any
+
+
+class DistributedPipeline:
+    """This rank's stage of a pipeline that runs one stage per process.
+
+    Build it with :func:`fxsplit.distributed.compile` on every rank. ``train_step`` and
+    ``__call__`` are collective: every rank calls them with the same batch (only the first rank
+    reads the inputs and only the last reads the target).
+
+    Args:
+        module: This rank's :class:`StageModule` (materialised on ``device``).
+        state: Names of its state (graph and original).
+        stage_index, num_stages: Position of this stage, and the pipeline length (= world size).
+        device: Where the stage runs.
+        schedule_kind: ``"gpipe"`` or ``"1f1b"``.
+        microbatches: Micro-batches per step.
+        in_spec, out_spec: Pytree specs of the model's ``(args, kwargs)`` and outputs.
+        tied: Tensors whose gradient this rank all-reduces.
+        state_order: The original model's ``state_dict`` keys, in order.
+        meta: Plan and description written by :meth:`save`.
+        timeout_s: Seconds a rank waits for a peer before failing; the watchdog ends the
+            process past it plus a grace period.
+        watchdog: Start the :class:`~fxsplit.runtime.dist_faults.Watchdog`.
+    """
+
+    def __init__(
+        self,
+        module: StageModule,
+        *,
+        state: StageState,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        schedule_kind: str,
+        microbatches: int,
+        in_spec: pytree.TreeSpec,
+        out_spec: pytree.TreeSpec,
+        tied: Sequence[TiedGroup] = (),
+        state_order: Sequence[str] = (),
+        meta: Mapping[str, Any] | None = None,
+        timeout_s: float = 60.0,
+        watchdog: bool = True,
+    ) -> None:
+        self.module, self.state = module, state
+        self.stage_index, self.num_stages, self.device = stage_index, num_stages, device
+        self.schedule_kind, self.microbatches = schedule_kind, microbatches
+        self.in_spec, self.out_spec = in_spec, out_spec
+        self.tied, self.state_order = tuple(tied), list(state_order)
+        self.meta, self.timeout_s = dict(meta or {}), timeout_s
+        self.progress = Progress(dist.get_rank(), stage_index, str(device))
+        self.watchdog = Watchdog(self.progress, timeout_s) if watchdog else None
+        self.stage = PipelineStage(module, stage_index, num_stages, device)
+        self.schedule = SCHEDULES[schedule_kind](self.stage, microbatches, loss_fn=self._loss, scale_grads=False)
+        self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+        self._instrument()
+
+    # -- structure ---------------------------------------------------------------------------
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def _instrument(self) -> None:
+        """Record the action in flight, so a failure names its micro-batch (see Progress)."""
+        for attr, action in (
+            ("get_fwd_recv_ops", "receiving activations for"), ("forward_one_chunk", "running the forward of"),
+            ("get_fwd_send_ops", "sending activations of"), ("get_bwd_recv_ops", "receiving gradients for"),
+            ("backward_one_chunk", "running the backward of"), ("get_bwd_send_ops", "sending gradients of"),
+        ):
+            method = getattr(self.stage, attr)
+
+            def traced(chunk: int, *args: Any, _m: Any = method, _a: str = action, **kwargs: Any) -> Any:
+                self.progress.at(_a, chunk)
+                return _m(chunk, *args, **kwargs)
+
+            setattr(self.stage, attr, traced)
+
+    def _flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if spec != self.in_spec:
+            raise ConfigError(
+                f"inputs have structure {spec} but the pipeline was compiled for {self.in_spec}; "
+                "call it with the same positional/keyword structure as example_inputs"
+            )
+        return leaves
+
+    def _check_batch(self, flat: Sequence[Any]) -> int:
+        batch, m = batch_size_of(flat), self.microbatches
+        if batch % m:
+            raise ConfigError(
+                f"a batch of {batch} samples does not split into {m} equal micro-batches; the "
+                "torch.distributed.pipelining schedules size their receive buffers by the first "
+                f"micro-batch: use a batch that is a multiple of {m}"
+            )
+        return batch
+
+    # -- running -----------------------------------------------------------------------------
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        """The schedule's loss: the user's loss of one micro-batch times its batch share."""
+        if self._loss_fn is None:
+            raise ConfigError("train_step needs loss_fn")
+        outs = list(output) if isinstance(output, tuple | list) else [output]
+        return self._loss_fn(pytree.tree_unflatten(outs, self.out_spec), target) / self.microbatches
+
+    def _run(self, what: str, call: Callable[[], Any]) -> Any:
+        self.progress.started_s = time.monotonic()
+        try:
+            return call()
+        except ExecutionError:
+            raise
+        except Exception as exc:
+            err = self.progress.error(exc, what)
+            log.error("%s", err)
+            raise err from exc
+        finally:
+            self.progress.started_s = None
+            self.progress.at("idle", None)
+
+    def _step_args(self, flat: Sequence[Any]) -> list[Any]:
+        return self.module.bind_static(flat) if self.is_first else []
+
+    def train_step(
+        self,
+        *args: Any,
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        broadcast_loss: bool = False,
+        **kwargs: Any,
+    ) -> torch.Tensor | None:
+        """Forward and backward one batch; collective (every rank calls it with the same batch).
+
+        Args:
+            args, kwargs: The model's inputs for the whole batch, batch on dim 0 (read on the
+                first rank; the others only check the batch size).
+            target: The loss target, a tensor with the batch on dim 0 (read on the last rank).
+            loss_fn: ``loss_fn(output, target) -> scalar``, mean-reduced over the batch.
+            broadcast_loss: Return the loss on every rank (one broadcast), not only the last.
+
+        Returns:
+            On the last rank (every rank with ``broadcast_loss``): the batch loss, detached,
+            equal to ``loss_fn(model(*args), target)``; elsewhere None. Gradients accumulate in
+            this rank's parameters as ``loss.backward()`` would in the original model.
+
+        Raises:
+            ConfigError: for inputs of the wrong structure or a batch that does not split into
+                equal micro-batches (on every rank, before any communication).
+            ExecutionError: when this stage fails, or a peer dies or stops answering for
+                ``timeout_s`` (names rank, stage, micro-batch and action).
+        """
+        flat = self._flatten(args, kwargs)
+        self._check_batch(flat)
+        if self.is_last and not isinstance(target, torch.Tensor):
+            raise ConfigError(f"target must be a tensor with the batch on dim 0, got {type(target).__name__}")
+        self._loss_fn = loss_fn
+        losses: list[torch.Tensor] = []
+        step_args = self._step_args(flat)
+        extra = {"target": target.to(self.device), "losses": losses} if self.is_last else {}
+        self._run("train_step", lambda: self.schedule.step(*step_args, return_outputs=False, **extra))
+        self._run("the tied-weight all-reduce", self._sync_tied)
+        loss = torch.stack([x.detach() for x in losses]).sum() if self.is_last else None
+        if broadcast_loss:
+            loss = self._run("the loss broadcast", lambda: self._broadcast(loss))
+        return loss
+
+    def _broadcast(self, loss: torch.Tensor | None) -> torch.Tensor:
+        buf = loss.clone() if loss is not None else torch.zeros((), device=self.device)
+        dist.broadcast(buf, src=self.num_stages - 1)
+        return buf
+
+    def _sync_tied(self) -> None:
+        for tied in self.tied:
+            for g, _name, tensor in self.state.items(self.module.gm):
+                if g != tied.name:
+                    continue
+                grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+                dist.all_reduce(grad, group=tied.group)
+                tensor.grad = grad
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model on a batch, forward only; collective.
+
+        Returns:
+            On the last rank the model's output (same structure as the original's), elsewhere
+            None.
+        """
+        flat = self._flatten(args, kwargs)
+        self._check_batch(flat)
+        step_args = self._step_args(flat)
+        with torch.no_grad():
+            out = self._run("a forward", lambda: self.schedule.eval(*step_args))
+        if not self.is_last:
+            return None
+        outs = list(out) if isinstance(out, tuple | list) else [out]
+        return pytree.tree_unflatten(outs, self.out_spec)
+
+    forward = __call__
+
+    # -- parameters and state ----------------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(original name, parameter)`` of this stage's parameters (tied: the first alias)."""
+        for _g, name, tensor in self.state.items(self.module.gm):
+            if isinstance(tensor, nn.Parameter):
+                yield name, tensor
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's part of the original ``state_dict``: original keys (every alias of a
+        tied tensor), in the original order; non-persistent buffers left out."""
+        values = {o: t.detach() for g, _n, t in self.state.items(self.module.gm) for o in self.state.originals[g]}
+        order = self.state_order or list(values)
+        return {k: values[k] for k in order if k in values}
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy this stage's keys from an original-model state dict (other keys are ignored).
+
+        Raises:
+            ConfigError: with ``strict``, naming this stage's keys the dict lacks.
+        """
+        mine = self.state_dict()
+        missing = [k for k in mine if k not in state_dict]
+        if strict and missing:
+            raise ConfigError(f"state dict lacks {len(missing)} key(s) of stage {self.stage_index}: {missing[:8]}")
+        with torch.no_grad():
+            for g, _n, t in self.state.items(self.module.gm):
+                key = next((o for o in self.state.originals[g] if o in state_dict), None)
+                if key is not None:
+                    t.copy_(state_dict[key].to(t.device, t.dtype))
+
+    def train(self, mode: bool = True) -> DistributedPipeline:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> DistributedPipeline:
+        return self.train(False)
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write this rank's state dict (``stage{i:03d}.pt``, original keys) and, on rank 0,
+        the plan (``plan.json``); collective (ends with a barrier).
+
+        A checkpoint loads with :func:`fxsplit.distributed.load` on any number of ranks, and
+        ``python -m fxsplit.checkpoint DIR OUT.pt`` merges it into one ordinary state dict.
+        """
+        os.makedirs(directory, exist_ok=True)
+        sd = {k: v.cpu() for k, v in self.state_dict().items()}
+        torch.save(sd, os.path.join(directory, shard_name(self.stage_index)))
+        keys = [None] * self.num_stages
+        dist.all_gather_object(keys, list(sd))
+        if dist.get_rank() == 0:
+            index = {shard_name(s): k for s, k in enumerate(keys)}
+            doc = {**self.meta, "num_stages": self.num_stages, "state_order": self.state_order, "shards": index}
+            with open(os.path.join(directory, PLAN_FILE), "w") as f:
+                json.dump(doc, f, indent=1)
+        dist.barrier()
+        log.info("rank %d saved stage %d (%d tensors) to %s", dist.get_rank(), self.stage_index, len(sd), directory)
+
+    def close(self) -> None:
+        """Stop the watchdog (the process group is the caller's to destroy)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+    def __repr__(self) -> str:
+        n = sum(p.numel() for p in self.parameters())
+        return (
+            f"DistributedPipeline(stage {self.stage_index}/{self.num_stages} on {self.device}, "
+            f"{self.schedule_kind} x {self.microbatches} micro-batches, {n:,} parameters, "
+            f"tied={[t.name for t in self.tied]})"
+        )

@@ -1,0 +1,29 @@
+"""Shared fixtures of the front-end tests (capture, passes, costs, condensation, inspect).
+
+Cost annotation needs a :class:`~fxsplit.ir.DeviceSpec`. Tests that check numbers use the fixed
+``ref_device`` (round peaks, so expected times are exact); tests that only need *a* device use
+``cpu_spec``, measured once per session so ``measure_cpu_spec`` is not re-run by every test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fxsplit.ir import DeviceSpec
+
+REF_PEAK_FLOPS = 1e12
+REF_BANDWIDTH = 1e11
+
+
+@pytest.fixture(scope="session")
+def ref_device() -> DeviceSpec:
+    """A fixed device: 1 TFLOP/s, 100 GB/s, so roofline times are exact and deterministic."""
+    return DeviceSpec("ref", peak_flops=REF_PEAK_FLOPS, memory_bandwidth_bytes_per_s=REF_BANDWIDTH)
+
+
+@pytest.fixture(scope="session")
+def cpu_spec() -> DeviceSpec:
+    """This CPU, measured once per test session."""
+    from fxsplit.passes.costs import measure_cpu_spec
+
+    return measure_cpu_spec(size=256)

@@ -1,0 +1,177 @@
+"""Worker functions of the distributed tests; each runs on one rank (see dist_utils.launch).
+
+Every rank builds the unsplit model itself (the zoo is seeded, so all ranks and the reference
+agree), computes the reference loss and gradients in its own process, and checks its own
+stage's parameters by original name.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+import fxsplit.distributed as fxd
+import fxsplit.models as zoo
+
+
+def _case(name: str, batch: int) -> Any:
+    return zoo.get(name, batch_size=batch)
+
+
+def _model_fn(name: str, batch: int) -> Any:
+    return lambda: _case(name, batch).model
+
+
+def reference(case: Any, inputs: Any, target: Any) -> tuple[float, dict[str, torch.Tensor]]:
+    model = case.model
+    model.zero_grad(set_to_none=True)
+    loss = case.loss_fn(model(*inputs), target)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
+    return float(loss.detach()), grads
+
+
+def compare(pipe: Any, loss: Any, ref_loss: float, ref_grads: dict[str, torch.Tensor], tag: str) -> dict[str, Any]:
+    """Check this rank's loss (last rank) and every gradient of its stage against the reference."""
+    checked = []
+    for name, p in pipe.named_parameters():
+        assert p.grad is not None, f"{tag}: {name} has no gradient on rank {pipe.stage_index}"
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: f"{tag}: gradient of {n}: {m}")
+        checked.append(name)
+    if loss is not None:
+        torch.testing.assert_close(float(loss), ref_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{tag}: loss {m}")
+    return {"checked": checked, "loss": None if loss is None else float(loss)}
+
+
+def train_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, str, int, int]]) -> dict[str, Any]:
+    """For each ``(model, schedule, microbatches, batch)``: one train step equals the unsplit model's."""
+    out: dict[str, Any] = {}
+    for name, schedule, m, batch in runs:
+        tag = f"{name}/{schedule}/m={m}/ranks={world}"
+        case = _case(name, batch)
+        inputs, target = case.make_batch(batch, 11)
+        ref_loss, ref_grads = reference(case, inputs, target)
+        pipe = fxd.compile(_model_fn(name, batch), case.example_inputs, schedule=schedule, microbatches=m,
+                           state_dict=case.model.state_dict(), timeout_s=30)
+        loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
+        out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
+        out[tag]["broadcast"] = float(loss)
+        out[tag]["tied"] = [t.name for t in pipe.tied]
+        pipe.close()
+    return out
+
+
+def save_then_load(rank: int, world: int, out_dir: str, ckpt: str, phase: str) -> dict[str, Any]:
+    """Phase "save": one SGD step, save. Phase "load": load, one more SGD step, compare."""
+    batch, name = 6, "gpt"
+    case = _case(name, batch)
+    opt_ref = torch.optim.SGD(case.model.parameters(), lr=0.1)
+    inputs0, target0 = case.make_batch(batch, 1)
+    inputs1, target1 = case.make_batch(batch, 2)
+    if phase == "save":
+        pipe = fxd.compile(_model_fn(name, batch), case.example_inputs, schedule="1f1b", microbatches=3,
+                           state_dict=case.model.state_dict(), timeout_s=30)
+        opt = torch.optim.SGD(list(pipe.parameters()), lr=0.1)
+        pipe.train_step(*inputs0, target=target0, loss_fn=case.loss_fn)
+        opt.step()
+        pipe.save(ckpt)
+        pipe.close()
+        return {"saved": list(pipe.state_dict())}
+    # the unsplit model: the same two steps
+    for inputs, target in ((inputs0, target0), (inputs1, target1)):
+        opt_ref.zero_grad()
+        ref_loss_t = case.loss_fn(case.model(*inputs), target)
+        ref_loss_t.backward()
+        if inputs is inputs1:
+            ref_grads = {n: p.grad.clone() for n, p in case.model.named_parameters(remove_duplicate=False)}
+            ref_loss = float(ref_loss_t.detach())
+        opt_ref.step()
+    pipe = fxd.load(ckpt, _model_fn(name, batch), case.example_inputs, microbatches=2, timeout_s=30)
+    opt = torch.optim.SGD(list(pipe.parameters()), lr=0.1)
+    loss = pipe.train_step(*inputs1, target=target1, loss_fn=case.loss_fn)
+    out = compare(pipe, loss, ref_loss, ref_grads, "after load")
+    opt.step()
+    ref_state = case.model.state_dict()
+    for k, v in pipe.state_dict().items():
+        torch.testing.assert_close(v, ref_state[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k} after the step: {m}")
+    pipe.close()
+    return out
+
+
+def killed_mid_step(rank: int, world: int, out_dir: str, victim: int, timeout_s: float) -> dict[str, Any]:
+    """Rank ``victim`` dies (os._exit) in the forward of micro-batch 1 of the second step."""
+    batch = 4
+    case = _case("unet", batch)
+    pipe = fxd.compile(_model_fn("unet", batch), case.example_inputs, schedule="gpipe", microbatches=2,
+                       state_dict=case.model.state_dict(), timeout_s=timeout_s)
+    inputs, target = case.make_batch(batch, 3)
+    pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
+    if rank == victim:
+        calls = {"n": 0}
+
+        def die(module: Any, args: Any) -> None:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                os._exit(13)
+
+        pipe.module.register_forward_pre_hook(die)
+    start = time.monotonic()
+    try:
+        pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
+    finally:
+        with open(os.path.join(out_dir, f"elapsed{rank}.txt"), "w") as f:
+            f.write(str(time.monotonic() - start))
+    return {"finished": True}
+
+
+def raises_in_loss(rank: int, world: int, out_dir: str, timeout_s: float) -> dict[str, Any]:
+    """The last rank's loss_fn raises in the second micro-batch; the others must not hang."""
+    batch = 4
+    case = _case("unet", batch)
+    pipe = fxd.compile(_model_fn("unet", batch), case.example_inputs, schedule="gpipe", microbatches=2,
+                       state_dict=case.model.state_dict(), timeout_s=timeout_s)
+    inputs, target = case.make_batch(batch, 3)
+    calls = {"n": 0}
+
+    def bad_loss(out: Any, tgt: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:  # the first call is torch's shape inference
+            raise ValueError("loss exploded")
+        return case.loss_fn(out, tgt)
+
+    start = time.monotonic()
+    try:
+        pipe.train_step(*inputs, target=target, loss_fn=bad_loss)
+    finally:
+        with open(os.path.join(out_dir, f"elapsed{rank}.txt"), "w") as f:
+            f.write(str(time.monotonic() - start))
+    return {"finished": True}
+
+
+def _expect_error(call: Any) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return {"error": type(exc).__name__, "message": str(exc), "elapsed_s": time.monotonic() - start}
+    return {"error": None, "message": "", "elapsed_s": time.monotonic() - start}
+
+
+def bad_launches(rank: int, world: int, out_dir: str, plan_json: str) -> dict[str, Any]:
+    """A 3-stage plan on 2 ranks (must fail fast), then rank 1 building a wider model than rank 0
+    (the plans differ: must fail on every rank)."""
+    from fxsplit.ir import Plan
+
+    case = _case("gpt", 4)
+    out = {"world": _expect_error(lambda: fxd.compile(
+        _model_fn("gpt", 4), case.example_inputs, schedule="gpipe", microbatches=2,
+        plan=Plan.from_json(plan_json), timeout_s=20))}
+    width = 32 if rank == 0 else 48
+    out["plan"] = _expect_error(lambda: fxd.compile(
+        lambda: zoo.get("gpt", batch_size=4, width=width).model, case.example_inputs,
+        schedule="gpipe", microbatches=2, timeout_s=20))
+    return out

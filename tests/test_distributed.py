@@ -1,0 +1,106 @@
+"""The torch.distributed runtime on CPU: gloo on 127.0.0.1, one process per stage.
+
+Each test launches a small process group (spawn; torchrun's environment variables), so process
+start-up dominates; the workers live in ``dist_workers.py`` and check their own stage.
+"""
+
+from __future__ import annotations
+
+import dist_workers as w
+import pytest
+import torch
+from dist_utils import check_ok, launch
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_train_step_equals_unsplit_model(tmp_path, world):
+    """GPipe and 1F1B, skip-heavy U-Net and tied-embedding GPT: loss and every gradient."""
+    runs = [(name, schedule, world, 2 * world) for name in ("gpt", "unet") for schedule in ("gpipe", "1f1b")]
+    results = launch(w.train_equal, world, tmp_path, runs, deadline_s=120)
+    check_ok(results)
+    for tag in results[0]["result"]:
+        checked = [n for r in results.values() for n in r["result"][tag]["checked"]]
+        losses = {r["result"][tag]["broadcast"] for r in results.values()}
+        assert len(losses) == 1, f"{tag}: broadcast loss differs between ranks: {losses}"
+        if tag.startswith("gpt"):
+            # the tied embedding / LM head: a copy on the first and on the last rank
+            assert checked.count("tok_emb.weight") == 2, f"{tag}: {checked}"
+            assert results[0]["result"][tag]["tied"] == ["lm_head.weight"]
+        assert len(set(checked)) == len(checked) - (1 if tag.startswith("gpt") else 0)
+
+
+def test_save_on_three_ranks_load_on_two_then_step(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    check_ok(launch(w.save_then_load, 3, tmp_path / "save", ckpt, "save", deadline_s=90))
+    check_ok(launch(w.save_then_load, 2, tmp_path / "load", ckpt, "load", deadline_s=90))
+    import fxsplit.models as zoo
+    from fxsplit.checkpoint import consolidate
+
+    sd = consolidate(ckpt)
+    model = zoo.get("gpt", batch_size=6).model
+    model.load_state_dict(sd)  # strict: every key of the unsplit model, nothing else
+    assert list(sd) == list(model.state_dict())
+
+
+def test_killed_rank_stops_the_others_within_the_timeout(tmp_path):
+    timeout_s = 8.0
+    results = launch(w.killed_mid_step, 3, tmp_path, 1, timeout_s, deadline_s=60)
+    assert results[1]["code"] == 13, "the victim exits with its own status"
+    for rank in (0, 2):
+        r = results[rank]
+        assert r["code"] == 1 and r["result"]["error"] == "ExecutionError", r
+        assert r["result"]["attrs"]["rank"] == rank and r["result"]["attrs"]["stage"] == rank
+        assert r["result"]["attrs"]["microbatch"] is not None
+        elapsed = float((tmp_path / f"elapsed{rank}.txt").read_text())
+        assert elapsed < timeout_s + 3, f"rank {rank} needed {elapsed:.1f} s to give up"
+    # launch() fails when a process is still alive at its deadline: none is left behind.
+
+
+def test_rank_that_raises_stops_the_others_within_the_timeout(tmp_path):
+    timeout_s = 5.0
+    results = launch(w.raises_in_loss, 2, tmp_path, timeout_s, deadline_s=60)
+    last = results[1]["result"]
+    assert last["error"] == "ExecutionError" and "loss exploded" in last["message"]
+    assert last["attrs"]["microbatch"] == 1
+    first = results[0]["result"]
+    assert first["error"] == "ExecutionError", first
+    elapsed = float((tmp_path / "elapsed0.txt").read_text())
+    assert elapsed < timeout_s + 3, f"rank 0 needed {elapsed:.1f} s to give up"
+
+
+@pytest.fixture(scope="module")
+def bad_launches(tmp_path_factory):
+    """One 2-rank launch tries a 3-stage plan, then ranks that build different models."""
+    import fxsplit.models as zoo
+    from fxsplit.api import CompileOptions
+    from fxsplit.compiler import front_end, plan_pipeline
+    from fxsplit.distributed import REFERENCE_CPU, _to_meta
+    from fxsplit.ir import LinkSpec, Problem
+
+    case = zoo.get("gpt", batch_size=4)
+    with torch.device("meta"):
+        meta = zoo.get("gpt", batch_size=4).model
+    opts = CompileOptions(allow_idle_devices=False)
+    _, cond, _ = front_end(meta, _to_meta(case.example_inputs), {}, REFERENCE_CPU, "analytic", opts)
+    specs = tuple(REFERENCE_CPU.with_(name=f"rank{i}") for i in range(3))
+    plan = plan_pipeline(Problem(cond.graph, specs, LinkSpec(), allow_idle_devices=False), 4, 2, "gpipe", "dp", opts).plan
+    results = launch(w.bad_launches, 2, tmp_path_factory.mktemp("bad"), plan.to_json(), deadline_s=60)
+    check_ok(results)
+    return results
+
+
+def test_world_size_mismatch_fails_fast(bad_launches):
+    for r in bad_launches.values():
+        err = r["result"]["world"]
+        assert err["error"] == "ConfigError", err
+        assert "3 stages but 2 processes" in err["message"]
+        assert err["elapsed_s"] < 10, "no collective should run before the check"
+
+
+def test_mismatched_plans_fail_on_every_rank(bad_launches):
+    for r in bad_launches.values():
+        err = r["result"]["plan"]
+        assert err["error"] == "PlanError", err
+        assert "planned different pipelines" in err["message"]

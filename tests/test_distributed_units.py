@@ -1,0 +1,91 @@
+"""Unit tests of the distributed runtime's pieces that need no process group."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxsplit.runtime.dist_stage import Layout, decode, encode
+from fxsplit.runtime.dist_state import StageState, parameters_on_meta, retarget_meta_devices
+
+
+def test_boundary_values_round_trip_through_tensors():
+    layouts = [Layout("tensor"), Layout("list", 2), Layout("scalar", pytype="int"), Layout("none"),
+               Layout("scalar", pytype="float"), Layout("scalar", pytype="bool")]
+    a, b, c = torch.randn(2, 3).t(), torch.randn(2), torch.randn(1)
+    wire = encode([a, [b, c], 7, None, 0.5, True], layouts, torch.device("cpu"))
+    assert len(wire) == 6 and all(t.is_contiguous() for t in wire)
+    back = decode(wire, layouts)
+    torch.testing.assert_close(back[0], a)
+    assert [t.shape for t in back[1]] == [b.shape, c.shape]
+    assert back[2:] == [7, None, 0.5, True]
+
+
+def test_meta_capture_factories_are_retargeted():
+    # Regression: capturing on the meta device bakes aten.arange(..., device=meta) into the graph
+    # (GPT position ids); on CPU the embedding then read garbage and the loss was NaN.
+    class Pos(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.emb(torch.arange(x.shape[1], device=x.device))
+
+    with torch.device("meta"):
+        model = Pos()
+    gm = torch.export.export(model, (torch.empty(2, 8, 4, device="meta"),), strict=False).module()
+    assert retarget_meta_devices(gm, torch.device("cpu")) >= 1
+    assert "meta" not in gm.code
+
+
+def test_parameters_on_meta_keeps_buffers_real():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("mask", torch.tril(torch.ones(3, 3)), persistent=False)
+
+    with parameters_on_meta():
+        m = M()
+    assert m.lin.weight.device.type == "meta" and isinstance(m.lin.weight, nn.Parameter)
+    assert m.mask.device.type == "cpu" and m.mask.sum() == 6
+
+
+def test_stage_state_lists_every_alias_of_a_tied_tensor():
+    state = StageState(["head.weight", "b"], {"head.weight": ("emb.weight", "head.weight")})
+    assert state.keys() == ["emb.weight", "head.weight", "b"]
+
+
+def test_consolidate_merges_shards_in_original_order(tmp_path):
+    import json
+
+    from fxsplit.checkpoint import consolidate
+
+    w = torch.randn(3)
+    torch.save({"emb.weight": w, "a": torch.ones(1)}, tmp_path / "stage000.pt")
+    torch.save({"emb.weight": w, "head.weight": w}, tmp_path / "stage001.pt")
+    index = {"state_order": ["emb.weight", "a", "head.weight"],
+             "shards": {"stage000.pt": ["emb.weight", "a"], "stage001.pt": ["emb.weight", "head.weight"]}}
+    (tmp_path / "plan.json").write_text(json.dumps(index))
+    sd = consolidate(tmp_path)
+    assert list(sd) == ["emb.weight", "a", "head.weight"]
+
+
+def test_watchdog_ends_a_stuck_process():
+    import subprocess
+    import sys
+
+    from fxsplit.runtime.dist_faults import WATCHDOG_EXIT_CODE
+
+    code = (
+        "import time; from fxsplit.runtime.dist_faults import Progress, Watchdog\n"
+        "p = Progress(0, 0, 'cpu', action='receiving activations for', microbatch=2)\n"
+        "p.started_s = time.monotonic(); Watchdog(p, timeout_s=0.2, grace_s=0.2, poll_s=0.05)\n"
+        "time.sleep(30)\n"
+    )
+    start = __import__("time").monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == WATCHDOG_EXIT_CODE
+    assert "stuck" in proc.stderr and "micro-batch 2" in proc.stderr
+    assert __import__("time").monotonic() - start < 25
