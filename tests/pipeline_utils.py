@@ -48,7 +48,8 @@ class Compiled:
 def reference_grads(model: torch.nn.Module, case: Any, inputs: Any, target: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     loss = case.loss_fn(model(*inputs), target)
-    loss.backward()
+    if loss.requires_grad:  # a random DAG may have no parameter at all
+        loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
     return loss.detach(), grads
 
