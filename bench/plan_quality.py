@@ -1,11 +1,17 @@
-"""Plan quality on the six PipeDream graphs: dp (proven optimum) against the baselines.
+"""Plan quality: the exact solvers (dp, cpsat) against the baselines, on profiles and real models.
 
-For each graph and 2, 4, 8 devices, homogeneous (identical devices) and heterogeneous (half the
-devices twice as fast, device order free), with no communication and no memory limit: the trivial
-lower bound, the dp optimum, and how far ``uniform``, ``params``, ``blockpartition`` and
-``greedy`` are from it (``(baseline - dp) / dp``), plus dp's solve time.
+Part 1, the six PipeDream graphs: for 2, 4, 8 devices, homogeneous (identical devices) and
+heterogeneous (half the devices twice as fast, device order free), with no communication and no
+memory limit: the trivial lower bound, the dp optimum, and how far ``uniform``, ``params``,
+``blockpartition`` and ``greedy`` are from it (``(baseline - dp) / dp``), plus dp's solve time.
 
-Run: ``python bench/plan_quality.py [--out bench/results]``.
+Part 2, real models captured on the meta device (zoo models, BERT, GPT-2 with 12 and 48 layers,
+ViT, a Llama-style model; see ``model_graphs.py``): bottleneck per micro-batch (8 micro-batches,
+1F1B, training memory, 25 GB/s links) on 2, 4, 8 A100s, or half A100s and half half-speed 16 GiB
+devices: dp and cpsat (objective, status, solve time), the best proven lower bound and the gap
+of the best exact plan to it, and the baselines' excess over the best exact plan.
+
+Run: ``python bench/plan_quality.py [--quick] [--part pipedream|models|all] [--out bench/results]``.
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fxsplit.solvers import solve
-from rich.console import Console
+from common import console as wide_console
+from common import show
 from rich.table import Table
 
 from fxsplit.ir import DeviceSpec, LinkSpec, Problem, trivial_lower_bound
 from fxsplit.ir.formats import load_pipedream
+from fxsplit.solvers import solve
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPEDREAM = ROOT / ".." / "shared" / "data" / "pipedream"
@@ -35,16 +42,23 @@ BASELINES = ["uniform", "params", "blockpartition", "greedy"]
 
 
 def environment() -> dict[str, Any]:
-    """Versions, machine and commit, recorded with every result."""
+    """Versions (torch, numpy, OR-Tools), machine and commit, recorded with every result."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import numpy
     import ortools
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = ""
 
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 check=False).stdout.strip()
     except OSError:
         commit = ""
-    return {"python": sys.version.split()[0], "numpy": numpy.__version__, "ortools": ortools.__version__,
+    return {"python": sys.version.split()[0], "torch": torch_version, "numpy": numpy.__version__, "ortools": ortools.__version__,
             "platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
             "commit": commit, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
@@ -78,13 +92,7 @@ def row(name: str, k: int, hetero: bool) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args()
-    if not PIPEDREAM.is_dir():
-        raise SystemExit(f"PipeDream graphs not found at {PIPEDREAM}")
-    rows = [row(g, k, h) for h in (False, True) for g in GRAPHS for k in (2, 4, 8)]
+def pipedream_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="bottleneck per mini-batch (ms); baselines: % above the dp optimum")
     for col in ("graph", "k", "devices", "bound", "dp", "status", *BASELINES, "dp s"):
         table.add_column(col, justify="right")
@@ -92,9 +100,34 @@ def main() -> None:
         table.add_row(r["graph"], str(r["devices"]), "2x/1x free" if r["hetero"] else "same",
                       f"{r['lower_bound_s'] * 1e3:.2f}", f"{r['dp_s'] * 1e3:.2f}", r["dp_status"],
                       *(f"{r[f'{b}_gap']:+.1%}" for b in BASELINES), f"{r['dp_solve_s']:.3f}")
-    Console().print(table)
-    path = write_json(args.out, "plan_quality", {"env": environment(), "rows": rows})
-    Console().print(f"wrote {path}")
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two graphs, two tiny models, 2 and 4 devices")
+    parser.add_argument("--part", choices=("pipedream", "models", "all"), default="all")
+    parser.add_argument("--time-limit", type=float, default=None, help="seconds per dp/cpsat solve (default 20; quick 2)")
+    parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    ks = (2, 4) if args.quick else (2, 4, 8)
+    doc: dict[str, Any] = {"env": environment(), "quick": args.quick}
+    console = wide_console()
+    if args.part in ("pipedream", "all"):
+        if not PIPEDREAM.is_dir():
+            raise SystemExit(f"PipeDream graphs not found at {PIPEDREAM}")
+        graphs = GRAPHS[:2] if args.quick else GRAPHS
+        doc["rows"] = [row(g, k, h) for h in (False, True) for g in graphs for k in ks]
+        show(pipedream_table(doc["rows"]), console, args.markdown)
+    if args.part in ("models", "all"):
+        from model_quality import model_rows, model_table
+
+        limit = args.time_limit or (2.0 if args.quick else 20.0)
+        doc["model_rows"] = model_rows(args.quick, ks, limit, console)
+        show(model_table(doc["model_rows"]), console, args.markdown)
+    path = write_json(args.out, "plan_quality", doc)
+    console.print(f"wrote {path}")
 
 
 if __name__ == "__main__":

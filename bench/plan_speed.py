@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fxsplit.solvers import solve
 from plan_quality import PIPEDREAM, environment, write_json
 from rich.console import Console
 from rich.table import Table
@@ -24,6 +23,7 @@ from rich.table import Table
 from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, LinkSpec, Problem
 from fxsplit.ir.downsets import count_downsets
 from fxsplit.ir.formats import load_pipedream
+from fxsplit.solvers import solve
 
 # (name, relative forward time, parallel group) of one transformer layer's operators
 _LAYER = [("ln1", 1, None), ("q", 4, "qkv"), ("k", 4, "qkv"), ("v", 4, "qkv"), ("attn", 6, None),

@@ -28,7 +28,7 @@ def _root() -> None:
     """Split a PyTorch model across devices automatically and run it as a pipeline."""
 
 
-_SUBCOMMANDS = ("solve", "inspect", "compile")
+_SUBCOMMANDS = ("solve", "inspect", "compile", "plan")
 _registered = False
 
 

@@ -28,6 +28,7 @@ from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, ExecutionError
 from fxsplit.runtime.microbatch import merge_outputs, split_microbatches
 from fxsplit.runtime.state import StateMap
+from fxsplit.runtime.trace import TraceRecorder, span
 from fxsplit.schedule import Action, Schedule, make, simulate
 
 __all__ = ["Pipeline", "execution_order"]
@@ -104,6 +105,9 @@ class Pipeline:
         self.schedule_kind = schedule_kind
         self._schedules: dict[int, Schedule] = {}
         self.schedule = self._schedule_for(microbatches)
+        # Runtime trace (fxsplit.runtime.trace): times every F/B action of train_step for
+        # pipe.trace(path); set to None to record nothing.
+        self.recorder: TraceRecorder | None = TraceRecorder()
 
     # -- structure ---------------------------------------------------------------------------
     @property
@@ -188,7 +192,9 @@ class Pipeline:
         flat = self._flatten(args, kwargs)
         m = self.microbatches
         mbs, sizes = split_microbatches(flat, m)
-        targets, _ = split_microbatches(list(pytree.tree_leaves(target)) or [None], m) if target is not None else ([None] * m, sizes)
+        targets: list[list[Any]] = (
+            split_microbatches(list(pytree.tree_leaves(target)) or [None], m)[0] if target is not None else [[]] * m
+        )
         tspec = pytree.tree_structure(target)
         slots = {(s, i): _Slot() for s in range(self.num_stages) for i in range(m)}
         grads: dict[tuple[int, int], list[Any]] = {}
@@ -197,12 +203,14 @@ class Pipeline:
             s, i = action.stage, action.microbatch
             if action.kind == "F":
                 t = pytree.tree_unflatten(targets[i], tspec) if target is not None else None
-                self._forward(s, i, mbs[i], slots, t, sizes[i] / total, loss_fn)
+                with span(self.recorder, s, "F", i):  # runtime trace
+                    self._forward(s, i, mbs[i], slots, t, sizes[i] / total, loss_fn)
             else:
-                self._backward(s, i, slots, grads)
+                with span(self.recorder, s, "B", i):  # runtime trace
+                    self._backward(s, i, slots, grads)
         self._sync_tied()
-        losses = [slots[(self.num_stages - 1, i)].loss for i in range(m)]
-        return torch.stack([loss.detach().to(losses[0].device) for loss in losses if loss is not None]).sum()
+        losses = [loss for i in range(m) if (loss := slots[(self.num_stages - 1, i)].loss) is not None]
+        return torch.stack([loss.detach().to(losses[0].device) for loss in losses]).sum()
 
     def _forward(self, s: int, i: int, inputs: list[Any], slots: dict, target: Any, weight: float, loss_fn: Callable) -> None:
         device = torch.device(self.program.stages[s].device)
@@ -247,7 +255,7 @@ class Pipeline:
             present = [c.grad for c in copies if c.grad is not None]
             if not present:
                 continue
-            total = sum(g.to(present[0].device) for g in present)
+            total = torch.stack([g.to(present[0].device) for g in present]).sum(dim=0)
             for c in copies:
                 c.grad = total.to(c.device).clone()
 
@@ -282,6 +290,13 @@ class Pipeline:
 
     def eval(self) -> Pipeline:
         return self.train(False)
+
+    def trace(self, path: Any) -> Any:
+        """Write a Chrome trace (chrome://tracing, Perfetto) of the latest :meth:`train_step`
+        to ``path``: one row per stage, one event per F/B action; see :mod:`fxsplit.runtime.trace`."""
+        from fxsplit.runtime.trace import write_trace
+
+        return write_trace(self, path)
 
     def __repr__(self) -> str:
         from fxsplit.runtime.describe import describe

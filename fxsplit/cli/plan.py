@@ -1,0 +1,132 @@
+"""``fxsplit plan MODEL``: capture, annotate and plan a model, print the stages, draw the plan.
+
+Nothing runs: the model is captured (on the meta device with ``--meta``, so any size plans in
+seconds), its costs are annotated for a reference device, and the split, the schedule and the
+micro-batch count are chosen as :func:`fxsplit.compile` would choose them.
+
+Example::
+
+    fxsplit plan gpt --devices 4 --draw out.svg --gantt out.png
+    fxsplit plan hf:llama --preset 7b --meta --device a100 --devices 8 --batch-size 8
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fxsplit.report import human_bytes, human_seconds
+
+__all__ = ["register", "plan_table", "reference_device"]
+
+
+def reference_device(name: str) -> Any:
+    """``"cpu"`` (this CPU, measured) or a preset (``"a100"``) as a :class:`DeviceSpec`."""
+    from fxsplit.ir import DeviceSpec
+
+    if name == "cpu":
+        from fxsplit.passes.costs import measure_cpu_spec
+
+        return measure_cpu_spec()
+    return DeviceSpec.preset(name)
+
+
+def plan_table(plan: Any, problem: Any) -> Table:
+    """One row per stage: device, blocks, nodes, forward, backward, communication, memory."""
+    table = Table(title=f"{problem.graph.name}: {plan.num_stages} stages, {plan.schedule}, "
+                        f"{plan.microbatches} micro-batches, solver {plan.solver} ({plan.status})")
+    for col in ("stage", "device", "blocks", "nodes", "fwd/mb", "bwd/mb", "comm/mb", "memory"):
+        table.add_column(col, justify="left" if col in ("device", "nodes") else "right")
+    for s, st in enumerate(plan.stages):
+        nodes = [n for b in st.blocks for n in problem.graph.blocks[b].nodes]
+        shown = nodes[0] if len(nodes) == 1 else f"{nodes[0]} … {nodes[-1]} ({len(nodes)})" if nodes else ""
+        table.add_row(str(s), problem.devices[st.device].name, str(len(st.blocks)), shown,
+                      human_seconds(st.fwd_s), human_seconds(st.bwd_s), human_seconds(st.comm_s),
+                      human_bytes(st.memory_bytes))
+    table.caption = (f"step {human_seconds(plan.makespan_s)}, bottleneck {human_seconds(plan.bottleneck_s)} "
+                     f"(predicted); lower bound {human_seconds(plan.lower_bound_s)}, gap {plan.gap:.1%}; "
+                     f"solved in {plan.solve_time_s:.2f} s")
+    return table
+
+
+def _load(model: str, size: str, batch_size: int, preset: str | None, meta: bool) -> Any:
+    import contextlib
+
+    import torch
+
+    from fxsplit.api import load_model
+
+    overrides = {"preset": preset} if preset else {}
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return load_model(model, size=size, batch_size=batch_size, **overrides)
+
+
+def plan_command(
+    model: Annotated[str, typer.Argument(help="zoo name (gpt, resnet, ...), hf:NAME, or module:function")],
+    devices: Annotated[int, typer.Option(help="number of identical devices")] = 4,
+    device: Annotated[str, typer.Option(help="device kind: cpu (measured) or a preset: a100, h100, v100, t4")] = "cpu",
+    size: Annotated[str, typer.Option(help="zoo size preset: tiny, small, base")] = "small",
+    preset: Annotated[str | None, typer.Option(help="hf:llama size: tiny, 7b, 13b, 70b")] = None,
+    meta: Annotated[bool, typer.Option(help="build the model on the meta device (no memory)")] = False,
+    batch_size: Annotated[int, typer.Option(help="samples per step")] = 8,
+    microbatches: Annotated[str, typer.Option(help="micro-batches per step, or auto")] = "auto",
+    schedule: Annotated[str, typer.Option(help="gpipe, 1f1b or auto")] = "auto",
+    solver: Annotated[str, typer.Option(help="auto, dp, cpsat, uniform, params, blockpartition, greedy")] = "auto",
+    objective: Annotated[str, typer.Option(help="makespan or bottleneck")] = "makespan",
+    time_limit: Annotated[float, typer.Option(help="solver time limit, seconds")] = 30.0,
+    draw: Annotated[Path | None, typer.Option(help="draw the graph coloured by stage (.svg, .png)")] = None,
+    gantt: Annotated[Path | None, typer.Option(help="draw the predicted timeline (.png, .svg)")] = None,
+    as_json: Annotated[Path | None, typer.Option("--json", help="write the plan as JSON here")] = None,
+) -> None:
+    """Plan MODEL over DEVICES devices; print the stages and optionally draw them."""
+    from fxsplit.api import CompileOptions, _check_compile_args, analyze
+    from fxsplit.compiler import plan_pipeline
+    from fxsplit.errors import FxsplitError
+    from fxsplit.ir import LinkSpec, Problem
+    from fxsplit.runtime.microbatch import batch_size_of
+
+    console = Console()
+    try:
+        m: int | str = int(microbatches) if microbatches.isdigit() else microbatches
+        _check_compile_args(solver, schedule, m, objective, "analytic")
+        ref = reference_device(device)
+        with console.status(f"capturing and annotating {model} ..."):
+            case = _load(model, size, batch_size, preset, meta)
+            ins = analyze(case.model, case.example_inputs, case.example_kwargs or None, device=ref, name=model)
+        specs = tuple(ref.with_(name=f"{device}:{i}") for i in range(devices))
+        problem = Problem(ins.condensed.graph, specs, link=LinkSpec(), objective=objective).check()
+        options = CompileOptions(time_limit_s=time_limit)
+        with console.status(f"planning over {devices} x {device} ..."):
+            choice = plan_pipeline(problem, batch_size_of(list(case.example_inputs)), m, schedule, solver, options)
+        plan_problem = choice.problem.with_(graph=problem.graph.scaled(1.0 / choice.microbatches))
+        console.print(plan_table(choice.plan, plan_problem))
+        console.print(f"schedule: {choice.reason}")
+        _outputs(console, choice, plan_problem, [s.name for s in specs], draw, gantt, as_json)
+    except FxsplitError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from exc
+
+
+def _outputs(console: Console, choice: Any, problem: Any, names: list[str], draw: Path | None,
+             gantt: Path | None, as_json: Path | None) -> None:
+    from fxsplit import viz
+    from fxsplit.schedule import simulate_plan
+
+    if draw is not None:
+        console.print(f"wrote {viz.draw_plan(choice.plan, problem.graph, draw, device_names=names)}")
+    if gantt is not None:
+        timeline = simulate_plan(choice.plan, choice.schedule, choice.microbatches)
+        console.print(f"wrote {viz.gantt(timeline, gantt, title=f'{problem.graph.name}: predicted step')}")
+    if as_json is not None:
+        as_json.write_text(json.dumps(choice.plan.to_dict(problem), indent=1))
+        console.print(f"wrote {as_json}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``plan`` subcommand to ``app``."""
+    app.command("plan")(plan_command)

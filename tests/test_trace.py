@@ -1,0 +1,59 @@
+"""The runtime trace: one Chrome trace event per schedule action of the latest train_step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pipeline_utils import Compiled
+
+import fxsplit.models as zoo
+from fxsplit.errors import ConfigError
+from fxsplit.runtime.trace import TraceRecorder, load_chrome_trace, span
+
+
+@pytest.fixture(scope="module")
+def trained() -> object:
+    compiled = Compiled(zoo.get("mlp", batch_size=4))
+    pipe = compiled.pipeline(2, "1f1b", 4)
+    inputs, target = compiled.case.make_batch(4, seed=0)
+    for _ in range(2):  # the recorder keeps the latest step only
+        pipe.train_step(*inputs, target=target, loss_fn=compiled.case.loss_fn)
+    return pipe
+
+
+def test_chrome_trace_has_one_event_per_action(trained, tmp_path) -> None:
+    path = trained.trace(tmp_path / "trace.json")
+    doc = json.loads(path.read_text())
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    expected = sorted(str(a) for _, _, a in trained.schedule)
+    assert sorted(e["name"] for e in events) == expected
+    for e in events:
+        assert e["dur"] >= 0 and e["ts"] >= 0
+        assert e["tid"] == e["args"]["stage"] == int(e["name"][0])
+        assert e["cat"] == ("forward" if e["args"]["kind"] == "F" else "backward")
+    rows = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert rows == {0: "stage 0 (cpu)", 1: "stage 1 (cpu)"}
+    assert [e.name for e in load_chrome_trace(path)] == [e["name"] for e in events]
+
+
+def test_recorder_keeps_the_latest_step() -> None:
+    rec = TraceRecorder()
+    for _ in range(2):
+        for stage, kind in ((0, "F"), (1, "F"), (1, "B"), (0, "B")):
+            with span(rec, stage, kind, 0):
+                pass
+    assert [e.name for e in rec.events] == ["0F0", "1F0", "1B0", "0B0"]
+    assert rec.events[0].start_s == 0.0
+    assert all(b.start_s >= a.start_s for a, b in zip(rec.events, rec.events[1:], strict=False))
+    assert rec.per_stage_s(2)[1].keys() == {"fwd_s", "bwd_s"}
+
+
+def test_span_without_recorder_is_a_no_op() -> None:
+    with span(None, 0, "F", 0):
+        pass
+
+
+def test_trace_before_any_step_says_what_to_do(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="train_step"):
+        TraceRecorder().write(tmp_path / "t.json")
