@@ -214,6 +214,8 @@ class CompileOptions:
         link: Link between neighbouring devices (default: the ``LinkSpec`` default).
         training: Plan for training (True) or inference.
         allow_idle_devices: Let the plan use fewer stages than devices (False: one stage each).
+        executor: ``"auto"`` (threads when a stage is on CUDA), ``"threads"`` (one worker thread
+            per device, stages overlap) or ``"sequential"``.
     """
 
     capture_method: str = "auto"
@@ -225,6 +227,7 @@ class CompileOptions:
     link: Any = None
     training: bool = True
     allow_idle_devices: bool = True
+    executor: str = "auto"
 
 
 def _device_specs(devices: Any, memory_limit_bytes: int | None) -> list[DeviceSpec]:

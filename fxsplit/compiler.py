@@ -173,6 +173,7 @@ def assemble(
         program, in_spec=captured.in_spec, out_spec=captured.out_spec, state=state,
         schedule_kind=schedule, microbatches=microbatches, plan=plan,
         report={"device_names": [specs[st.device].name for st in plan.stages]},
+        executor=getattr(options, "executor", "auto"),
     )
 
 

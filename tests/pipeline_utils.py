@@ -24,11 +24,11 @@ def devices(n: int) -> list[DeviceSpec]:
 class Compiled:
     """A model captured once; pipelines with different stage counts and schedules share it."""
 
-    def __init__(self, case: Any, *, copy_tied: bool = False, use_kwargs: bool = False) -> None:
+    def __init__(self, case: Any, *, copy_tied: bool = False, use_kwargs: bool = False, executor: str = "sequential") -> None:
         self.case = case
         self.model = copy.deepcopy(case.model)
         self.reference = copy.deepcopy(case.model)
-        self.options = CompileOptions(copy_tied=copy_tied, allow_idle_devices=False, time_limit_s=10.0)
+        self.options = CompileOptions(copy_tied=copy_tied, allow_idle_devices=False, time_limit_s=30.0, executor=executor)
         # make_batch gives positional inputs only, so capture without the optional kwargs.
         args, kwargs = tuple(case.example_inputs), dict(case.example_kwargs or {}) if use_kwargs else {}
         self.captured, self.condensed, _ = front_end(self.model, args, kwargs, CPU, "analytic", self.options)

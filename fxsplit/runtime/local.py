@@ -28,6 +28,7 @@ from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, ExecutionError
 from fxsplit.runtime.microbatch import merge_outputs, split_microbatches
 from fxsplit.runtime.state import StateMap
+from fxsplit.runtime.threads import run_threaded
 from fxsplit.runtime.trace import TraceRecorder, span
 from fxsplit.schedule import Action, Schedule, make, simulate
 
@@ -78,7 +79,8 @@ class Pipeline:
     Build it with :func:`fxsplit.compile`. Attributes: ``plan`` (the :class:`~fxsplit.ir.Plan`),
     ``stages`` (the :class:`~fxsplit.codegen.Stage` s), ``schedule`` (the
     :class:`~fxsplit.schedule.Schedule`), ``microbatches``, ``program``, ``report`` (why the
-    schedule was chosen, predicted times).
+    schedule was chosen, predicted times), ``executor`` (``"threads"``: one worker thread, and
+    on CUDA one stream, per device so stages overlap; ``"sequential"``: one thread).
 
     Parameters live in the stages under their original names; stages on the same device share
     tied tensors, copies on other devices have their gradients summed after each step.
@@ -95,6 +97,7 @@ class Pipeline:
         microbatches: int = 1,
         plan: Any = None,
         report: Mapping[str, Any] | None = None,
+        executor: str = "auto",
     ) -> None:
         self.program = program
         self.in_spec, self.out_spec = in_spec, out_spec
@@ -104,7 +107,9 @@ class Pipeline:
         self.microbatches = microbatches
         self.schedule_kind = schedule_kind
         self._schedules: dict[int, Schedule] = {}
+        self._orders: dict[int, list[Action]] = {}
         self.schedule = self._schedule_for(microbatches)
+        self.executor = _choose_executor(executor, [st.device for st in program.stages])
         # Runtime trace (fxsplit.runtime.trace): times every F/B action of train_step for
         # pipe.trace(path); set to None to record nothing.
         self.recorder: TraceRecorder | None = TraceRecorder()
@@ -121,6 +126,7 @@ class Pipeline:
     def _schedule_for(self, m: int) -> Schedule:
         if m not in self._schedules:
             self._schedules[m] = make(self.schedule_kind, self.num_stages, m)
+            self._orders[m] = execution_order(self._schedules[m])
         return self._schedules[m]
 
     def _flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
@@ -199,7 +205,8 @@ class Pipeline:
         slots = {(s, i): _Slot() for s in range(self.num_stages) for i in range(m)}
         grads: dict[tuple[int, int], list[Any]] = {}
         total = sum(sizes)
-        for action in execution_order(self._schedule_for(m)):
+
+        def run(action: Action) -> None:
             s, i = action.stage, action.microbatch
             if action.kind == "F":
                 t = pytree.tree_unflatten(targets[i], tspec) if target is not None else None
@@ -208,6 +215,13 @@ class Pipeline:
             else:
                 with span(self.recorder, s, "B", i):  # runtime trace
                     self._backward(s, i, slots, grads)
+
+        schedule = self._schedule_for(m)
+        if self.executor == "threads":
+            run_threaded(schedule, run, [st.device for st in self.program.stages])
+        else:
+            for action in self._orders[m]:
+                run(action)
         self._sync_tied()
         losses = [loss for i in range(m) if (loss := slots[(self.num_stages - 1, i)].loss) is not None]
         return torch.stack([loss.detach().to(losses[0].device) for loss in losses]).sum()
@@ -302,6 +316,19 @@ class Pipeline:
         from fxsplit.runtime.describe import describe
 
         return describe(self)
+
+
+EXECUTORS = ("auto", "sequential", "threads")
+
+
+def _choose_executor(executor: str, devices: Sequence[str]) -> str:
+    """``"threads"`` (one worker per device, stages overlap) or ``"sequential"`` (one thread,
+    actions in a valid global order); ``"auto"`` picks threads when a stage is on CUDA."""
+    if executor not in EXECUTORS:
+        raise ConfigError(f"executor={executor!r} is unknown; choose one of {EXECUTORS}")
+    if executor == "auto":
+        return "threads" if any(torch.device(d).type == "cuda" for d in devices) else "sequential"
+    return executor
 
 
 def _batch_or_one(flat: Sequence[Any]) -> int:
