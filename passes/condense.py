@@ -27,9 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.fx
-from fxsplit.passes.coarsen import coarsen_blocks
-from fxsplit.passes.costs import NodeCost
-from fxsplit.passes.manager import PassResult, require_meta
 
 from fxsplit.ir.downsets import (
     DEFAULT_MAX_DOWNSETS,
@@ -38,6 +35,9 @@ from fxsplit.ir.downsets import (
     members,
 )
 from fxsplit.ir.graph import Block, CondensedGraph, Edge
+from fxsplit.passes.coarsen import coarsen_blocks
+from fxsplit.passes.costs import NodeCost
+from fxsplit.passes.manager import PassResult, require_meta
 
 __all__ = ["Condensed", "CondenseAntichains", "condense_antichains", "fold_free_nodes"]
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+
 from fxsplit.passes.manager import require_meta
 
 __all__ = ["measure_node_times"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import condensed_graphs
 
 from fxsplit.ir import Block, CondensedGraph, Edge
 from fxsplit.ir.downsets import count_downsets
 from fxsplit.passes.coarsen import _quotient_graph, coarsen_blocks
-from strategies import condensed_graphs
 
 
 def _wide(width: int, depth: int) -> CondensedGraph:
