@@ -14,7 +14,7 @@ from fxsplit.passes.coarsen import _quotient_graph, coarsen_blocks
 def _wide(width: int, depth: int) -> CondensedGraph:
     """``width`` independent chains of ``depth`` cheap blocks feeding one heavy block."""
     blocks, edges = [Block(0, "src", fwd_s=1.0)], []
-    for w in range(width):
+    for _ in range(width):
         prev = 0
         for _ in range(depth):
             b = len(blocks)
