@@ -132,7 +132,8 @@ def compile_pipeline(
     ).check()
     choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
     t2 = time.perf_counter()
-    pipe = assemble(model, captured, choice.plan, specs, choice.schedule, choice.microbatches, options)
+    plan = choice.plan.with_(graph=problem.graph.scaled(1.0 / choice.microbatches))
+    pipe = assemble(model, captured, plan, specs, choice.schedule, choice.microbatches, options)
     report = {
         "reason": choice.reason, "candidates": choice.candidates, "capture_method": captured.method,
         "num_blocks": condensed.num_blocks, "num_ideals": condensed.num_ideals,

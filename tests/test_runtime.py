@@ -160,3 +160,15 @@ def test_cli_compile_trains_and_compares():
     assert "predicted step time" in result.output and "largest gradient difference" in result.output
     diff = next(line for line in result.output.splitlines() if "largest loss difference" in line)
     assert float(diff.split("│")[-2]) < 1e-4
+
+
+def test_pipe_plan_draws_itself_and_serialises_without_its_graph(tmp_path):
+    pytest.importorskip("matplotlib")
+    case = zoo.get("gpt", batch_size=4)
+    pipe = fxsplit.compile(case.model, devices(3), case.example_inputs, microbatches=2, schedule="1f1b",
+                           options=fxsplit.CompileOptions(allow_idle_devices=False))
+    assert pipe.plan.graph is not None and len(pipe.plan.graph) > 0
+    out = pipe.plan.draw(tmp_path / "plan.png")
+    assert out.exists() and out.stat().st_size > 1000
+    again = type(pipe.plan).from_json(pipe.plan.to_json())
+    assert again == pipe.plan and again.graph is None
