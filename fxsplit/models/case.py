@@ -33,6 +33,7 @@ __all__ = [
     "cross_entropy_loss",
     "next_token_loss",
     "mse_loss",
+    "image_classification_case",
 ]
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
@@ -213,3 +214,32 @@ def mse_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     if isinstance(output, (tuple, list)):
         return torch.stack([nn.functional.mse_loss(o, target) for o in output]).sum()
     return nn.functional.mse_loss(primary_tensor(output), target)
+
+
+def image_classification_case(
+    name: str, model: nn.Module, config: Any, description: str, *, seed: int, batch_size: int
+) -> ModelCase:
+    """A :class:`ModelCase` for a classifier of ``[batch, in_channels, image_size, image_size]``
+    images into ``config.num_classes`` classes (cross entropy): the ResNet and Inception tasks.
+
+    Args:
+        name: Registry name.
+        model: The classifier, already built under :func:`seeded`.
+        config: Has ``in_channels``, ``image_size`` and ``num_classes``.
+        description: One line for people.
+        seed: Seed of the example batch.
+        batch_size: Batch size of the example inputs.
+    """
+
+    def draw(gen: torch.Generator, n: int) -> Batch:
+        shape = (n, config.in_channels, config.image_size, config.image_size)
+        images = torch.randn(*shape, generator=gen, device="cpu")
+        labels = torch.randint(0, config.num_classes, (n,), generator=gen, device="cpu")
+        return (images,), labels
+
+    make_batch = batch_maker(model, draw)
+    return ModelCase(
+        name=name, model=model, example_inputs=make_batch(batch_size, seed)[0], make_batch=make_batch,
+        loss_fn=cross_entropy_loss, description=description, config=config,
+    )
+

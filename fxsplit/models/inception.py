@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fxsplit.errors import ConfigError
-from fxsplit.models.case import Batch, ModelCase, batch_maker, cross_entropy_loss, seeded
+from fxsplit.models.case import ModelCase, image_classification_case, seeded
 
 __all__ = ["InceptionConfig", "InceptionBlock", "Inception", "PRESETS", "make_case"]
 
@@ -135,23 +135,8 @@ def make_case(config: InceptionConfig, *, seed: int = 0, batch_size: int = 2) ->
     """
     with seeded(seed):
         model = Inception(config)
-
-    def draw(gen: torch.Generator, batch_size: int) -> Batch:
-        shape = (batch_size, config.in_channels, config.image_size, config.image_size)
-        images = torch.randn(*shape, generator=gen, device="cpu")
-        labels = torch.randint(0, config.num_classes, (batch_size,), generator=gen, device="cpu")
-        return (images,), labels
-
-    make_batch = batch_maker(model, draw)
-    return ModelCase(
-        name="inception",
-        model=model,
-        example_inputs=make_batch(batch_size, seed)[0],
-        make_batch=make_batch,
-        loss_fn=cross_entropy_loss,
-        description=(
-            f"Inception blocks={list(config.blocks)} width={config.width}x4 "
-            f"image={config.image_size}px classes={config.num_classes}"
-        ),
-        config=config,
+    description = (
+        f"Inception blocks={list(config.blocks)} width={config.width}x4 "
+        f"image={config.image_size}px classes={config.num_classes}"
     )
+    return image_classification_case("inception", model, config, description, seed=seed, batch_size=batch_size)

@@ -42,6 +42,7 @@ from fxsplit.runtime.dist_faults import Progress, Watchdog
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState
 from fxsplit.runtime.microbatch import batch_size_of
+from fxsplit.runtime.state import ParameterAPI
 
 __all__ = ["DistributedPipeline", "TiedGroup", "SCHEDULES", "shard_name", "PLAN_FILE"]
 
@@ -65,7 +66,7 @@ class TiedGroup:
     group: Any
 
 
-class DistributedPipeline:
+class DistributedPipeline(ParameterAPI):
     """This rank's stage of a pipeline that runs one stage per process.
 
     Build it with :func:`fxsplit.distributed.compile` on every rank. ``train_step`` and
@@ -269,17 +270,6 @@ class DistributedPipeline:
         for _g, name, tensor in self.state.items(self.module.gm):
             if isinstance(tensor, nn.Parameter):
                 yield name, tensor
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        for _, p in self.named_parameters():
-            yield p
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.parameters():
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's part of the original ``state_dict``: original keys (every alias of a

@@ -27,7 +27,7 @@ from torch import nn
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, ExecutionError
 from fxsplit.runtime.microbatch import merge_outputs, split_microbatches
-from fxsplit.runtime.state import StateMap
+from fxsplit.runtime.state import ParameterAPI, StateMap
 from fxsplit.runtime.threads import run_threaded
 from fxsplit.runtime.trace import TraceRecorder, span
 from fxsplit.schedule import Action, Schedule, make, simulate
@@ -73,7 +73,7 @@ class _Slot:
     loss: torch.Tensor | None = None
 
 
-class Pipeline:
+class Pipeline(ParameterAPI):
     """A model split into stages, callable like the model, trainable with :meth:`train_step`.
 
     Build it with :func:`fxsplit.compile`. Attributes: ``plan`` (the :class:`~fxsplit.ir.Plan`),
@@ -277,17 +277,6 @@ class Pipeline:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(original name, parameter)`` of every parameter (tied copies on other devices too)."""
         return self.state.named_parameters()
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        for _, p in self.named_parameters():
-            yield p
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.parameters():
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's ``state_dict`` keys, in its order, with the stages' values."""

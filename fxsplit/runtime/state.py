@@ -17,7 +17,7 @@ from fxsplit.codegen.place import get_state
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError
 
-__all__ = ["StateMap"]
+__all__ = ["StateMap", "ParameterAPI"]
 
 
 class StateMap:
@@ -108,3 +108,23 @@ class StateMap:
             for name, value in state_dict.items():
                 for t in self._copies_of(name):
                     t.copy_(value.to(t.device))
+
+
+class ParameterAPI:
+    """``parameters()`` and ``zero_grad()`` derived from ``named_parameters()``; shared by the
+    local and the distributed pipeline."""
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        raise NotImplementedError
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
