@@ -216,6 +216,8 @@ class CompileOptions:
         allow_idle_devices: Let the plan use fewer stages than devices (False: one stage each).
         executor: ``"auto"`` (threads when a stage is on CUDA), ``"threads"`` (one worker thread
             per device, stages overlap) or ``"sequential"``.
+        deferred_batch_norm: With several micro-batches, update BatchNorm running statistics
+            once per step with the whole batch's statistics, as the unsplit model does.
     """
 
     capture_method: str = "auto"
@@ -228,6 +230,7 @@ class CompileOptions:
     training: bool = True
     allow_idle_devices: bool = True
     executor: str = "auto"
+    deferred_batch_norm: bool = True
 
 
 def _device_specs(devices: Any, memory_limit_bytes: int | None) -> list[DeviceSpec]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fxsplit import solvers
-from fxsplit.codegen import place_stages, split_graph
+from fxsplit.codegen import defer_batch_norm, place_stages, split_graph
 from fxsplit.errors import ConfigError
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
 from fxsplit.passes.capture import Captured, capture
@@ -166,6 +166,7 @@ def assemble(
     """
     program = split_graph(captured.gm, plan.stage_of_block(), [specs[st.device].torch_device for st in plan.stages])
     program = place_stages(program, copy_tied=options.copy_tied)
+    tracker = defer_batch_norm(program) if microbatches > 1 and getattr(options, "deferred_batch_norm", True) else None
     state = StateMap(
         program, captured.aliases, [n for n, _ in model.named_parameters(remove_duplicate=False)],
         list(model.state_dict().keys()), _orphans(model, captured),
@@ -174,7 +175,7 @@ def assemble(
         program, in_spec=captured.in_spec, out_spec=captured.out_spec, state=state,
         schedule_kind=schedule, microbatches=microbatches, plan=plan,
         report={"device_names": [specs[st.device].name for st in plan.stages]},
-        executor=getattr(options, "executor", "auto"),
+        executor=getattr(options, "executor", "auto"), bn_tracker=tracker,
     )
 
 

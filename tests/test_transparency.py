@@ -81,3 +81,27 @@ def test_skip_connections_are_relayed_through_middle_stages():
     for st in pipe.stages[1:]:
         prev = pipe.stages[st.index - 1]
         assert list(st.inputs) == list(prev.outputs), "each stage receives exactly what its neighbour sends"
+
+
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_batchnorm_running_stats_follow_the_whole_batch(microbatches):
+    """Deferred BatchNorm: micro-batches are normalised on their own (as in GPipe), but the
+    running statistics end the step as in the unsplit model, and the batch is counted once."""
+    case = zoo.get("resnet", batch_size=8)
+    compiled = Compiled(case)
+    pipe = compiled.pipeline(3, "1f1b", microbatches)
+    assert pipe.bn_tracker is not None
+    assert any("fxsplit_deferred_bn" in str(n.target) for st in pipe.stages for n in st.gm.graph.nodes)
+    for step in range(2):
+        inputs, target = case.make_batch(8, step)
+        pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
+        case.loss_fn(compiled.reference(*inputs), target).backward()
+    ours, theirs = pipe.state_dict(), compiled.reference.state_dict()
+    buffers = [k for k in theirs if "running" in k or "num_batches" in k]
+    assert any(k.startswith("stem.") for k in buffers)
+    for key in buffers:
+        # The first BatchNorm sees the same inputs as the original: its statistics match
+        # exactly. Deeper ones see activations normalised per micro-batch: close, not equal.
+        exact = key.startswith("stem.") or "num_batches" in key
+        tol = {"rtol": 1e-4, "atol": 1e-5} if exact else {"rtol": 2e-2, "atol": 2e-3}
+        torch.testing.assert_close(ours[key], theirs[key], **tol, msg=lambda m, k=key: f"buffer {k}: {m}")

@@ -98,6 +98,7 @@ class Pipeline(ParameterAPI):
         plan: Any = None,
         report: Mapping[str, Any] | None = None,
         executor: str = "auto",
+        bn_tracker: Any = None,
     ) -> None:
         self.program = program
         self.in_spec, self.out_spec = in_spec, out_spec
@@ -110,6 +111,9 @@ class Pipeline(ParameterAPI):
         self._orders: dict[int, list[Action]] = {}
         self.schedule = self._schedule_for(microbatches)
         self.executor = _choose_executor(executor, [st.device for st in program.stages])
+        # Deferred BatchNorm (fxsplit.codegen.batchnorm): running statistics updated once per
+        # step with the whole batch's statistics, as in the unsplit model.
+        self.bn_tracker = bn_tracker
         # Runtime trace (fxsplit.runtime.trace): times every F/B action of train_step for
         # pipe.trace(path); set to None to record nothing.
         self.recorder: TraceRecorder | None = TraceRecorder()
@@ -162,11 +166,21 @@ class Pipeline(ParameterAPI):
         flat = self._flatten(args, kwargs)
         mbs, sizes = split_microbatches(flat, min(self.microbatches, _batch_or_one(flat)))
         outs = []
+        self._begin_step()
         for i, values in enumerate(mbs):
             for s, stage in enumerate(self.program.stages):
                 values = list(self._run_stage(s, i, _to_stage(values, torch.device(stage.device), leaf=False)))
             outs.append(values)
+        self._end_step()
         return self._unflatten(merge_outputs(outs, sizes))
+
+    def _begin_step(self) -> None:
+        if self.bn_tracker is not None:
+            self.bn_tracker.reset()
+
+    def _end_step(self) -> None:
+        if self.bn_tracker is not None:
+            self.bn_tracker.commit()
 
     forward = __call__
 
@@ -217,12 +231,14 @@ class Pipeline(ParameterAPI):
                     self._backward(s, i, slots, grads)
 
         schedule = self._schedule_for(m)
+        self._begin_step()
         if self.executor == "threads":
             run_threaded(schedule, run, [st.device for st in self.program.stages])
         else:
             for action in self._orders[m]:
                 run(action)
         self._sync_tied()
+        self._end_step()
         losses = [loss for i in range(m) if (loss := slots[(self.num_stages - 1, i)].loss) is not None]
         return torch.stack([loss.detach().to(losses[0].device) for loss in losses]).sum()
 

@@ -1,0 +1,159 @@
+"""Deferred BatchNorm: running statistics tracked over the whole batch, not per micro-batch.
+
+In training mode a BatchNorm normalises with the statistics of the batch it sees and updates its
+running mean and variance with them. Split into ``m`` micro-batches, the original graph would
+update the running statistics ``m`` times with micro-batch statistics (and count ``m`` batches).
+This rewrite keeps each micro-batch normalised by its own statistics (what every pipeline does,
+GPipe included) but *defers* the running-statistics update: every micro-batch adds its
+per-channel sums to a :class:`BatchNormTracker`, and :meth:`BatchNormTracker.commit` applies one
+update with the statistics of the whole batch after the step, so the buffers end the step as in
+the unsplit model.
+
+Rewritten (export graphs): ``aten.batch_norm.default(x, w, b, running_mean, running_var,
+training=True, momentum, eps, cudnn)`` and the ``aten.add_(num_batches_tracked, 1)`` beside it.
+BatchNorms with ``momentum=None`` (cumulative average) and ``symbolic_trace`` graphs are left
+as they are.
+
+References:
+    Kim et al., "torchgpipe", 2020, §3.4 (deferred batch normalization).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxsplit.codegen.split import StagedProgram
+
+__all__ = ["BatchNormTracker", "DeferredBatchNorm", "DeferredCount", "defer_batch_norm"]
+
+_BATCH_NORM = torch.ops.aten.batch_norm.default
+_ADD_ = torch.ops.aten.add_.Tensor
+
+
+@dataclass
+class _Sums:
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    momentum: float
+    total: torch.Tensor | None = None
+    squares: torch.Tensor | None = None
+    count: int = 0
+
+
+@dataclass
+class BatchNormTracker:
+    """Per-channel sums of every deferred BatchNorm during one step; :meth:`commit` applies them."""
+
+    sums: dict[str, _Sums] = field(default_factory=dict)
+    counters: dict[str, torch.Tensor] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, key: str, x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float) -> None:
+        dims = [d for d in range(x.dim()) if d != 1]
+        with torch.no_grad(), self.lock:
+            s = self.sums.setdefault(key, _Sums(running_mean, running_var, momentum))
+            xf = x.detach().float()
+            total, squares = xf.sum(dims), (xf * xf).sum(dims)
+            s.total = total if s.total is None else s.total + total
+            s.squares = squares if s.squares is None else s.squares + squares
+            s.count += x.numel() // x.shape[1]
+
+    def count_batch(self, key: str, counter: torch.Tensor) -> None:
+        with self.lock:
+            self.counters[key] = counter
+
+    def reset(self) -> None:
+        """Forget the sums of a step that did not finish."""
+        with self.lock:
+            self.sums.clear()
+            self.counters.clear()
+
+    def commit(self) -> None:
+        """Update every running mean/variance once with the whole batch's statistics (the
+        unbiased variance, as ``nn.BatchNorm`` does) and count one batch; then reset."""
+        with torch.no_grad(), self.lock:
+            for s in self.sums.values():
+                if s.total is None or s.squares is None or s.count == 0:
+                    continue
+                mean = s.total / s.count
+                var = (s.squares / s.count - mean * mean).clamp_min(0)
+                unbiased = var * s.count / max(s.count - 1, 1)
+                s.running_mean.mul_(1 - s.momentum).add_(mean.to(s.running_mean.dtype), alpha=s.momentum)
+                s.running_var.mul_(1 - s.momentum).add_(unbiased.to(s.running_var.dtype), alpha=s.momentum)
+            for counter in self.counters.values():
+                counter.add_(1)
+            self.sums.clear()
+            self.counters.clear()
+
+
+class DeferredBatchNorm(nn.Module):
+    """``batch_norm`` with micro-batch statistics whose running-statistics update is deferred."""
+
+    def __init__(self, tracker: BatchNormTracker, key: str, momentum: float, eps: float) -> None:
+        super().__init__()
+        self.tracker, self.key, self.momentum, self.eps = tracker, key, momentum, eps
+
+    def forward(self, x: torch.Tensor, weight: Any, bias: Any, running_mean: torch.Tensor, running_var: torch.Tensor) -> torch.Tensor:
+        self.tracker.add(self.key, x, running_mean, running_var, self.momentum)
+        return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
+
+
+class DeferredCount(nn.Module):
+    """``num_batches_tracked += 1``, counted once per step by :meth:`BatchNormTracker.commit`."""
+
+    def __init__(self, tracker: BatchNormTracker, key: str) -> None:
+        super().__init__()
+        self.tracker, self.key = tracker, key
+
+    def forward(self, counter: torch.Tensor, one: Any) -> torch.Tensor:
+        self.tracker.count_batch(self.key, counter)
+        return counter
+
+
+def _rewrite(gm: torch.fx.GraphModule, tracker: BatchNormTracker, stage: int) -> int:
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is _BATCH_NORM and node.args[5] is True and node.args[3] is not None and node.args[6] is not None:
+            name = f"fxsplit_deferred_bn_{node.name}"
+            gm.add_submodule(name, DeferredBatchNorm(tracker, f"{stage}:{node.name}", float(node.args[6]), float(node.args[7])))
+            args = node.args[:5]
+        elif node.target is _ADD_ and _is_counter(node):
+            name = f"fxsplit_deferred_count_{node.name}"
+            gm.add_submodule(name, DeferredCount(tracker, f"{stage}:{node.name}"))
+            args = node.args[:2]
+        else:
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_module(name, args)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
+def _is_counter(node: torch.fx.Node) -> bool:
+    target = node.args[0]
+    return isinstance(target, torch.fx.Node) and target.op == "get_attr" and str(target.target).endswith("num_batches_tracked")
+
+
+def defer_batch_norm(program: StagedProgram) -> BatchNormTracker | None:
+    """Rewrite every stage's training-mode BatchNorms to defer their running-statistics update.
+
+    Returns:
+        The tracker to :meth:`~BatchNormTracker.commit` after each step, or ``None`` when no
+        stage has a BatchNorm to defer.
+    """
+    tracker = BatchNormTracker()
+    count = sum(_rewrite(st.gm, tracker, st.index) for st in program.stages)
+    return tracker if count else None
