@@ -25,7 +25,7 @@ from fxsplit.passes.costs import AnnotateCosts
 from fxsplit.passes.manager import PassManager
 from fxsplit.passes.shapes import PropagateShapes
 from fxsplit.runtime import Pipeline, StateMap
-from fxsplit.runtime.microbatch import batch_size_of
+from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
 from fxsplit.schedule import explore
 
 __all__ = ["compile_pipeline", "front_end", "plan_pipeline", "assemble", "PlanChoice"]
@@ -46,14 +46,23 @@ class PlanChoice:
 
 
 def front_end(
-    model: nn.Module, args: tuple, kwargs: dict, reference: DeviceSpec, cost_model: str, options: Any
+    model: nn.Module, args: tuple, kwargs: dict, reference: DeviceSpec, cost_model: str, options: Any,
+    microbatches: int | str = "auto",
 ) -> tuple[Captured, Condensed, list[Any]]:
-    """Capture with a symbolic batch dimension, annotate at the example batch, condense."""
+    """Capture with a symbolic batch dimension, annotate at the example batch, condense.
+
+    With the measured cost model and a fixed micro-batch count, nodes are timed on one
+    micro-batch and scaled to the batch, so per-micro-batch costs are measured ones.
+    """
     captured = capture(model, args, kwargs, method=options.capture_method, dynamic_batch=options.dynamic_batch)
     flat = captured.flatten_inputs(args, kwargs)
+    timed, scale = tuple(flat), 1.0
+    if cost_model == "measured" and isinstance(microbatches, int) and microbatches > 1:
+        timed, scale = tuple(split_microbatches(flat, microbatches)[0][0]), float(microbatches)
     pm = PassManager([
         PropagateShapes(tuple(flat), force=True),
-        AnnotateCosts(reference, cost_model=cost_model, example_inputs=tuple(flat), measure_device=reference.torch_device),
+        AnnotateCosts(reference, cost_model=cost_model, example_inputs=timed, measure_device=reference.torch_device,
+                      measure_scale=scale),
         CondenseAntichains(max_ideals=options.max_ideals, name=type(model).__name__),
     ])
     pm.run(captured.gm)
@@ -124,7 +133,7 @@ def compile_pipeline(
     if isinstance(microbatches, int) and microbatches > batch:
         raise ConfigError(f"microbatches={microbatches} exceeds the batch of {batch} samples; use microbatches <= {batch}")
     reference = options.reference or specs[0]
-    captured, condensed, _ = front_end(model, args, kwargs, reference, cost_model, options)
+    captured, condensed, _ = front_end(model, args, kwargs, reference, cost_model, options, microbatches)
     t1 = time.perf_counter()
     problem = Problem(
         condensed.graph, tuple(specs), link=options.link or LinkSpec(), objective=objective,

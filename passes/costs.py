@@ -285,6 +285,10 @@ class AnnotateCosts:
         example_inputs: Real flat inputs, for ``"measured"``.
         measure_device: torch device string for ``"measured"`` (default ``"cpu"``).
         warmup, repeats: Timing loop of the measured model; the median is kept.
+        measure_scale: Multiply measured times by this factor: time a micro-batch
+            (``example_inputs`` one micro-batch) and scale to the annotated batch with
+            ``measure_scale = microbatches``, so per-micro-batch costs are what a micro-batch
+            really takes (small batches run less efficiently than a linear share).
 
     Raises:
         ConfigError: for an unknown ``cost_model`` or ``"measured"`` without real inputs.
@@ -297,6 +301,7 @@ class AnnotateCosts:
     measure_device: str = "cpu"
     warmup: int = 2
     repeats: int = 5
+    measure_scale: float = 1.0
     requires: tuple[str, ...] = ("val",)
     produces: tuple[str, ...] = ("fxsplit.cost",)
 
@@ -324,7 +329,7 @@ class AnnotateCosts:
 
             if self.example_inputs is None:
                 raise ConfigError("cost_model='measured' needs example_inputs (real tensors) to time nodes")
-            measure_node_times(gm, self.example_inputs, self.measure_device, self.warmup, self.repeats)
+            measure_node_times(gm, self.example_inputs, self.measure_device, self.warmup, self.repeats, self.measure_scale)
         return PassResult(gm, modified=True)
 
 

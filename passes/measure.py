@@ -92,7 +92,12 @@ class _TimingInterpreter(torch.fx.Interpreter):
 
 
 def measure_node_times(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device: str = "cpu", warmup: int = 2, repeats: int = 5
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    device: str = "cpu",
+    warmup: int = 2,
+    repeats: int = 5,
+    scale: float = 1.0,
 ) -> dict[str, tuple[float, float]]:
     """Time every compute node of ``gm`` and store the times in its ``"fxsplit.cost"``.
 
@@ -101,6 +106,8 @@ def measure_node_times(
         example_inputs: Real flat inputs.
         device: Where to time (``"cpu"``, ``"cuda:0"``).
         warmup, repeats: Untimed runs, then timed runs whose median is kept.
+        scale: Factor applied to the stored times (``microbatches`` when ``example_inputs`` is
+            one micro-batch of the annotated batch).
 
     Returns:
         ``{node name: (fwd_s, bwd_s)}``.
@@ -114,6 +121,8 @@ def measure_node_times(
         if node.name in interp.times:
             fwd_s, bwd_s = interp.times[node.name]
             cost = node.meta["fxsplit.cost"]
-            node.meta["fxsplit.cost"] = dataclasses.replace(cost, fwd_s=fwd_s, bwd_s=bwd_s, source="measured")
+            node.meta["fxsplit.cost"] = dataclasses.replace(
+                cost, fwd_s=fwd_s * scale, bwd_s=bwd_s * scale, source="measured"
+            )
     log.info("measured %d nodes on %s", len(interp.times), device)
     return interp.times

@@ -279,3 +279,28 @@ def test_measured_cpu_spec_is_positive(cpu_spec: DeviceSpec) -> None:
     assert cpu_spec.peak_flops > 1e8 and cpu_spec.memory_bandwidth_bytes_per_s > 1e8
     assert cpu_spec.memory_bytes > 2**30
     cpu_spec.check()
+
+
+def test_measured_times_are_scaled_from_one_microbatch():
+    """compile(cost_model="measured", microbatches=m) times one micro-batch and stores m x that
+    time for the batch, so the per-micro-batch cost the planner sees is a measured one."""
+    import torch
+
+    from fxsplit.ir import DeviceSpec
+    from fxsplit.passes.capture import capture
+    from fxsplit.passes.costs import AnnotateCosts
+    from fxsplit.passes.measure import measure_node_times
+    from fxsplit.passes.shapes import PropagateShapes
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(8, 8)
+    cap = capture(model, (x,))
+    PropagateShapes((x,))(cap.gm)
+    AnnotateCosts(DeviceSpec("ref"))(cap.gm)
+    times = measure_node_times(cap.gm, (x[:2],), "cpu", warmup=1, repeats=3, scale=4.0)
+    assert times
+    for node in cap.gm.graph.nodes:
+        if node.name in times:
+            cost = node.meta["fxsplit.cost"]
+            assert cost.source == "measured"
+            assert cost.fwd_s == times[node.name][0] * 4.0 and cost.bwd_s == times[node.name][1] * 4.0
