@@ -27,6 +27,7 @@ from fxsplit.passes.shapes import PropagateShapes
 from fxsplit.runtime import Pipeline, StateMap
 from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
 from fxsplit.schedule import explore
+from fxsplit.viz import DrawablePlan
 
 __all__ = ["compile_pipeline", "front_end", "plan_pipeline", "assemble", "PlanChoice"]
 
@@ -141,7 +142,7 @@ def compile_pipeline(
     ).check()
     choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
     t2 = time.perf_counter()
-    plan = choice.plan.with_(graph=problem.graph.scaled(1.0 / choice.microbatches))
+    plan = DrawablePlan.of(choice.plan, problem.graph.scaled(1.0 / choice.microbatches))
     pipe = assemble(model, captured, plan, specs, choice.schedule, choice.microbatches, options)
     report = {
         "reason": choice.reason, "candidates": choice.candidates, "capture_method": captured.method,

@@ -25,6 +25,7 @@ import logging
 import shutil
 import subprocess
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -295,3 +296,35 @@ def draw_pipeline(pipe: Any, path: str | Path, *, graph: CondensedGraph | None =
     device_names = [by_device.get(d, f"device {d}") for d in range(max(by_device) + 1)]
     lines = "\n".join(_stage_label(plan, s, device_names) for s in range(plan.num_stages))
     return gantt(timeline, path, measured, title=f"{pipe.schedule_kind}, {pipe.microbatches} micro-batches\n{lines}")
+
+
+@dataclass(frozen=True)
+class DrawablePlan(Plan):
+    """A :class:`~fxsplit.ir.Plan` that draws itself (what ``fxsplit.compile`` puts in
+    ``pipe.plan``); the torch-free IR keeps no drawing code, so the method lives here."""
+
+    def draw(self, path: str | Path, graph: CondensedGraph | None = None, **options: Any) -> Path:
+        """Draw the condensed graph coloured by stage, with each stage's time and memory.
+
+        Args:
+            path: ``.svg``/``.dot`` (Graphviz when ``dot`` is installed) or ``.png``/``.pdf``
+                (matplotlib).
+            graph: The condensed graph (default: the plan's own ``graph``).
+            options: ``device_names``, ``title`` (see :func:`draw_plan`).
+
+        Raises:
+            ConfigError: when no graph is known, or matplotlib is needed and missing.
+        """
+        graph = graph or self.graph
+        if graph is None:
+            raise ConfigError("this plan does not know its graph; pass graph=... (inspect(...).condensed.graph)")
+        return draw_plan(self, graph, path, **options)
+
+    @classmethod
+    def of(cls, plan: Plan, graph: CondensedGraph | None = None) -> DrawablePlan:
+        """The same plan, drawable; ``graph`` replaces the plan's own when given."""
+        values = {f.name: getattr(plan, f.name) for f in fields(Plan)}
+        if graph is not None:
+            values["graph"] = graph
+        return cls(**values)
+

@@ -76,7 +76,8 @@ class Plan:
     schedule: str = "1f1b"
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
     graph: CondensedGraph | None = field(default=None, compare=False, repr=False)
-    """The condensed graph the plan was solved on, when known (not serialised)."""
+    """The condensed graph the plan was solved on, when known (not serialised); pictures use
+    it (``fxsplit.viz.DrawablePlan.draw``)."""
 
     @property
     def num_stages(self) -> int:
@@ -94,26 +95,6 @@ class Plan:
 
     def with_(self, **changes: Any) -> Plan:
         return replace(self, **changes)
-
-    def draw(self, path: Any, graph: CondensedGraph | None = None, **options: Any) -> Any:
-        """Draw the condensed graph coloured by stage, with each stage's time and memory.
-
-        Args:
-            path: ``.svg``/``.dot`` (Graphviz when ``dot`` is installed) or ``.png``/``.pdf``
-                (matplotlib).
-            graph: The condensed graph (default: :attr:`graph`, set by ``fxsplit.compile``).
-            options: ``device_names``, ``title`` (see ``fxsplit.viz.draw_plan``).
-
-        Raises:
-            PlanError: when no graph is known.
-            ConfigError: when matplotlib is needed and missing (``pip install fxsplit[viz]``).
-        """
-        graph = graph or self.graph
-        if graph is None:
-            raise PlanError("this plan does not know its graph; pass graph=... (e.g. inspect(...).condensed.graph)")
-        from fxsplit.viz import draw_plan  # lazy: pictures need matplotlib, plans do not
-
-        return draw_plan(self, graph, path, **options)
 
     # -- validation ------------------------------------------------------------------------
     def validate(self, problem: Problem, *, rtol: float = 1e-6) -> list[str]:
