@@ -7,6 +7,7 @@ it made; ``fxsplit.compile`` (in :mod:`fxsplit.compile_api`) goes on to plan, sp
 from __future__ import annotations
 
 import importlib
+import inspect as pyinspect
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -237,10 +238,11 @@ def _device_specs(devices: Any, memory_limit_bytes: int | None) -> list[DeviceSp
     """Normalise ``devices`` (an int, torch device strings or DeviceSpecs) to DeviceSpecs."""
     if isinstance(devices, int):
         devices = ["cpu"] * devices
-    if isinstance(devices, str | DeviceSpec | torch.device) or not devices:
-        if not devices and not isinstance(devices, str | DeviceSpec | torch.device):
-            raise ConfigError("devices is empty; pass e.g. devices=['cpu', 'cpu'] or devices=2")
+    elif isinstance(devices, str | DeviceSpec | torch.device):
         devices = [devices]
+    devices = list(devices)
+    if not devices:
+        raise ConfigError("devices is empty; pass e.g. devices=['cpu', 'cpu'] or devices=2")
     specs: list[DeviceSpec] = []
     cpu: DeviceSpec | None = None
     for i, d in enumerate(devices):
@@ -289,6 +291,19 @@ def _check_compile_args(solver: str, schedule: str, microbatches: Any, objective
         raise ConfigError(f"cost_model={cost_model!r} is unknown; choose one of {COST_MODELS}")
 
 
+def _check_inputs_bind(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> None:
+    """The example inputs must fit ``model.forward``'s signature (cheap, before any capture)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"compile needs an nn.Module, got {type(model).__name__}")
+    try:
+        pyinspect.signature(model.forward).bind(*args, **dict(kwargs or {}))
+    except TypeError as exc:
+        raise ConfigError(
+            f"example inputs do not match {type(model).__name__}.forward{pyinspect.signature(model.forward)}: {exc}; "
+            "pass example_inputs (positional) and example_kwargs as the model takes them"
+        ) from exc
+
+
 def compile(  # noqa: A001 - the public name users expect
     model: nn.Module,
     devices: Any,
@@ -332,6 +347,7 @@ def compile(  # noqa: A001 - the public name users expect
 
     options = options or CompileOptions()
     _check_compile_args(solver, schedule, microbatches, objective, cost_model)
+    _check_inputs_bind(model, example_inputs, example_kwargs)
     specs = _device_specs(devices, memory_limit_bytes)
     return compile_pipeline(
         model, specs, tuple(example_inputs), dict(example_kwargs or {}), microbatches=microbatches,

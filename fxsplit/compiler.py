@@ -70,6 +70,15 @@ def front_end(
     return captured, pm.artifacts["condense_antichains"], flat
 
 
+def check_microbatches(microbatches: int | str, batch: int) -> None:
+    """Raise :class:`ConfigError` when a fixed micro-batch count exceeds the batch."""
+    if isinstance(microbatches, int) and microbatches > batch:
+        raise ConfigError(
+            f"microbatches={microbatches} exceeds the batch of {batch} samples in example_inputs; "
+            f"use microbatches <= {batch}"
+        )
+
+
 def _solve(problem: Problem, solver: str, options: Any, m: int, kind: str) -> Plan:
     per_mb = problem.with_(graph=problem.graph.scaled(1.0 / m), microbatches=m, schedule=kind)
     return solvers.solve(per_mb, solver, time_limit_s=options.time_limit_s)
@@ -86,12 +95,8 @@ def plan_pipeline(
     micro-batch count that fits memory; the split is then solved again for the winner.
     """
     kinds = ("gpipe", "1f1b") if schedule == "auto" else (schedule,)
+    check_microbatches(microbatches, batch)
     if isinstance(microbatches, int):
-        if microbatches > batch:
-            raise ConfigError(
-                f"microbatches={microbatches} exceeds the batch of {batch} samples in example_inputs; "
-                f"use microbatches <= {batch}"
-            )
         candidates: Sequence[int] | None = (microbatches,)
         m0 = microbatches
     else:
@@ -129,10 +134,8 @@ def compile_pipeline(
 ) -> Pipeline:
     """Capture, plan, split and wrap ``model``; see :func:`fxsplit.compile`."""
     t0 = time.perf_counter()
-    flat_check = [x for x in list(args) + list(kwargs.values())]
-    batch = batch_size_of(flat_check)
-    if isinstance(microbatches, int) and microbatches > batch:
-        raise ConfigError(f"microbatches={microbatches} exceeds the batch of {batch} samples; use microbatches <= {batch}")
+    batch = batch_size_of(list(args) + list(kwargs.values()))
+    check_microbatches(microbatches, batch)  # before any work
     reference = options.reference or specs[0]
     captured, condensed, _ = front_end(model, args, kwargs, reference, cost_model, options, microbatches)
     t1 = time.perf_counter()

@@ -48,6 +48,7 @@ def test_auto_schedule_records_why(gpt):
         ({"schedule": "zigzag"}, "schedule='zigzag'"),
         ({"microbatches": 0}, "microbatches=0"),
         ({"cost_model": "guess"}, "cost_model='guess'"),
+        ({"example_kwargs": {"labels": 1}}, "example inputs do not match MLP.forward"),
     ],
 )
 def test_bad_arguments_fail_before_any_work(kwargs, match):
