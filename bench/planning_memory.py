@@ -52,7 +52,7 @@ def child(name: str, quick: bool, time_limit_s: float) -> None:
 
     import fxsplit.models as zoo
     from fxsplit.api import analyze
-    from fxsplit.errors import SolverError
+    from fxsplit.errors import InfeasibleError, SolverError
     from fxsplit.ir import DeviceSpec, LinkSpec, Problem
     from fxsplit.solvers import solve
 
@@ -74,11 +74,14 @@ def child(name: str, quick: bool, time_limit_s: float) -> None:
     specs = tuple(ref.with_(name=f"a100:{i}") for i in range(k))
     problem = Problem(ins.condensed.graph.scaled(1.0 / m), specs, LinkSpec(), microbatches=m).check()
     try:
-        plan, note = solve(problem, "auto", time_limit_s=time_limit_s), ""
-    except SolverError as exc:  # auto's dp ran out of time: say so, and try cpsat
-        note = f"auto: {str(exc)[:80]}; then cpsat"
-        report("plan-auto-timeout", plan_note=note)
-        plan = solve(problem, "cpsat", time_limit_s=time_limit_s, num_workers=2)
+        plan = solve(problem, "auto", time_limit_s=time_limit_s)
+    except InfeasibleError as exc:  # proven: the model does not fit these devices
+        report("plan", plan_s=time.perf_counter() - t0, plan_note=f"infeasible (proven): {str(exc)[:160]}")
+        return
+    except SolverError as exc:  # nothing proven within the time limit
+        report("plan", plan_s=time.perf_counter() - t0, plan_note=f"no plan: {str(exc)[:160]}")
+        return
+    note = ""
     report("plan", plan_note=note, plan_s=time.perf_counter() - t0, solver=plan.solver, status=plan.status, stages=plan.num_stages,
            bottleneck_s=plan.bottleneck_s, gap=plan.gap, max_stage_gib=max(st.memory_bytes for st in plan.stages) / 2**30)
 

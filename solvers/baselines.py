@@ -16,11 +16,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from fxsplit.solvers.diagnose import fmt_bytes, stage_count_error
-
 from fxsplit.errors import InfeasibleError
 from fxsplit.ir.plan import Plan, evaluate
 from fxsplit.ir.problem import Problem
+from fxsplit.solvers.diagnose import fmt_bytes, stage_count_error
 
 __all__ = [
     "block_partition",

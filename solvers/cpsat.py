@@ -14,8 +14,19 @@ device classes of equal speed and memory in ``"free"`` order):
 * objective: ``max_s load[s]`` (bottleneck) or ``Σ_s load[s] + (m - 1)·max_s load[s]`` (makespan).
 
 Times are integers in units of ``time_quantum_s``, rounded down, so ``best_objective_bound ×
-quantum`` is a proven lower bound of the true optimum; "optimal" is optimal up to the quantum
-(default ``total time / 2^20``). Bytes are exact.
+quantum`` is a proven lower bound of the true optimum; "optimal" is optimal up to the rounding
+slack: the plan's exact cost (:func:`evaluate`) exceeds the bound by at most the quanta that
+rounding down can hide (``stats["rounding_slack_s"]``: one quantum per block and per
+communication term of a stage; the default quantum is ``total time on the slowest device /
+2^20``). A solution that breaks this, or a hint that beats a claimed optimum, downgrades the
+status to ``feasible`` with a bound that does not come from CP-SAT. Bytes are exact.
+
+CP-SAT 9.15's presolve can drop an enforcement literal of a linear constraint whose Boolean
+coefficients sum past ``2^31`` (``ActivityBoundHelper::RemoveEnforcementThatMakesConstraintTrivial``
+sums them in an ``int``: google/or-tools#5293), turning "stage ``s`` on the small device ⇒ its
+bytes fit the small device" into "stage ``s`` fits the small device" and proving a wrong
+optimum. Memory rows in bytes hit it on real models, so that presolve step is switched off
+(:data:`SAFE_PARAMETERS`).
 
 References:
     Tarnawski et al., "Efficient Algorithms for Device Placement of DNN Graph Operators",
@@ -28,34 +39,44 @@ import logging
 import time
 from typing import Any
 
-from fxsplit.solvers.cpsat_model import CpData, build_model
-from fxsplit.solvers.diagnose import stage_count_error
-
 from fxsplit.errors import InfeasibleError, SolverError
-from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, count_downsets
 from fxsplit.ir.plan import Plan, evaluate, trivial_lower_bound
 from fxsplit.ir.problem import Problem
+from fxsplit.solvers.cpsat_model import CpData, build_model
+from fxsplit.solvers.diagnose import stage_count_error
+from fxsplit.solvers.estimate import estimate_dp
+from fxsplit.solvers.relax import memory_bound_error
 
-__all__ = ["DEFAULT_TIME_LIMIT_S", "solve_cpsat"]
+__all__ = ["DEFAULT_TIME_LIMIT_S", "SAFE_PARAMETERS", "solve_cpsat"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIME_LIMIT_S = 60.0
 
+SAFE_PARAMETERS: dict[str, Any] = {"presolve_inclusion_work_limit": 0}
+"""CP-SAT parameters set on every solve. ``presolve_inclusion_work_limit=0`` skips
+``ProcessAtMostOneAndLinear``, the only caller of the presolve rule "linear + amo: removed
+enforcement literal" that overflows on byte-sized coefficients in OR-Tools 9.15
+(google/or-tools#5293, #5294); costs little on these models (the rule rarely helps them)."""
 
-def _hint_plan(problem: Problem, hint: str | Plan | None, deadline_s: float) -> Plan | None:
-    """The plan to hint: a given plan, ``dp`` (when downsets are few), or ``greedy``."""
+
+def _hint_plan(problem: Problem, hint: str | Plan | None, limit_s: float) -> Plan | None:
+    """The plan to hint: a given plan, ``dp`` (``"auto"``: when its estimate fits ``limit_s``),
+    else ``greedy``; ``None`` when none fits memory."""
     if hint is None or hint == "none" or isinstance(hint, Plan):
         return hint if isinstance(hint, Plan) else None
     from fxsplit.solvers.baselines import solve_greedy
     from fxsplit.solvers.dp import solve_dp
 
+    if hint == "dp" or (hint == "auto" and estimate_dp(problem).seconds <= limit_s / 2):
+        try:
+            return solve_dp(problem, time_limit_s=limit_s)
+        except (InfeasibleError, SolverError) as exc:
+            logger.info("cpsat: no dp hint (%s)", exc)
     try:
-        if hint in ("auto", "dp") and count_downsets(problem.graph, limit=DEFAULT_MAX_DOWNSETS // 4):
-            return solve_dp(problem, time_limit_s=deadline_s)
         return solve_greedy(problem)
-    except (InfeasibleError, SolverError) as exc:
-        logger.info("cpsat: no hint (%s)", exc)
+    except InfeasibleError as exc:
+        logger.info("cpsat: no greedy hint (%s)", exc)
         return None
 
 
@@ -78,21 +99,70 @@ def _extract(problem: Problem, data: CpData, values: dict[tuple[int, int], bool]
     return out_st, out_dev
 
 
-def _infeasible(problem: Problem) -> InfeasibleError:
-    """Exact diagnosis through the DP when it is affordable, else the plain facts."""
-    if count_downsets(problem.graph, limit=DEFAULT_MAX_DOWNSETS) is not None:
+def _infeasible(problem: Problem, limit_s: float, how: str) -> InfeasibleError:
+    """The error for a problem proven infeasible (``how``): the DP's exact diagnosis when its
+    estimate fits ``limit_s``, else the memory bound's numbers, else the plain facts."""
+    if estimate_dp(problem).seconds <= limit_s:
         from fxsplit.solvers.dp import solve_dp
 
         try:
-            solve_dp(problem)
+            solve_dp(problem, time_limit_s=limit_s)
         except InfeasibleError as exc:
             return exc
+        except SolverError as exc:
+            logger.info("cpsat: no exact diagnosis (%s)", exc)
+    bound = memory_bound_error(problem)
+    if bound is not None:
+        return bound
     caps = sorted({d.memory_bytes for d in problem.devices})
     return InfeasibleError(
-        f"CP-SAT proved that no split of graph {problem.graph.name!r} ({len(problem.graph)} "
-        f"blocks) over {problem.num_devices} devices (memory {caps} bytes) fits; give the devices "
-        "more memory, add devices, or lower microbatches / use schedule='1f1b'"
+        f"{how} that no split of graph {problem.graph.name!r} ({len(problem.graph)} blocks) over "
+        f"{problem.num_devices} devices (memory {caps} bytes) fits; give the devices more memory, "
+        "add devices, or keep fewer activations in flight (schedule='1f1b', activation checkpointing)"
     )
+
+
+def _rounding_slack_s(problem: Problem, data: CpData, plan: Plan) -> float:
+    """Most the floor rounding can hide in ``plan``'s objective: a quantum per block and per
+    communication term (latency, each producer crossing) of a stage, twice in training."""
+    k = 2 if problem.training else 1
+    stage_of = plan.stage_of_block()
+    crossing = [0] * plan.num_stages
+    for u, outs in data.producers.items():
+        last = max(stage_of[v] for v, _ in outs)
+        for s in range(stage_of[u], last):
+            crossing[s] += 1
+    terms = [len(st.blocks) + k * (2 + (crossing[s - 1] if s else 0) + crossing[s])
+             for s, st in enumerate(plan.stages)]
+    if problem.objective == "bottleneck":
+        return max(terms) * data.quantum_s
+    return (sum(terms) + (problem.microbatches - 1) * max(terms)) * data.quantum_s
+
+
+def _checked(problem: Problem, plan: Plan, hint: Plan | None, slack_s: float) -> Plan:
+    """The better of CP-SAT's plan and the hint, keeping CP-SAT's claims only when they survive
+    two cheap checks.
+
+    A hint (a feasible plan) cheaper than the proven lower bound, or an ``optimal`` plan whose
+    exact cost exceeds that bound by more than the rounding slack, means the proof is wrong (a
+    solver bug, e.g. a presolve reduction): the status drops to ``feasible`` and the bound to
+    :func:`trivial_lower_bound`. A hint that is cheaper than the plan but not than the bound only
+    won on rounding, and the claim stands.
+    """
+    best = hint if hint is not None and hint.objective_s < plan.objective_s * (1 - 1e-9) else plan
+    stats = {**plan.stats, **({"from": "hint"} if best is hint else {})}
+    contradicted = hint is not None and hint.objective_s < plan.lower_bound_s * (1 - 1e-9) - 1e-15
+    loose = plan.status == "optimal" and plan.objective_s - plan.lower_bound_s > slack_s * (1 + 1e-9) + 1e-15
+    if contradicted or loose:
+        logger.warning("cpsat claimed %s %.9g s with bound %.9g s (slack %.3g s) but %s: not trusting "
+                       "its bound", plan.status, plan.objective_s, plan.lower_bound_s, slack_s,
+                       "a hint is cheaper than the bound" if contradicted else "the plan exceeds the bound")
+        return best.with_(solver="cpsat", status="feasible", stats={**stats, "proof_rejected": True},
+                          lower_bound_s=min(trivial_lower_bound(problem), best.objective_s))
+    if best is hint:
+        return hint.with_(solver="cpsat", status=plan.status, stats=stats,
+                          lower_bound_s=min(plan.lower_bound_s, hint.objective_s))
+    return plan
 
 
 def solve_cpsat(
@@ -112,20 +182,24 @@ def solve_cpsat(
         time_limit_s: Wall-clock limit, seconds (default :data:`DEFAULT_TIME_LIMIT_S`).
         num_workers: CP-SAT search workers (threads).
         seed: CP-SAT random seed (results are reproducible for a fixed seed and worker count).
-        hint: ``"auto"`` (DP when the graph's downsets are few, else greedy), ``"dp"``,
-            ``"greedy"``, a :class:`Plan`, or ``None``.
+        hint: ``"auto"`` (DP when its estimated time fits a quarter of the limit, else greedy),
+            ``"dp"`` (DP within a quarter of the limit, else greedy), ``"greedy"``, a
+            :class:`Plan`, or ``None``.
         time_quantum_s: Seconds per integer time unit; default ``total time / 2^20``.
         log_search: Let CP-SAT log its search (to the logger of this module).
 
     Returns:
-        The plan from :func:`evaluate`: status ``optimal`` when CP-SAT proved it, else
-        ``feasible`` with ``lower_bound_s`` = the proven bound (``stats["cp_status"]``, bound,
-        wall time and quantum are recorded).
+        The plan from :func:`evaluate`: status ``optimal`` when CP-SAT proved it (and the claim
+        passed the checks of the module docstring), else ``feasible`` with ``lower_bound_s`` = the
+        proven bound (``stats``: ``cp_status``, ``quantum_s``, ``rounding_slack_s``, ``cp_wall_s``,
+        ``hinted``, and ``from: "hint"`` / ``proof_rejected`` when they apply).
 
     Raises:
-        InfeasibleError: when CP-SAT proves no split fits (diagnosed by the DP when affordable).
-        SolverError: when the limit passes with no plan at all, or for free order with per-pair
-            links.
+        InfeasibleError: only when infeasibility is proven: by the memory bound of
+            :mod:`fxsplit.solvers.relax` (before any search) or by CP-SAT; diagnosed by the DP
+            when its estimate fits the time left, else with the memory bound's numbers.
+        SolverError: when the limit passes with no plan and no proof (the message says so and
+            what to try), or for free order with per-pair links.
     """
     from ortools.sat.python import cp_model
 
@@ -134,10 +208,14 @@ def solve_cpsat(
     if not problem.allow_idle_devices and len(problem.graph) < problem.num_devices:
         raise stage_count_error(problem)
     limit_s = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s
+    if memory_bound_error(problem) is not None:  # proven in microseconds: no model to build
+        raise _infeasible(problem, max(0.1, limit_s / 2), "the memory bound proved")
     hint_plan = _hint_plan(problem, hint, max(0.1, limit_s / 4))
     data = CpData.of(problem, time_quantum_s)
     model, var = build_model(cp_model, data, hint_plan)
     solver = cp_model.CpSolver()
+    for key, value in SAFE_PARAMETERS.items():
+        setattr(solver.parameters, key, value)
     solver.parameters.max_time_in_seconds = max(0.01, limit_s - (time.perf_counter() - start))
     solver.parameters.num_workers = num_workers
     solver.parameters.random_seed = seed
@@ -148,20 +226,24 @@ def solve_cpsat(
     name = solver.StatusName(status)
     stats: dict[str, Any] = {"cp_status": name, "quantum_s": data.quantum_s,
                              "cp_wall_s": solver.WallTime(), "hinted": hint_plan is not None}
-    if status == cp_model.INFEASIBLE:
-        raise _infeasible(problem)
+    if status == cp_model.INFEASIBLE and hint_plan is None:
+        left = limit_s - (time.perf_counter() - start)
+        raise _infeasible(problem, max(0.1, left), "CP-SAT proved")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if hint_plan is not None:
-            return hint_plan.with_(solver="cpsat", status="feasible", stats={**stats, "from": "hint"})
-        raise SolverError(f"cpsat found no plan within {limit_s:.3g} s (status {name}); raise "
-                          "time_limit_s or use a baseline solver")
+        if hint_plan is not None:  # INFEASIBLE despite a valid hint is a solver bug: keep the hint
+            return hint_plan.with_(solver="cpsat", status="feasible", stats={**stats, "from": "hint"},
+                                   solve_time_s=time.perf_counter() - start)
+        raise SolverError(
+            f"cpsat found no plan within {limit_s:.3g} s and did not prove that none exists "
+            f"(status {name}): the problem may be infeasible or just hard. Fix: raise time_limit_s, "
+            "give a hint plan, add devices or memory, or use a baseline solver (greedy)"
+        )
     values = {key: bool(solver.BooleanValue(v)) for key, v in var.x.items()}
     units = {s: t for (s, t), v in var.use.items() if solver.BooleanValue(v)}
     stages, devices = _extract(problem, data, values, units)
     bound = max(trivial_lower_bound(problem), solver.BestObjectiveBound() * data.quantum_s)
     plan = evaluate(problem, stages, devices, solver="cpsat", lower_bound_s=bound, stats=stats,
                     status="optimal" if status == cp_model.OPTIMAL else "feasible")
-    if hint_plan is not None and hint_plan.objective_s < plan.objective_s * (1 - 1e-9):
-        plan = hint_plan.with_(solver="cpsat", lower_bound_s=min(bound, hint_plan.objective_s),
-                               status=plan.status, stats={**stats, "from": "hint"})
+    slack_s = _rounding_slack_s(problem, data, plan)
+    plan = _checked(problem, plan.with_(stats={**stats, "rounding_slack_s": slack_s}), hint_plan, slack_s)
     return plan.with_(solve_time_s=time.perf_counter() - start)

@@ -12,11 +12,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from fxsplit.solvers.layout import device_classes
-
 from fxsplit.errors import SolverError
 from fxsplit.ir.plan import Plan
 from fxsplit.ir.problem import Problem
+from fxsplit.solvers.layout import device_classes
 
 __all__ = ["CpData", "CpVars", "build_model"]
 

@@ -13,12 +13,11 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from fxsplit.solvers.dpcore import DPResult
-
 from fxsplit.errors import InfeasibleError, SolverError
 from fxsplit.ir.devices import DeviceSpec
 from fxsplit.ir.plan import evaluate
 from fxsplit.ir.problem import Problem
+from fxsplit.solvers.dpcore import DPResult
 
 __all__ = ["fmt_bytes", "infeasible_error", "stage_count_error"]
 
@@ -47,17 +46,19 @@ def stage_count_error(problem: Problem) -> InfeasibleError:
     return err
 
 
-def _least_devices(problem: Problem, run_excess: RunExcess, deadline: float) -> int | None:
+def _least_devices(problem: Problem, run_excess: RunExcess, deadline: float) -> tuple[int | None, str]:
     """Fewest devices (copies of the largest added) with no overflow: doubling, then bisection.
 
-    Returns ``None`` when a single block cannot fit the largest device, when the search limit
-    (``min(blocks, 4k + 4, 64)``) is reached, or when ``deadline`` passes.
+    Returns the count and, when it is ``None``, why: a single block does not fit the largest
+    device, the search limit (``min(blocks, 4k + 4, 64)``) was reached, or ``deadline`` passed
+    (then the memory bound's lower bound is quoted when it has one).
     """
     big = max(problem.devices, key=lambda d: (d.memory_bytes, d.speed))
     state = problem.state_bytes_per_param_byte()
     alone = max(b.param_bytes * state + b.buffer_bytes + b.activation_bytes for b in problem.graph.blocks)
     if alone > big.memory_bytes:
-        return None
+        return None, (f"adding devices alone does not help: a block needs {fmt_bytes(alone)} on its own, "
+                      f"more than the largest device {big.name!r}")
 
     def fits(k: int) -> bool:
         extra = tuple(big.with_(name=f"{big.name}+{i}") for i in range(k - problem.num_devices))
@@ -68,15 +69,20 @@ def _least_devices(problem: Problem, run_excess: RunExcess, deadline: float) -> 
         step, hi = 1, lo + 1
         while not fits(hi):
             if hi >= limit:
-                return None
+                return None, f"no number of devices up to {limit} (copies of {big.name!r}) fits"
             lo, step = hi, 2 * step
             hi = min(limit, lo + step)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     except SolverError:  # deadline passed inside the DP
-        return None
-    return hi
+        from fxsplit.solvers.relax import memory_bound_error
+
+        bound = memory_bound_error(problem)
+        at_least = getattr(bound, "min_devices_at_least", None)
+        more = f"; the memory bound needs at least {at_least}" if at_least else ""
+        return None, f"the search for the least number of devices ran out of time{more}"
+    return hi, ""
 
 
 def infeasible_error(
@@ -114,9 +120,8 @@ def infeasible_error(
         mem_fix = f"add {fmt_bytes(overflow_bytes)} to every device's memory"
     else:
         mem_fix = f"give every device at least {fmt_bytes(min_mem)} ({min_mem} bytes)"
-    min_dev = _least_devices(problem, run_excess, time.perf_counter() + budget_s)
-    dev_fix = (f"or use {min_dev} devices" if min_dev is not None
-               else "adding devices alone does not help (or the search gave up)")
+    min_dev, why_not = _least_devices(problem, run_excess, time.perf_counter() + budget_s)
+    dev_fix = f"or use {min_dev} devices" if min_dev is not None else why_not
     err = InfeasibleError(
         f"no split of graph {problem.graph.name!r} ({len(problem.graph)} blocks) over "
         f"{problem.num_devices} devices fits in memory (schedule={problem.schedule}, "

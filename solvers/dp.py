@@ -32,15 +32,15 @@ from __future__ import annotations
 import logging
 import time
 
-from fxsplit.solvers.diagnose import infeasible_error, stage_count_error
-from fxsplit.solvers.dpcore import DPResult, run_dp
-from fxsplit.solvers.layout import Layout, build_layout
-from fxsplit.solvers.tables import DownsetTables, build_tables
-
-from fxsplit.errors import InternalError
+from fxsplit.errors import InfeasibleError, InternalError
 from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, members
 from fxsplit.ir.plan import Plan, evaluate
 from fxsplit.ir.problem import Problem
+from fxsplit.solvers.diagnose import infeasible_error, stage_count_error
+from fxsplit.solvers.dpcore import DPResult, DPTimeoutError, run_dp
+from fxsplit.solvers.layout import Layout, build_layout
+from fxsplit.solvers.relax import memory_bound_error
+from fxsplit.solvers.tables import DownsetTables, build_tables
 
 __all__ = ["solve_dp"]
 
@@ -73,12 +73,22 @@ def _to_lists(res: DPResult, layout: Layout) -> tuple[list[list[int]], list[int]
     return stages, devices
 
 
-def _infeasible(problem: Problem, tb: DownsetTables, comm: float) -> Exception:
-    def run_excess(pb: Problem, deadline: float) -> DPResult:
-        return run_dp(tb, _layout(pb, tb), comm_factor=comm, kind="excess", deadline=deadline)
+def _infeasible(problem: Problem, tb: DownsetTables, comm: float, deadline: float | None) -> Exception:
+    """The error for a problem the DP proved infeasible: the exact diagnosis (least overflow,
+    memory and devices) when it finishes by ``deadline``, else the memory bound's numbers."""
+    def run_excess(pb: Problem, until: float) -> DPResult:
+        return run_dp(tb, _layout(pb, tb), comm_factor=comm, kind="excess",
+                      deadline=until if deadline is None else min(until, deadline))
 
     lay = _layout(problem, tb)
-    res = run_dp(tb, lay, comm_factor=comm, kind="excess")
+    try:
+        res = run_dp(tb, lay, comm_factor=comm, kind="excess", deadline=deadline)
+    except DPTimeoutError:
+        err = memory_bound_error(problem)
+        return err if err is not None else InfeasibleError(
+            f"the dp proved that no split of graph {problem.graph.name!r} ({len(problem.graph)} "
+            f"blocks) over {problem.num_devices} devices fits in memory; its diagnosis ran out of "
+            "time (raise time_limit_s for the least memory and devices that fit)")
     if not res.stages:
         return stage_count_error(problem)
     stages, devices = _to_lists(res, lay)
@@ -167,7 +177,9 @@ def solve_dp(
         InfeasibleError: when no split fits in memory (stage, device, overflow, least memory and
             least number of devices), or too few blocks for ``allow_idle_devices=False``.
         DownsetBudgetError: when the graph has more than ``max_downsets`` downsets.
-        SolverError: on time-out, or free device order with per-pair links.
+        DPTimeoutError: (a :class:`SolverError`) when ``time_limit_s`` passes before the DP
+            finishes.
+        SolverError: for free device order with per-pair links.
 
     Example:
         >>> from fxsplit.ir import CondensedGraph, DeviceSpec, Problem
@@ -185,7 +197,7 @@ def solve_dp(
     comm = 2.0 if problem.training else 1.0
     res = run_dp(tb, lay, comm_factor=comm, deadline=deadline)
     if not res.stages:
-        raise _infeasible(problem, tb, comm)
+        raise _infeasible(problem, tb, comm, deadline)
     bound, rounds = res.value, 0
     if problem.objective == "makespan":
         res, bound, rounds = _makespan(problem, tb, lay, comm, res.value, deadline, max_rounds)

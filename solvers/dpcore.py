@@ -27,14 +27,18 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from fxsplit.errors import SolverError
 from fxsplit.solvers.layout import Layout, Signature
 from fxsplit.solvers.tables import DownsetTables
 
-from fxsplit.errors import SolverError
-
-__all__ = ["DPResult", "run_dp"]
+__all__ = ["DPResult", "DPTimeoutError", "run_dp"]
 
 _DEADLINE_EVERY = 64
+
+
+class DPTimeoutError(SolverError):
+    """The DP ran past its deadline (``auto`` falls back to ``cpsat`` on this one)."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,7 @@ def run_dp(
         want_break: Track :attr:`DPResult.next_break` (costs a little).
 
     Raises:
-        SolverError: when ``deadline`` passes; the message says how far it got.
+        DPTimeoutError: when ``deadline`` passes; the message says how far it got.
     """
     num = tb.num
     f = np.full((layout.num_slots, num), np.inf)
@@ -166,7 +170,7 @@ def run_dp(
     next_break = math.inf
     for i in range(1, num):
         if deadline is not None and i % _DEADLINE_EVERY == 0 and time.perf_counter() > deadline:
-            raise SolverError(
+            raise DPTimeoutError(
                 f"dp timed out after {i}/{num} downsets; raise time_limit_s or use solver='cpsat'"
             )
         ctx = _Ctx(tb, i, tb.subsets(i), comm_factor)

@@ -15,13 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from fxsplit.solvers import baselines
-from fxsplit.solvers.dp import solve_dp
-
 from fxsplit.errors import SolverError
-from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, count_downsets
 from fxsplit.ir.plan import Plan
 from fxsplit.ir.problem import Problem
+from fxsplit.solvers import baselines
+from fxsplit.solvers.auto import solve_auto
+from fxsplit.solvers.dp import solve_dp
 
 __all__ = [
     "FunctionSolver",
@@ -115,31 +114,6 @@ class SolverRegistry:
         return name in self._solvers
 
 
-MAKESPAN_DP_MAX_DOWNSETS = 1_000
-"""``auto`` uses the DP for the makespan objective only up to this many downsets: the exact
-makespan DP sweeps the bottleneck cap and costs many bottleneck DPs (23 s on GPT-2's 6310
-downsets where CP-SAT proves the same optimum in 0.03 s), so past it CP-SAT is the faster exact
-solver."""
-
-
-def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
-               max_downsets: int = DEFAULT_MAX_DOWNSETS, **opts: Any) -> Plan:
-    """``dp`` when the graph has few enough downsets, else ``cpsat``.
-
-    The budget is ``max_downsets`` for the bottleneck objective and
-    ``min(max_downsets, MAKESPAN_DP_MAX_DOWNSETS)`` for the makespan objective.
-    """
-    budget = max_downsets if problem.objective == "bottleneck" else min(max_downsets, MAKESPAN_DP_MAX_DOWNSETS)
-    count = count_downsets(problem.graph, limit=budget)
-    if count is not None:
-        logger.info("auto: %d downsets <= %d: dp", count, budget)
-        return solve_dp(problem, time_limit_s=time_limit_s, max_downsets=max_downsets)
-    logger.info("auto: more than %d downsets for %s: cpsat", budget, problem.objective)
-    from fxsplit.solvers.cpsat import solve_cpsat
-
-    return solve_cpsat(problem, time_limit_s=time_limit_s, **opts)
-
-
 def _cpsat(problem: Problem, **opts: Any) -> Plan:
     from fxsplit.solvers.cpsat import solve_cpsat
 
@@ -150,7 +124,8 @@ REGISTRY = SolverRegistry()
 for _solver in (
     FunctionSolver("dp", solve_dp, True, "exact DP over downsets x devices (Tarnawski et al. 2020)"),
     FunctionSolver("cpsat", _cpsat, True, "exact OR-Tools CP-SAT model; bound and incumbent on time-out"),
-    FunctionSolver("auto", solve_auto, True, "dp when the downsets are few, else cpsat"),
+    FunctionSolver("auto", solve_auto, True,
+                   "dp when its estimated work fits the time limit, else (or on dp time-out) cpsat"),
     FunctionSolver("uniform", baselines.solve_uniform, False, "equal numbers of blocks per stage"),
     FunctionSolver("params", baselines.solve_params, False, "balanced parameter bytes (DeepSpeed)"),
     FunctionSolver("blockpartition", baselines.solve_blockpartition, False,

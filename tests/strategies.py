@@ -23,12 +23,14 @@ def condensed_graphs(
     max_back: int = 3,
     source_prob: float = 0.15,
     with_memory: bool = True,
+    byte_unit: int = MiB,
 ) -> CondensedGraph:
     """Random block DAGs in topological order.
 
     Each block after the first is a new source with probability ``source_prob``; otherwise it
     reads a non-empty subset of the ``max_back`` blocks before it (so width, and the number of
-    downsets, stay moderate). Times are multiples of 0.5 s, bytes multiples of 1 MiB.
+    downsets, stay moderate). Times are multiples of 0.5 s, bytes multiples of ``byte_unit``
+    (1 MiB; real models need ``>= 128 MiB``: their byte coefficients sum past 2^31).
     """
     n = draw(st.integers(min_blocks, max_blocks))
     blocks, edges = [], []
@@ -38,9 +40,9 @@ def condensed_graphs(
         mem = {}
         if with_memory:
             mem = {
-                "param_bytes": draw(st.integers(0, 4)) * MiB,
-                "activation_bytes": draw(st.integers(0, 4)) * MiB,
-                "output_bytes": draw(st.integers(0, 4)) * MiB,
+                "param_bytes": draw(st.integers(0, 4)) * byte_unit,
+                "activation_bytes": draw(st.integers(0, 4)) * byte_unit,
+                "output_bytes": draw(st.integers(0, 4)) * byte_unit,
             }
         blocks.append(Block(i, f"b{i}", (f"n{i}",), fwd_s=fwd, bwd_s=bwd, **mem))
         if i == 0 or draw(st.floats(0, 1)) < source_prob:
@@ -55,14 +57,27 @@ def condensed_graphs(
 
 @st.composite
 def device_lists(draw: st.DrawFn, min_devices: int = 1, max_devices: int = 4,
-                 heterogeneous: bool = False, memory_mib: tuple[int, int] | None = None) -> tuple[DeviceSpec, ...]:
+                 heterogeneous: bool = False, memory_mib: tuple[int, int] | None = None,
+                 byte_unit: int = MiB, two_classes: bool = False) -> tuple[DeviceSpec, ...]:
     """``k`` devices; heterogeneous ones draw speed from {1, 2} (kinds ``slow``/``fast``) and,
-    with ``memory_mib=(lo, hi)``, memory in MiB from that range."""
+    with ``memory_mib=(lo, hi)``, memory in ``byte_unit`` s from that range.
+
+    ``two_classes`` mixes like real clusters (and ``bench/model_graphs.device_set``): the first
+    ``ceil(k / 2)`` devices are fast with more memory, the rest half as fast with less.
+    """
     k = draw(st.integers(min_devices, max_devices))
+    lo, hi = memory_mib or (2**40 // byte_unit, 2**40 // byte_unit)
+    if two_classes:
+        big = draw(st.integers(lo, hi))
+        small = draw(st.integers(lo, big))
+        return tuple(DeviceSpec(f"fast{i}", memory_bytes=big * byte_unit, speed=2.0, kind="fast")
+                     if i < (k + 1) // 2 else
+                     DeviceSpec(f"slow{i}", memory_bytes=small * byte_unit, speed=1.0, kind="slow")
+                     for i in range(k))
     out = []
     for i in range(k):
         speed = draw(st.sampled_from([1.0, 2.0])) if heterogeneous else 1.0
-        mem = draw(st.integers(*memory_mib)) * MiB if memory_mib else 2**40
+        mem = draw(st.integers(lo, hi)) * byte_unit
         kind = "fast" if speed > 1 else "slow"
         out.append(DeviceSpec(f"d{i}", memory_bytes=mem, speed=speed, kind=kind))
     return tuple(out)
@@ -78,11 +93,15 @@ def problems(
     objective: str | None = "bottleneck",
     memory_mib: tuple[int, int] | None = None,
     comm: bool = True,
+    byte_unit: int = MiB,
+    two_classes: bool = False,
 ) -> Problem:
-    """Random problems; ``None`` for ``device_order``/``objective`` draws one."""
-    graph = draw(condensed_graphs(max_blocks=max_blocks))
-    devices = draw(device_lists(max_devices=max_devices, heterogeneous=heterogeneous, memory_mib=memory_mib))
-    link = LinkSpec(bytes_per_s=draw(st.sampled_from([1.0, 4.0])) * MiB, latency_s=0.25) if comm \
+    """Random problems; ``None`` for ``device_order``/``objective`` draws one. Bytes, memory
+    and link bandwidth scale with ``byte_unit``; ``two_classes``: see :func:`device_lists`."""
+    graph = draw(condensed_graphs(max_blocks=max_blocks, byte_unit=byte_unit))
+    devices = draw(device_lists(max_devices=max_devices, heterogeneous=heterogeneous, memory_mib=memory_mib,
+                                byte_unit=byte_unit, two_classes=two_classes))
+    link = LinkSpec(bytes_per_s=draw(st.sampled_from([1.0, 4.0])) * byte_unit, latency_s=0.25) if comm \
         else LinkSpec(bytes_per_s=float("inf"), latency_s=0.0)
     return Problem(
         graph=graph,

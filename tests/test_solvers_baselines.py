@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from fxsplit.solvers import FunctionSolver, SolverRegistry, available_solvers, get_solver, solve
-from fxsplit.solvers.baselines import block_partition, min_max_partition
 from hypothesis import given, settings
 from strategies import problems
 
 from fxsplit.errors import InfeasibleError, SolverError
 from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, Plan, Problem
+from fxsplit.solvers import FunctionSolver, SolverRegistry, available_solvers, get_solver, solve
+from fxsplit.solvers.baselines import block_partition, min_max_partition
 
 
 def test_block_partition_matches_torchgpipe_example() -> None:

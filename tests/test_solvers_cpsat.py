@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
-from fxsplit.solvers import solve
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from strategies import problems
 
-from fxsplit.errors import InfeasibleError
-from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, LinkSpec, Problem
+from fxsplit.errors import InfeasibleError, SolverError
+from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, GiB, LinkSpec, Problem
+from fxsplit.solvers import cpsat, solve
+from fxsplit.solvers.relax import memory_bound_error
 
 pytest.importorskip("ortools")
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+def _load(name: str) -> Problem:
+    return Problem.from_json((DATA / name).read_text())
+
+
+# An 18-block slice of GPT-2 XL (bench/model_graphs.py) over an A100 and a half-speed device
+# with a fifth of its memory, free device order, 1F1B, 8 micro-batches: CP-SAT 9.15 claimed
+# "optimal" at 2.243 ms where the DP's validated plan takes 2.076 ms (the bench's "!" rows).
+OVERFLOW = _load("cpsat_presolve_overflow.problem.json")
 
 
 def _dp_or_none(problem: Problem) -> float | None:
@@ -33,6 +48,89 @@ def test_cpsat_equals_dp(problem: Problem) -> None:
     assert plan.status == "optimal"
     assert plan.objective_s == pytest.approx(expected, rel=1e-4, abs=1e-9)
     assert plan.lower_bound_s <= plan.objective_s
+
+
+# Real models have byte coefficients that sum past 2^31 in one memory row: draw bytes in 128 MiB
+# units over two device classes (fast with more memory, slow with less), free order, so that
+# memory binds and CP-SAT must choose which class runs each stage.
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_blocks=7, max_devices=4, device_order="free", objective=None, memory_mib=(4, 24),
+                byte_unit=128 * 2**20, two_classes=True))
+@example(OVERFLOW)
+@example(OVERFLOW.with_(objective="makespan", schedule="gpipe"))
+def test_cpsat_equals_dp_free_order_binding_memory(problem: Problem) -> None:
+    test_cpsat_equals_dp.hypothesis.inner_test(problem)  # type: ignore[attr-defined]
+
+
+def test_cpsat_presolve_overflow_regression() -> None:
+    # Root cause: OR-Tools 9.15's presolve rule "linear + amo: removed enforcement literal"
+    # (ActivityBoundHelper::RemoveEnforcementThatMakesConstraintTrivial) sums the Boolean
+    # coefficients of a row in an `int`; our memory rows hold bytes (> 2^31 in total), the sum
+    # wrapped negative, and the enforcement `use[s, slow]` of "stage s fits the slow device" was
+    # dropped, so every stage had to fit the small device and the A100-first optimum was cut off
+    # while CP-SAT reported OPTIMAL (google/or-tools#5293). Fix: cpsat.SAFE_PARAMETERS turns that
+    # presolve step off (presolve_inclusion_work_limit=0).
+    expected = solve(OVERFLOW, "dp")
+    plan = solve(OVERFLOW, "cpsat", hint=None, time_limit_s=20)
+    assert plan.status == "optimal"
+    assert plan.objective_s == pytest.approx(expected.objective_s, rel=1e-6)
+    assert plan.lower_bound_s <= expected.objective_s
+    assert [OVERFLOW.devices[st.device].name for st in plan.stages] == ["a100:0", "slow:1"]
+
+
+def test_cpsat_wrong_proof_is_not_reported_optimal(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Defence in depth against solver bugs: with the presolve bug back on, CP-SAT still claims
+    # OPTIMAL at 2.243 ms, but the DP hint (2.076 ms) beats it, so the claim and its bound are
+    # dropped (status feasible, bound = the trivial one, the better plan returned).
+    monkeypatch.setattr(cpsat, "SAFE_PARAMETERS", {})
+    plan = solve(OVERFLOW, "cpsat", hint="dp", time_limit_s=20)
+    expected = solve(OVERFLOW, "dp").objective_s
+    assert plan.objective_s == pytest.approx(expected, rel=1e-9)
+    if plan.stats.get("proof_rejected"):  # OR-Tools versions with the bug
+        assert plan.status == "feasible" and plan.lower_bound_s < 0.9 * expected
+
+
+def test_cpsat_infeasible_status_with_a_valid_hint_is_not_infeasible(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Root cause (issue 3, point 3): any INFEASIBLE from CP-SAT was raised as InfeasibleError,
+    # even when a feasible plan was at hand; a presolve bug makes CP-SAT say INFEASIBLE on
+    # feasible models (seen on GPT-2 XL with find_big_linear_overlap=False). Only a proof may
+    # raise InfeasibleError: a contradicted one returns the known plan as "feasible".
+    from ortools.sat.python import cp_model
+
+    class Lying(cp_model.CpSolver):
+        def Solve(self, model, callback=None):  # type: ignore[no-untyped-def]  # noqa: N802
+            super().Solve(model)
+            return cp_model.INFEASIBLE
+
+    monkeypatch.setattr(cp_model, "CpSolver", Lying)
+    plan = solve(OVERFLOW, "cpsat", hint="greedy", time_limit_s=20)
+    assert plan.status == "feasible" and plan.stats["from"] == "hint"
+
+
+def test_cpsat_time_out_without_plan_is_a_solver_error_not_infeasible() -> None:
+    pb = Problem(_wide_dag(60), tuple(DeviceSpec(f"d{i}", memory_bytes=10**6) for i in range(6)),
+                 link=LinkSpec(1e6, 1e-4))
+    try:
+        solve(pb, "cpsat", hint=None, time_limit_s=0.01, num_workers=1)
+    except SolverError as exc:
+        assert "did not prove" in str(exc) and not isinstance(exc, InfeasibleError)
+
+
+def test_cpsat_proves_llama70b_infeasible_without_search() -> None:
+    # Issue 3, point 3: 80 layers of 3.2 GiB params (x4 with grads and Adam) and 7 GiB of fp32
+    # activations per micro-batch, 1F1B with 8 micro-batches over 32 x 80 GiB: state 1024 GiB
+    # + activations 560 GiB x in-flight (8 on stages 0-24) cannot fit 2560 GiB. The memory
+    # bound proves it before any CP-SAT model is built; the DP (cheap on a chain) explains it.
+    layer = dict(fwd_s=1e-3, bwd_s=2e-3, param_bytes=int(3.2 * GiB), activation_bytes=7 * GiB)
+    blocks = tuple(Block(i, f"layer{i}", **layer) for i in range(80))  # type: ignore[arg-type]
+    g = CondensedGraph(blocks, tuple(Edge(i, i + 1, 32 * 2**20) for i in range(79)), name="llama70b-like")
+    pb = Problem(g, tuple(DeviceSpec.preset("a100").with_(name=f"a100:{i}") for i in range(32)), microbatches=8)
+    bound = memory_bound_error(pb)
+    assert bound is not None and "in flight (8 on stages 0-24, 7 on stage 25" in str(bound)
+    assert bound.min_devices_at_least > 32  # type: ignore[attr-defined]
+    assert memory_bound_error(pb.with_(devices=pb.devices * 4)) is None  # a bound, not a verdict
+    with pytest.raises(InfeasibleError, match="80.00 GiB"):
+        solve(pb, "cpsat", time_limit_s=5)
 
 
 def _wide_dag(n: int) -> CondensedGraph:

@@ -7,7 +7,6 @@ import math
 from dataclasses import replace
 
 import pytest
-from fxsplit.solvers import solve, solve_dp
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from strategies import MiB, problems
@@ -15,6 +14,7 @@ from strategies import MiB, problems
 from fxsplit.errors import InfeasibleError, SolverError
 from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, LinkSpec, Problem, evaluate
 from fxsplit.ir.downsets import count_downsets, members
+from fxsplit.solvers import solve, solve_dp
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -184,3 +184,15 @@ def test_time_limit_raises_solver_error() -> None:
     pb = Problem(g, tuple(DeviceSpec(f"d{i}") for i in range(2)))
     with pytest.raises(SolverError, match="timed out"):
         solve_dp(pb, time_limit_s=0.0, max_downsets=None)
+
+
+def test_infeasible_message_says_why_no_device_count_helps() -> None:
+    # Root cause (issue 3, point 3): "adding devices alone does not help (or the search gave
+    # up)" mixed a proof (a block larger than every device) with a time-out of the search for
+    # the least number of devices; the message now says which one happened.
+    blocks = tuple(Block(i, f"b{i}", fwd_s=1.0, param_bytes=1000) for i in range(3))
+    pb = Problem(CondensedGraph(blocks, (Edge(0, 1), Edge(1, 2))),
+                 (DeviceSpec("d0", memory_bytes=1000), DeviceSpec("d1", memory_bytes=1000)))
+    with pytest.raises(InfeasibleError, match="a block needs 3.91 KiB on its own") as info:
+        solve(pb, "dp")
+    assert "gave up" not in str(info.value) and info.value.min_devices is None  # type: ignore[attr-defined]

@@ -6,10 +6,10 @@ import math
 from pathlib import Path
 
 import pytest
-from fxsplit.solvers import solve
 
 from fxsplit.ir import DeviceSpec, LinkSpec, Problem, trivial_lower_bound
 from fxsplit.ir.formats import load_pipedream
+from fxsplit.solvers import solve
 
 PIPEDREAM = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "pipedream"
 pytestmark = pytest.mark.skipif(not PIPEDREAM.is_dir(), reason=f"PipeDream graphs not found at {PIPEDREAM}")

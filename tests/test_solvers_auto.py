@@ -1,0 +1,71 @@
+"""``auto``: picks by estimated DP work, falls back to CP-SAT on a DP time-out; proofs of
+infeasibility and time-outs are told apart."""
+
+from __future__ import annotations
+
+import gzip
+import pathlib
+
+import pytest
+
+from fxsplit.errors import InfeasibleError
+from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Problem
+from fxsplit.solvers import auto, solve
+from fxsplit.solvers.estimate import DPEstimate, estimate_dp
+
+pytest.importorskip("ortools")
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+def _independent(n: int, k: int) -> Problem:
+    """``n`` independent blocks: ``2^n`` downsets, so the DP is slow while CP-SAT is not."""
+    blocks = tuple(Block(i, f"b{i}", fwd_s=1.0 + i % 3) for i in range(n))
+    return Problem(CondensedGraph(blocks, ()), tuple(DeviceSpec(f"d{i}") for i in range(k)))
+
+
+def test_estimate_counts_pairs_moves_and_runs() -> None:
+    est = estimate_dp(_independent(4, 2))
+    assert est.downsets == 16 and est.moves == 2 and est.runs == 2
+    assert est.pairs == sum(c * s for c, s in ((4, 1), (6, 5), (4, 11), (1, 15)))  # by size layer
+    assert estimate_dp(_independent(4, 2).with_(objective="makespan")).runs > 2
+    assert estimate_dp(_independent(4, 2), max_downsets=10).downsets is None
+
+
+def test_auto_picks_cpsat_when_the_dp_estimate_exceeds_the_time() -> None:
+    pb = _independent(13, 3)  # 8192 downsets: under the downset budget, ~5 s of DP
+    assert estimate_dp(pb).seconds > 0.5 * 2.0
+    plan = solve(pb, "auto", time_limit_s=2.0)
+    assert plan.solver == "cpsat" and plan.stats["auto"]["dp_timed_out"] is False
+
+
+def test_auto_falls_back_to_cpsat_when_dp_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Root cause (issue 3, point 2): auto chose dp by the number of downsets alone (6485 for a
+    # 70B Llama, under the 20000 budget) although 32 devices with 1F1B memory make 528 moves per
+    # pair, and let dp's time-out SolverError escape. Now auto estimates the work, and when the
+    # DP still times out it runs cpsat with the time left. Here the estimate is forced to lie.
+    monkeypatch.setattr(auto, "estimate_dp", lambda problem, max_downsets=None: DPEstimate(1, seconds=0.0))
+    plan = solve(_independent(14, 3), "auto", time_limit_s=1.0)
+    assert plan.solver == "cpsat" and plan.stats["auto"]["dp_timed_out"] is True
+    assert plan.solve_time_s < 3.0
+
+
+def test_auto_still_uses_dp_when_it_is_cheap() -> None:
+    pb = Problem(CondensedGraph.chain([3.0, 1.0, 1.0, 1.0]), (DeviceSpec("a"), DeviceSpec("b")))
+    assert solve(pb, "auto", time_limit_s=10).solver == "dp"
+    assert solve(pb, "auto").solver == "dp"
+
+
+def test_llama70b_on_32_a100_is_proven_infeasible_at_once() -> None:
+    # bench/planning_memory.py --models llama-70b: 2249 blocks, 6485 downsets, 32 A100-80GB,
+    # 1F1B, 8 micro-batches of batch 1 x seq 2048, fp32 with Adam. auto used to run the DP
+    # (minutes) and then CP-SAT, and reported "... (or the search gave up)". It is truly
+    # infeasible: params x 4 = 1028 GiB, activations 557 GiB per micro-batch, 8 in flight on
+    # stages 0-24; the memory bound proves it in well under a second, with the arithmetic.
+    pb = Problem.from_json(gzip.decompress((DATA / "llama70b-32xa100.problem.json.gz").read_bytes()).decode())
+    assert estimate_dp(pb).seconds > 60  # the DP would take minutes on 2 cores
+    with pytest.raises(InfeasibleError, match=r"1027.83 GiB plus activations 557.06 GiB") as info:
+        solve(pb, "auto", time_limit_s=120)
+    err = info.value
+    assert err.min_devices_at_least == 55  # type: ignore[attr-defined]
+    assert "gave up" not in str(err)
