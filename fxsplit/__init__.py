@@ -16,13 +16,14 @@ from fxsplit import errors
 from fxsplit.errors import FxsplitError
 
 __version__ = "0.1.0"
-__all__ = ["errors", "FxsplitError", "__version__", "compile", "inspect", "capture", "CompileOptions"]
+__all__ = ["errors", "FxsplitError", "__version__", "compile", "inspect", "capture", "load", "CompileOptions"]
 
 _LAZY = {
     "compile": ("fxsplit.api", "compile"),
     "inspect": ("fxsplit.api", "inspect"),
     "CompileOptions": ("fxsplit.api", "CompileOptions"),
     "capture": ("fxsplit.passes.capture", "capture"),
+    "load": ("fxsplit.distributed", "load"),
     "Captured": ("fxsplit.passes.capture", "Captured"),
 }
 
