@@ -195,6 +195,7 @@ def _capture_export(
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users:  # tied weights: export reads one alias
             gm.graph.erase_node(node)
+    _functionalize_activations(gm)
     gm._forward_pre_hooks.clear()  # export's input-spec check; we call the graph flat
     gm.graph._codegen = torch.fx.graph.CodeGen()
     _flatten_output(gm)
@@ -236,6 +237,44 @@ def _order_placeholders(gm: torch.fx.GraphModule, flat_names: list[str]) -> None
         first = next(iter(gm.graph.nodes))
         if placeholders[name] is not first:
             first.prepend(placeholders[name])
+
+
+def _functional_twin(target: Any) -> Any:
+    """``aten.relu_.default`` -> ``aten.relu.default`` (None when there is no such overload)."""
+    packet = getattr(target, "overloadpacket", None)
+    name = getattr(packet, "__name__", "")
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    base = getattr(torch.ops.aten, name[:-1], None)
+    return getattr(base, target._overloadname, None) if base is not None else None
+
+
+def _functionalize_activations(gm: torch.fx.GraphModule) -> int:
+    """Replace in-place ops on activations (``relu_``, ``add_``) by their functional twins.
+
+    Export keeps in-place ops and points later readers at the op's result, but readers that ran
+    *before* the mutation still name the old value: once stages are split, such a reader may
+    run after the mutation (and a value received from another stage is a leaf that autograd
+    forbids mutating). Ops that mutate parameters or buffers (BatchNorm's counter), the model's
+    inputs (a side effect the caller sees) or a view (whose base must change too) are kept.
+    """
+    changed = 0
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.arguments or not node.args:
+            continue
+        info = schema.arguments[0].alias_info
+        root = node.args[0]
+        if info is None or not info.is_write or not isinstance(root, torch.fx.Node):
+            continue
+        root_schema = getattr(root.target, "_schema", None)
+        writes_view = root_schema is not None and root_schema.returns and root_schema.returns[0].alias_info is not None
+        twin = _functional_twin(node.target)
+        if root.op in ("get_attr", "placeholder") or writes_view or twin is None:
+            continue
+        node.target = twin
+        changed += 1
+    return changed
 
 
 def _flatten_output(gm: torch.fx.GraphModule) -> pytree.TreeSpec:

@@ -105,3 +105,40 @@ def test_batchnorm_running_stats_follow_the_whole_batch(microbatches):
         exact = key.startswith("stem.") or "num_batches" in key
         tol = {"rtol": 1e-4, "atol": 1e-5} if exact else {"rtol": 2e-2, "atol": 2e-3}
         torch.testing.assert_close(ours[key], theirs[key], **tol, msg=lambda m, k=key: f"buffer {k}: {m}")
+
+
+class _InPlace(torch.nn.Module):
+    """In-place ops on activations: ReLU(inplace=True) and ``h.add_`` after an earlier reader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.act = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        early = h * 2  # read before the mutation below
+        h.add_(1.0)
+        h = self.act(self.b(h))
+        return self.c(h) + early.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+def test_in_place_activation_ops_survive_any_split(num_stages):
+    """Regression: a stage that starts with ``relu_`` on a received value failed ("a leaf
+    Variable that requires grad is being used in an in-place operation"), and a reader placed
+    after the mutation saw the mutated value. Capture now makes in-place ops on activations
+    functional."""
+    model = _InPlace()
+    x = torch.randn(4, 8)
+
+    def loss_fn(out, target):
+        return out.pow(2).mean()
+
+    case = zoo.ModelCase(name="inplace", model=model, example_inputs=(x,), make_batch=lambda n, s: ((x,), None),
+                         loss_fn=loss_fn, description="in-place ops")
+    compiled = Compiled(case)
+    code = compiled.captured.gm.code
+    assert "aten.relu_." not in code and "aten.add_." not in code
+    pipe = compiled.pipeline(num_stages, "1f1b", 2)
+    assert_same_training(pipe, compiled, (x,), None)
