@@ -1,7 +1,8 @@
 """The public entry points: orchestration only, no algorithm lives here.
 
 ``fxsplit.inspect`` runs the front end (capture, passes, condensation) and returns every object
-it made; ``fxsplit.compile`` (in :mod:`fxsplit.compile_api`) goes on to plan, split and run.
+it made; ``fxsplit.compile`` goes on to plan, split and run (the steps live in
+:mod:`fxsplit.compiler`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit import solvers
@@ -134,7 +135,7 @@ def compile_pipeline(
 ) -> Pipeline:
     """Capture, plan, split and wrap ``model``; see :func:`fxsplit.compile`."""
     t0 = time.perf_counter()
-    batch = batch_size_of(list(args) + list(kwargs.values()))
+    batch = batch_size_of(pytree.tree_leaves((args, kwargs)))
     check_microbatches(microbatches, batch)  # before any work
     reference = options.reference or specs[0]
     captured, condensed, _ = front_end(model, args, kwargs, reference, cost_model, options, microbatches)
@@ -187,7 +188,7 @@ def assemble(
     return Pipeline(
         program, in_spec=captured.in_spec, out_spec=captured.out_spec, state=state,
         schedule_kind=schedule, microbatches=microbatches, plan=plan,
-        report={"device_names": [specs[st.device].name for st in plan.stages]},
+        report={"device_names": [specs[st.device].name for st in plan.stages], "training": model.training},
         executor=getattr(options, "executor", "auto"), bn_tracker=tracker,
     )
 

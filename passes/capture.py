@@ -29,7 +29,7 @@ from torch import nn
 
 from fxsplit.errors import CaptureError, ConfigError
 
-__all__ = ["Captured", "capture", "METHODS"]
+__all__ = ["Captured", "capture", "flatten_to_spec", "METHODS"]
 
 log = logging.getLogger(__name__)
 
@@ -72,28 +72,8 @@ class Captured:
         return self.out_spec.num_leaves
 
     def flatten_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[Any]:
-        """Leaves of ``(args, kwargs)`` in placeholder order.
-
-        Raises:
-            ConfigError: when the structure differs from the captured example inputs.
-        """
-        kwargs = dict(kwargs or {})
-        order = self._kwarg_order()
-        if order is not None and set(order) == set(kwargs):  # keyword order never matters
-            kwargs = {k: kwargs[k] for k in order}
-        leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
-        if spec != self.in_spec:
-            raise ConfigError(
-                f"inputs have structure {spec} but the model was captured with {self.in_spec}; "
-                "call with the same positional/keyword structure as example_inputs"
-            )
-        return leaves
-
-    def _kwarg_order(self) -> list[str] | None:
-        """Keyword names in captured (placeholder) order, or ``None`` for an unusual spec."""
-        if self.in_spec.num_children != 2 or self.in_spec.child(1).type is not dict:
-            return None
-        return list(self.in_spec.child(1).context)
+        """Leaves of ``(args, kwargs)`` in placeholder order (see :func:`flatten_to_spec`)."""
+        return flatten_to_spec(args, kwargs, self.in_spec)
 
     def unflatten_outputs(self, flat: Sequence[Any]) -> Any:
         """Rebuild the model's output structure from flat outputs."""
@@ -108,6 +88,26 @@ class Captured:
             f"Captured(method={self.method!r}, nodes={n}, inputs={self.input_names}, "
             f"outputs={self.num_outputs}, params={len(self.trainable)})"
         )
+
+
+def flatten_to_spec(args: Sequence[Any], kwargs: Mapping[str, Any] | None, in_spec: pytree.TreeSpec) -> list[Any]:
+    """Leaves of ``(args, kwargs)`` in the order of ``in_spec`` (keyword order never matters).
+
+    Raises:
+        ConfigError: when the structure differs from the captured example inputs.
+    """
+    kwargs = dict(kwargs or {})
+    if in_spec.num_children == 2 and in_spec.child(1).type is dict:
+        order = list(in_spec.child(1).context)
+        if set(order) == set(kwargs):
+            kwargs = {k: kwargs[k] for k in order}
+    leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
+    if spec != in_spec:
+        raise ConfigError(
+            f"inputs have structure {spec} but the model was captured with {in_spec}; "
+            "call with the same positional/keyword structure as example_inputs"
+        )
+    return leaves
 
 
 def capture(

@@ -151,7 +151,7 @@ class PassManager:
             except FxsplitError:
                 raise
             except Exception as exc:
-                raise PassError(f"pass {name!r} failed (after {done or 'no passes'}): {exc}") from exc
+                raise PassError(f"pass {name!r} failed (after {done or 'no passes'}): {type(exc).__name__}: {exc}") from exc
             elapsed = time.perf_counter() - start
             gm = result.gm
             self.records.append(PassRecord(name, elapsed, result.modified, len(gm.graph.nodes)))

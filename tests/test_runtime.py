@@ -175,3 +175,41 @@ def test_pipe_plan_draws_itself_and_serialises_without_its_graph(tmp_path):
 
     again = Plan.from_json(pipe.plan.to_json())
     assert again.to_dict() == pipe.plan.to_dict() and again.graph is None
+
+
+class _Structured(torch.nn.Module):
+    """Dict input, two keyword inputs, a scale without a batch dimension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, batch: dict, *, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(batch["x"] + left))) * right
+
+
+def test_structured_inputs_keyword_order_and_unbatched_targets():
+    """Regressions: dict inputs failed at compile ("no input is a tensor with a batch dimension"),
+    keywords in another order were refused, and a 0-d target was split like an input."""
+    model = _Structured()
+    x, left, right = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4)
+    pipe = fxsplit.compile(model, devices(2), ({"x": x},), {"left": left, "right": right}, microbatches=2,
+                           schedule="gpipe", options=fxsplit.CompileOptions(allow_idle_devices=False))
+    with torch.no_grad():
+        torch.testing.assert_close(pipe({"x": x}, right=right, left=left), model({"x": x}, left=left, right=right))
+    scale = torch.tensor(3.0)
+
+    def loss_fn(out, target):
+        return (out * target).pow(2).mean()
+
+    loss = pipe.train_step({"x": x}, target=scale, loss_fn=loss_fn, left=left, right=right)
+    torch.testing.assert_close(loss, loss_fn(model({"x": x}, left=left, right=right), scale))
+
+
+def test_eval_or_train_must_match_the_compiled_mode():
+    case = zoo.get("resnet", batch_size=4)
+    case.model.eval()
+    pipe = fxsplit.compile(case.model, devices(2), case.example_inputs, microbatches=2, schedule="gpipe")
+    assert pipe.eval() is pipe
+    with pytest.raises(ConfigError, match=r"compiled from a model in eval mode.*model.train\(\)"):
+        pipe.train()

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from fxsplit.errors import ConfigError, ExecutionError
+from fxsplit.passes.capture import flatten_to_spec
 from fxsplit.runtime.dist_faults import Progress, Watchdog
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState
@@ -145,13 +146,7 @@ class DistributedPipeline(ParameterAPI):
             setattr(self.stage, attr, traced)
 
     def _flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        if spec != self.in_spec:
-            raise ConfigError(
-                f"inputs have structure {spec} but the pipeline was compiled for {self.in_spec}; "
-                "call it with the same positional/keyword structure as example_inputs"
-            )
-        return leaves
+        return flatten_to_spec(args, kwargs, self.in_spec)
 
     def _check_batch(self, flat: Sequence[Any]) -> int:
         batch, m = batch_size_of(flat), self.microbatches

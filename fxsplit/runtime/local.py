@@ -26,7 +26,8 @@ from torch import nn
 
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, ExecutionError
-from fxsplit.runtime.microbatch import merge_outputs, split_microbatches
+from fxsplit.passes.capture import flatten_to_spec
+from fxsplit.runtime.microbatch import batch_size_of, merge_outputs, split_microbatches
 from fxsplit.runtime.state import ParameterAPI, StateMap
 from fxsplit.runtime.threads import run_threaded
 from fxsplit.runtime.trace import TraceRecorder, span
@@ -54,6 +55,9 @@ def _to_stage(value: Any, device: torch.device, leaf: bool) -> Any:
         moved = value.to(device)
         if leaf:
             moved = moved.detach().requires_grad_(value.requires_grad)
+        if moved.is_cuda and moved is not value:
+            # made on another worker's stream: keep the allocator from reusing it too early
+            moved.record_stream(torch.cuda.current_stream(device))
         return moved
     if isinstance(value, list | tuple):
         return type(value)(_to_stage(v, device, leaf) for v in value)
@@ -134,13 +138,7 @@ class Pipeline(ParameterAPI):
         return self._schedules[m]
 
     def _flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        if spec != self.in_spec:
-            raise ConfigError(
-                f"inputs have structure {spec} but the pipeline was compiled for {self.in_spec}; "
-                "call it with the same positional/keyword structure as example_inputs"
-            )
-        return leaves
+        return flatten_to_spec(args, kwargs, self.in_spec)
 
     def _unflatten(self, flat: Sequence[Any]) -> Any:
         outs = list(flat)
@@ -164,7 +162,7 @@ class Pipeline(ParameterAPI):
         """Run the model on a batch (forward only), split into ``microbatches``; same output
         structure as the original model. Autograd flows through, as in the original."""
         flat = self._flatten(args, kwargs)
-        mbs, sizes = split_microbatches(flat, min(self.microbatches, _batch_or_one(flat)))
+        mbs, sizes = split_microbatches(flat, min(self.microbatches, batch_size_of(flat)))
         outs = []
         self._begin_step()
         for i, values in enumerate(mbs):
@@ -212,8 +210,9 @@ class Pipeline(ParameterAPI):
         flat = self._flatten(args, kwargs)
         m = self.microbatches
         mbs, sizes = split_microbatches(flat, m)
+        # Target leaves are split with the inputs' batch size; leaves without it go whole.
         targets: list[list[Any]] = (
-            split_microbatches(list(pytree.tree_leaves(target)) or [None], m)[0] if target is not None else [[]] * m
+            split_microbatches(pytree.tree_leaves(target), m, batch=sum(sizes))[0] if target is not None else [[]] * m
         )
         tspec = pytree.tree_structure(target)
         slots = {(s, i): _Slot() for s in range(self.num_stages) for i in range(m)}
@@ -303,12 +302,33 @@ class Pipeline(ParameterAPI):
         self.state.load_state_dict(state_dict, strict=strict)
 
     def train(self, mode: bool = True) -> Pipeline:
-        for st in self.program.stages:
-            st.gm.train(mode)
+        """Check the mode: ``torch.export`` records training or eval behaviour (dropout,
+        BatchNorm) in the captured graph, so the pipeline runs in the mode the model had when it
+        was compiled.
+
+        Raises:
+            ConfigError: when ``mode`` differs from that mode (compile the model again after
+                ``model.train()`` / ``model.eval()``).
+        """
+        captured = self.report.get("training")
+        if captured is not None and bool(mode) != captured:
+            want, have = ("train", "eval") if mode else ("eval", "train")
+            raise ConfigError(
+                f"the pipeline was compiled from a model in {have} mode, and torch.export records the mode "
+                f"in the graph; call model.{want}() and fxsplit.compile it again for {want} mode"
+            )
         return self
 
     def eval(self) -> Pipeline:
         return self.train(False)
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of tied copies on different devices and give each copy the sum.
+
+        :meth:`train_step` does this itself; call it after your own ``loss.backward()`` on
+        ``pipe(...)``'s output so the copies get the same update.
+        """
+        self._sync_tied()
 
     def trace(self, path: Any) -> Any:
         """Write a Chrome trace (chrome://tracing, Perfetto) of the latest :meth:`train_step`
@@ -334,10 +354,3 @@ def _choose_executor(executor: str, devices: Sequence[str]) -> str:
     if executor == "auto":
         return "threads" if any(torch.device(d).type == "cuda" for d in devices) else "sequential"
     return executor
-
-
-def _batch_or_one(flat: Sequence[Any]) -> int:
-    for x in flat:
-        if isinstance(x, torch.Tensor) and x.dim() >= 1:
-            return int(x.shape[0])
-    return 1

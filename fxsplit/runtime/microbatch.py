@@ -34,12 +34,14 @@ def microbatch_sizes(batch: int, m: int) -> list[int]:
     return [batch // m + (1 if i < batch % m else 0) for i in range(m)]
 
 
-def split_microbatches(flat: Sequence[Any], m: int) -> tuple[list[list[Any]], list[int]]:
+def split_microbatches(flat: Sequence[Any], m: int, batch: int | None = None) -> tuple[list[list[Any]], list[int]]:
     """Split flat inputs into ``m`` micro-batches.
 
     Args:
         flat: Flat model inputs; batched tensors have the batch on dim 0.
         m: Number of micro-batches.
+        batch: The batch size (default: dim 0 of the first batched tensor of ``flat``); targets
+            are split with the inputs' batch size.
 
     Returns:
         ``([m][len(flat)] values, [m] sizes)``.
@@ -47,7 +49,7 @@ def split_microbatches(flat: Sequence[Any], m: int) -> tuple[list[list[Any]], li
     Raises:
         ConfigError: when the batch is smaller than ``m``.
     """
-    batch = batch_size_of(flat)
+    batch = batch_size_of(flat) if batch is None else batch
     if batch < m:
         raise ConfigError(
             f"batch of {batch} samples cannot be split into {m} micro-batches; use microbatches <= {batch}"

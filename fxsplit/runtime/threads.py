@@ -91,6 +91,7 @@ def _worker(rank: int, actions: Sequence[Action], device: torch.device, num_stag
                     stream.synchronize()
                 state.done[(action.stage, action.kind, action.microbatch)].set()
     except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
+        exc.fxsplit_where = f"rank {rank} on {device}"  # type: ignore[attr-defined]
         state.fail(exc)
 
 
@@ -114,11 +115,21 @@ def run_threaded(schedule: Schedule, run: Callable[[Action], None], devices: Seq
         )
         for r, actions in enumerate(schedule.actions)
     ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:  # interrupted (Ctrl-C): stop the workers before leaving
+        state.abort.set()
+        for t in threads:
+            if t.is_alive():
+                t.join()
     if state.error is not None:
         if isinstance(state.error, ExecutionError):
             raise state.error
-        raise ExecutionError(f"pipeline worker failed: {type(state.error).__name__}: {state.error}") from state.error
+        where = getattr(state.error, "fxsplit_where", "a worker")
+        raise ExecutionError(
+            f"pipeline worker failed on {where}: {type(state.error).__name__}: {state.error}; "
+            "the traceback below (the cause) shows where"
+        ) from state.error
