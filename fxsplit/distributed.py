@@ -27,6 +27,7 @@ from torch import nn
 
 from fxsplit.api import CompileOptions
 from fxsplit.codegen import split_graph
+from fxsplit.codegen.place import get_state
 from fxsplit.compiler import front_end, plan_pipeline
 from fxsplit.errors import ConfigError, PlanError
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem
@@ -151,7 +152,9 @@ def _tied_groups(program: Any, world: int) -> list[TiedGroup]:
     holders: dict[str, list[int]] = {}
     for st in program.stages:
         for name in st.state:
-            holders.setdefault(name, []).append(st.index)
+            tensor = get_state(st.gm, name)
+            if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:  # buffers need no sum
+                holders.setdefault(name, []).append(st.index)
     groups = []
     for name in sorted(holders):
         ranks = tuple(holders[name])
@@ -160,6 +163,14 @@ def _tied_groups(program: Any, world: int) -> list[TiedGroup]:
             if dist.get_rank() in ranks:
                 groups.append(TiedGroup(name, ranks, group))
     return groups
+
+
+def _broadcast_tied(gm: Any, tied: list[TiedGroup]) -> None:
+    """Give every copy of a tied parameter the first holder's values: without a state dict each
+    rank initialises its copy with its own random stream, and the copies must start equal."""
+    with torch.no_grad():
+        for group in tied:
+            dist.broadcast(get_state(gm, group.name).data, src=group.ranks[0], group=group.group)
 
 
 def _barrier(timeout_s: float) -> None:
@@ -237,6 +248,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     origin = materialise(stage.gm, state, device, state_dict=state_dict, init_fn=init_fn,
                          meta_model=meta_model, model_fn=model_fn)
     log.info("rank %d: stage %d state from %s", rank, rank, sorted(set(origin.values())))
+    _broadcast_tied(stage.gm, tied)
     flat = pytree.tree_leaves((args, kwargs))
     batch = batch_size_of(flat)
     batched = [isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch for x in flat]

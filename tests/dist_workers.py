@@ -175,3 +175,19 @@ def bad_launches(rank: int, world: int, out_dir: str, plan_json: str) -> dict[st
         lambda: zoo.get("gpt", batch_size=4, width=width).model, case.example_inputs,
         schedule="gpipe", microbatches=2, timeout_s=20))
     return out
+
+
+def tied_copies_start_equal(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """Without a state dict every rank initialises its own copy of the tied embedding: after
+    compile the copies must hold the same values (the first holder's)."""
+    import torch.distributed as dist
+
+    batch = 2 * world
+    torch.manual_seed(1000 + rank)  # different random streams on every rank
+    case = _case("gpt", batch)
+    pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="1f1b", microbatches=world, timeout_s=30)
+    sums = {n: float(p.detach().double().sum()) for n, p in pipe.named_parameters() if n in ("tok_emb.weight", "lm_head.weight")}
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, sums)
+    pipe.close()
+    return {"sums": gathered}

@@ -104,3 +104,13 @@ def test_mismatched_plans_fail_on_every_rank(bad_launches):
         err = r["result"]["plan"]
         assert err["error"] == "PlanError", err
         assert "planned different pipelines" in err["message"]
+
+
+def test_tied_copies_start_equal_without_a_state_dict(tmp_path):
+    """Regression: each rank initialised its copy of the tied embedding / LM head from its own
+    random stream, so the copies (and the model) were no longer tied."""
+    results = launch(w.tied_copies_start_equal, 2, tmp_path, deadline_s=90)
+    check_ok(results)
+    values = [v for d in results[0]["result"]["sums"] for v in d.values()]
+    assert len(values) == 2, values
+    assert values[0] == values[1]

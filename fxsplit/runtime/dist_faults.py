@@ -38,7 +38,8 @@ class Progress:
         device: torch device string.
         action: ``"forward"``, ``"backward"``, ``"receiving activations for"``, ...
         microbatch: Micro-batch of that action, or None between steps.
-        started_s: ``time.monotonic()`` when the current step began, or None when idle.
+        started_s: ``time.monotonic()`` of the step's last progress (its start, then every
+            action), or None when idle; a slow but moving step is never killed.
     """
 
     rank: int
@@ -50,6 +51,8 @@ class Progress:
 
     def at(self, action: str, microbatch: int | None) -> None:
         self.action, self.microbatch = action, microbatch
+        if self.started_s is not None:  # progress: the watchdog measures from the last one
+            self.started_s = time.monotonic()
 
     def error(self, exc: BaseException, what: str = "a step") -> ExecutionError:
         """An :class:`ExecutionError` for ``exc`` raised during ``what``."""
