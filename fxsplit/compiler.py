@@ -190,6 +190,7 @@ def assemble(
         schedule_kind=schedule, microbatches=microbatches, plan=plan,
         report={"device_names": [specs[st.device].name for st in plan.stages], "training": model.training},
         executor=getattr(options, "executor", "auto"), bn_tracker=tracker,
+        batched_inputs=captured.batched_inputs, batched_outputs=captured.batched_outputs,
     )
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from fxsplit.errors import CaptureError, ConfigError
 
@@ -53,6 +54,9 @@ class Captured:
             same tensor (tied weights have several), e.g. ``{"head.weight": ("emb.weight",
             "head.weight")}``.
         trainable: Names (graph side) of trainable parameters.
+        batched_inputs, batched_outputs: Which flat inputs / outputs carry the batch on dim 0,
+            read from the symbolic batch dimension of a ``dynamic_batch`` export (``None``
+            otherwise: the runtime then goes by shape).
     """
 
     gm: torch.fx.GraphModule
@@ -61,6 +65,8 @@ class Captured:
     method: str
     aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     trainable: frozenset[str] = frozenset()
+    batched_inputs: tuple[bool, ...] | None = None
+    batched_outputs: tuple[bool, ...] | None = None
 
     @property
     def input_names(self) -> list[str]:
@@ -163,7 +169,8 @@ def capture(
             continue
         aliases, trainable = _aliases(model, gm)
         log.info("captured %s with %s: %d nodes", type(model).__name__, name, len(gm.graph.nodes))
-        return Captured(gm, in_spec, out_spec, name, aliases, trainable)
+        batched_in, batched_out = _batched_flags(gm) if name == "export" and dynamic_batch else (None, None)
+        return Captured(gm, in_spec, out_spec, name, aliases, trainable, batched_in, batched_out)
     raise _capture_error(model, failures)
 
 
@@ -237,6 +244,21 @@ def _order_placeholders(gm: torch.fx.GraphModule, flat_names: list[str]) -> None
         first = next(iter(gm.graph.nodes))
         if placeholders[name] is not first:
             first.prepend(placeholders[name])
+
+
+def _has_symbolic_batch(val: Any) -> bool:
+    return isinstance(val, torch.Tensor) and val.dim() >= 1 and not is_concrete_int(val.shape[0])
+
+
+def _batched_flags(gm: torch.fx.GraphModule) -> tuple[tuple[bool, ...] | None, tuple[bool, ...] | None]:
+    """Inputs and outputs whose dim 0 export kept symbolic (the batch); ``None`` when export
+    specialised every input's batch (the model fixes it), so the runtime goes by shape."""
+    inputs = tuple(_has_symbolic_batch(n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder"))
+    if not any(inputs):
+        return None, None
+    outs = gm.graph.output_node().args[0]
+    outputs = tuple(isinstance(o, torch.fx.Node) and _has_symbolic_batch(o.meta.get("val")) for o in outs)  # type: ignore[union-attr]
+    return inputs, outputs
 
 
 def _functional_twin(target: Any) -> Any:

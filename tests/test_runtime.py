@@ -213,3 +213,29 @@ def test_eval_or_train_must_match_the_compiled_mode():
     assert pipe.eval() is pipe
     with pytest.raises(ConfigError, match=r"compiled from a model in eval mode.*model.train\(\)"):
         pipe.train()
+
+
+class _WithMixer(torch.nn.Module):
+    """``mixer [4, 4]`` has no batch dimension, but dim 0 equals the batch of 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mixer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.b(torch.relu(self.a(x))) @ mixer
+        return h, mixer.sum(0)  # second output: not batched, though its dim 0 is 4 as well
+
+
+def test_batch_dimension_comes_from_export_not_from_shape_coincidence():
+    """Regression: an input whose dim 0 happened to equal the batch size was split across
+    micro-batches, and an unbatched output of that size was concatenated."""
+    model = _WithMixer()
+    x, mixer = torch.randn(4, 4), torch.randn(4, 4)
+    pipe = fxsplit.compile(model, devices(2), (x, mixer), microbatches=2, schedule="gpipe",
+                           options=fxsplit.CompileOptions(allow_idle_devices=False))
+    assert pipe.batched_inputs == (True, False) and pipe.batched_outputs == (True, False)
+    with torch.no_grad():
+        ours, theirs = pipe(x, mixer), model(x, mixer)
+    torch.testing.assert_close(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1])

@@ -103,6 +103,8 @@ class Pipeline(ParameterAPI):
         report: Mapping[str, Any] | None = None,
         executor: str = "auto",
         bn_tracker: Any = None,
+        batched_inputs: Sequence[bool] | None = None,
+        batched_outputs: Sequence[bool] | None = None,
     ) -> None:
         self.program = program
         self.in_spec, self.out_spec = in_spec, out_spec
@@ -118,6 +120,8 @@ class Pipeline(ParameterAPI):
         # Deferred BatchNorm (fxsplit.codegen.batchnorm): running statistics updated once per
         # step with the whole batch's statistics, as in the unsplit model.
         self.bn_tracker = bn_tracker
+        # Which flat inputs/outputs carry the batch (from export's symbolic batch dimension).
+        self.batched_inputs, self.batched_outputs = batched_inputs, batched_outputs
         # Runtime trace (fxsplit.runtime.trace): times every F/B action of train_step for
         # pipe.trace(path); set to None to record nothing.
         self.recorder: TraceRecorder | None = TraceRecorder()
@@ -162,7 +166,7 @@ class Pipeline(ParameterAPI):
         """Run the model on a batch (forward only), split into ``microbatches``; same output
         structure as the original model. Autograd flows through, as in the original."""
         flat = self._flatten(args, kwargs)
-        mbs, sizes = split_microbatches(flat, min(self.microbatches, batch_size_of(flat)))
+        mbs, sizes = split_microbatches(flat, min(self.microbatches, batch_size_of(flat)), batched=self.batched_inputs)
         outs = []
         self._begin_step()
         for i, values in enumerate(mbs):
@@ -170,7 +174,7 @@ class Pipeline(ParameterAPI):
                 values = list(self._run_stage(s, i, _to_stage(values, torch.device(stage.device), leaf=False)))
             outs.append(values)
         self._end_step()
-        return self._unflatten(merge_outputs(outs, sizes))
+        return self._unflatten(merge_outputs(outs, sizes, self.batched_outputs))
 
     def _begin_step(self) -> None:
         if self.bn_tracker is not None:
@@ -209,7 +213,7 @@ class Pipeline(ParameterAPI):
         """
         flat = self._flatten(args, kwargs)
         m = self.microbatches
-        mbs, sizes = split_microbatches(flat, m)
+        mbs, sizes = split_microbatches(flat, m, batched=self.batched_inputs)
         # Target leaves are split with the inputs' batch size; leaves without it go whole.
         targets: list[list[Any]] = (
             split_microbatches(pytree.tree_leaves(target), m, batch=sum(sizes))[0] if target is not None else [[]] * m

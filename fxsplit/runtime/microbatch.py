@@ -34,7 +34,9 @@ def microbatch_sizes(batch: int, m: int) -> list[int]:
     return [batch // m + (1 if i < batch % m else 0) for i in range(m)]
 
 
-def split_microbatches(flat: Sequence[Any], m: int, batch: int | None = None) -> tuple[list[list[Any]], list[int]]:
+def split_microbatches(
+    flat: Sequence[Any], m: int, batch: int | None = None, batched: Sequence[bool] | None = None
+) -> tuple[list[list[Any]], list[int]]:
     """Split flat inputs into ``m`` micro-batches.
 
     Args:
@@ -42,6 +44,8 @@ def split_microbatches(flat: Sequence[Any], m: int, batch: int | None = None) ->
         m: Number of micro-batches.
         batch: The batch size (default: dim 0 of the first batched tensor of ``flat``); targets
             are split with the inputs' batch size.
+        batched: Which values carry the batch (``Captured.batched_inputs``); default: every
+            tensor whose dim 0 equals the batch size.
 
     Returns:
         ``([m][len(flat)] values, [m] sizes)``.
@@ -49,34 +53,48 @@ def split_microbatches(flat: Sequence[Any], m: int, batch: int | None = None) ->
     Raises:
         ConfigError: when the batch is smaller than ``m``.
     """
+    if batched is not None:
+        sized = [x for x, b in zip(flat, batched, strict=True) if b]
+        batch = batch if batch is not None else batch_size_of(sized)
+        for x in sized:
+            if x.shape[0] != batch:
+                raise ConfigError(
+                    f"a batched input has {x.shape[0]} samples on dim 0 where the others have {batch}; "
+                    "give every batched input the same batch size"
+                )
     batch = batch_size_of(flat) if batch is None else batch
     if batch < m:
         raise ConfigError(
             f"batch of {batch} samples cannot be split into {m} micro-batches; use microbatches <= {batch}"
         )
     columns = []
-    for x in flat:
-        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch:
+    flags = batched if batched is not None else [_looks_batched(x, batch) for x in flat]
+    for x, split in zip(flat, flags, strict=True):
+        if split:
             columns.append(list(torch.tensor_split(x, m, dim=0)))
         else:
             columns.append([x] * m)
     return [list(row) for row in zip(*columns, strict=True)], microbatch_sizes(batch, m)
 
 
-def merge_outputs(per_mb: Sequence[Sequence[Any]], sizes: Sequence[int]) -> list[Any]:
+def _looks_batched(x: Any, batch: int) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch
+
+
+def merge_outputs(per_mb: Sequence[Sequence[Any]], sizes: Sequence[int], batched: Sequence[bool] | None = None) -> list[Any]:
     """Merge flat outputs of the micro-batches into flat outputs of the batch.
 
-    Tensors whose dim 0 is each micro-batch's size are concatenated; 0-d tensors (a mean loss)
-    are averaged, weighted by micro-batch size; anything else is taken from the first.
+    Batched outputs (``batched``, default: tensors whose dim 0 is each micro-batch's size) are
+    concatenated; 0-d tensors (a mean loss) are averaged, weighted by micro-batch size; anything
+    else is taken from the first micro-batch.
     """
     total = sum(sizes)
     merged = []
     for j in range(len(per_mb[0])):
         vals = [outs[j] for outs in per_mb]
         first = vals[0]
-        if isinstance(first, torch.Tensor) and first.dim() >= 1 and all(
-            v.shape[0] == n for v, n in zip(vals, sizes, strict=True)
-        ):
+        cat = batched[j] if batched is not None else all(_looks_batched(v, n) for v, n in zip(vals, sizes, strict=True))
+        if cat and isinstance(first, torch.Tensor):
             merged.append(torch.cat([v.to(first.device) for v in vals], dim=0))
         elif isinstance(first, torch.Tensor) and first.dim() == 0 and len(vals) > 1:
             merged.append(sum(v.to(first.device) * (n / total) for v, n in zip(vals, sizes, strict=True)))
