@@ -20,6 +20,7 @@ References:
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ from torch import nn
 from fxsplit.codegen.split import StagedProgram
 
 __all__ = ["BatchNormTracker", "DeferredBatchNorm", "DeferredCount", "defer_batch_norm"]
+
+log = logging.getLogger(__name__)
 
 _BATCH_NORM = torch.ops.aten.batch_norm.default
 _ADD_ = torch.ops.aten.add_.Tensor
@@ -156,4 +159,20 @@ def defer_batch_norm(program: StagedProgram) -> BatchNormTracker | None:
     """
     tracker = BatchNormTracker()
     count = sum(_rewrite(st.gm, tracker, st.index) for st in program.stages)
+    for st in program.stages:
+        for node in st.gm.graph.nodes:
+            if _left_alone(st.gm, node):
+                log.warning(
+                    "stage %d: BatchNorm %s keeps per-micro-batch running statistics (momentum=None or a "
+                    "symbolic_trace module); capture with torch.export and a numeric momentum to defer it",
+                    st.index, node.name,
+                )
     return tracker if count else None
+
+
+def _left_alone(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """A training-mode BatchNorm this rewrite does not handle."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        return isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training and mod.track_running_stats
+    return node.op == "call_function" and node.target is _BATCH_NORM and node.args[5] is True and node.args[6] is None
