@@ -322,7 +322,9 @@ def compile(  # noqa: A001 - the public name users expect
     """Split ``model`` across ``devices`` and return a :class:`~fxsplit.runtime.Pipeline`.
 
     Args:
-        model: The module (its parameters are shared with the pipeline where devices match).
+        model: The module. Like torchgpipe, the pipeline takes its parameters and buffers over
+            (no copy): a stage on another device moves them there, so ``model`` itself is left
+            split across the devices; tied tensors read on several devices get one copy each.
         devices: ``["cuda:0", "cuda:1"]``, ``["cpu"] * 4``, an int (that many CPU devices), or
             :class:`DeviceSpec` s (speed, memory, torch device).
         example_inputs: A representative batch, batch on dim 0 (e.g. tokens ``[batch, seq]``).
