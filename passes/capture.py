@@ -29,6 +29,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from fxsplit.errors import CaptureError, ConfigError
+from fxsplit.passes.manager import getattr_path
 
 __all__ = ["Captured", "capture", "flatten_to_spec", "METHODS"]
 
@@ -330,7 +331,7 @@ def _graph_state_names(gm: torch.fx.GraphModule) -> list[str]:
     ``torch.no_grad()`` block) is no state: only the tensors it owns are."""
     names: list[str] = []
     for node in gm.graph.nodes:
-        is_module = node.op == "get_attr" and isinstance(_get_attr(gm, str(node.target)), nn.Module)
+        is_module = node.op == "get_attr" and isinstance(getattr_path(gm, str(node.target)), nn.Module)
         if node.op == "get_attr" and not is_module:
             names.append(str(node.target))
         elif node.op == "call_module" or is_module:
@@ -338,13 +339,6 @@ def _graph_state_names(gm: torch.fx.GraphModule) -> list[str]:
             names += [f"{node.target}.{k}" for k, _ in sub.named_parameters()]
             names += [f"{node.target}.{k}" for k, _ in sub.named_buffers()]
     return list(dict.fromkeys(names))
-
-
-def _get_attr(gm: torch.fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 # -- errors ----------------------------------------------------------------------------------

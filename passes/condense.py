@@ -37,7 +37,7 @@ from fxsplit.ir.downsets import (
 from fxsplit.ir.graph import Block, CondensedGraph, Edge
 from fxsplit.passes.coarsen import coarsen_blocks
 from fxsplit.passes.costs import NodeCost
-from fxsplit.passes.manager import PassResult, require_meta
+from fxsplit.passes.manager import PassResult, getattr_path, require_meta
 
 __all__ = ["Condensed", "CondenseAntichains", "condense_antichains", "fold_free_nodes"]
 
@@ -133,7 +133,41 @@ def fold_free_nodes(nodes: list[torch.fx.Node], costs: list[NodeCost]) -> list[i
         if len(ins) == 1:
             groups.union(r, ins.pop())
     _attach_side_effects(nodes, succ, pred, groups)
+    _attach_shared_state(nodes, succ, pred, groups)
     return [groups.find(i) for i in range(len(nodes))]
+
+
+def _reaches(start: set[int], target: int, succ: list[list[int]], groups: _Groups) -> bool:
+    """True when a path of group edges leads from a group in ``start`` to group ``target``."""
+    seen, stack = set(start), list(start)
+    while stack:
+        g = stack.pop()
+        if g == target:
+            return True
+        for m in groups.members[g]:
+            for j in succ[m]:
+                h = groups.find(j)
+                if h not in seen:
+                    seen.add(h)
+                    stack.append(h)
+    return False
+
+
+def _attach_shared_state(nodes: list[torch.fx.Node], succ: list[list[int]], pred: list[list[int]], groups: _Groups) -> None:
+    """Give a parameter or buffer read by several groups (a tied embedding, a shared mask) to the
+    group of its first reader, so that reader's block owns it and the other readers are charged a
+    copy (``Block.replica_param_bytes``). Merging a source into a successor is safe unless another
+    successor reaches that one (checked)."""
+    for i, node in enumerate(nodes):
+        r = groups.find(i)
+        if node.op != "get_attr" or len(groups.members[r]) != 1:
+            continue
+        outs = sorted({groups.find(j) for j in succ[i]} - {r}, key=lambda g: min(groups.members[g]))
+        if len(outs) < 2:
+            continue
+        first, others = outs[0], set(outs[1:])
+        if not _reaches(others, first, succ, groups):
+            groups.union(r, first)
 
 
 def _attach_side_effects(nodes: list[torch.fx.Node], succ: list[list[int]], pred: list[list[int]], groups: _Groups) -> None:
@@ -188,11 +222,46 @@ def _value_bytes(node: torch.fx.Node, cost: NodeCost) -> int:
     return 0 if node.op == "get_attr" else cost.output_bytes
 
 
+def _state_read(node: torch.fx.Node) -> list[tuple[int, int]]:
+    """``(id, bytes)`` of the trainable parameters ``node`` holds (a ``get_attr``) or owns (a
+    ``call_module``); by identity, since a tied tensor has a name per module."""
+    gm = node.graph.owning_module
+    if gm is None:
+        return []
+    if node.op == "get_attr":
+        t = getattr_path(gm, str(node.target))
+        return [(id(t), t.numel() * t.element_size())] if isinstance(t, torch.nn.Parameter) and t.requires_grad else []
+    if node.op == "call_module":
+        sub = gm.get_submodule(str(node.target))
+        return [(id(p), p.numel() * p.element_size()) for p in sub.parameters() if p.requires_grad]
+    return []
+
+
+def _add_replicas(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: list[int], acc: list[dict[str, Any]]) -> None:
+    """Charge each block a copy of every trainable parameter it reads that another block owns
+    (owner: the block of the node whose cost counts the bytes, i.e. the first reader)."""
+    index = {node: i for i, node in enumerate(nodes)}
+    owner: dict[int, int] = {}
+    readers: dict[int, set[int]] = {}
+    size: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        for key, nbytes in _state_read(node):
+            size[key] = nbytes
+            if costs[i].param_bytes:
+                owner.setdefault(key, block_of[i])
+            users = [index[u] for u in node.users if u in index] if node.op == "get_attr" else [i]
+            readers.setdefault(key, set()).update(block_of[u] for u in users)
+    for key, blocks in readers.items():
+        home = owner.get(key, min(blocks))
+        for b in blocks - {home}:
+            acc[b]["replica_param_bytes"] += size[key]
+
+
 def _build_graph(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: list[int], name: str) -> CondensedGraph:
     n_blocks = max(block_of, default=-1) + 1
     index = {node: i for i, node in enumerate(nodes)}
     acc: list[dict[str, Any]] = [
-        {"nodes": [], "name": "", "flops": 0.0, "fwd_s": 0.0, "bwd_s": 0.0, "param_bytes": 0, "buffer_bytes": 0,
+        {"nodes": [], "name": "", "replica_param_bytes": 0, "flops": 0.0, "fwd_s": 0.0, "bwd_s": 0.0, "param_bytes": 0, "buffer_bytes": 0,
          "activation_bytes": 0, "output_bytes": 0}
         for _ in range(n_blocks)
     ]
@@ -211,10 +280,12 @@ def _build_graph(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: li
             a["output_bytes"] += _value_bytes(node, c)
         for d in consumers - {-1}:
             edge_bytes[(b, d)] = edge_bytes.get((b, d), 0) + _value_bytes(node, c)
+    _add_replicas(nodes, costs, block_of, acc)
     blocks = tuple(
         Block(id=i, name=a["name"] or a["nodes"][0], nodes=tuple(a["nodes"]), flops=a["flops"], fwd_s=a["fwd_s"],
               bwd_s=a["bwd_s"], param_bytes=a["param_bytes"], buffer_bytes=a["buffer_bytes"],
-              activation_bytes=a["activation_bytes"], output_bytes=a["output_bytes"])
+              activation_bytes=a["activation_bytes"], output_bytes=a["output_bytes"],
+              replica_param_bytes=a["replica_param_bytes"])
         for i, a in enumerate(acc)
     )
     edges = tuple(Edge(s, d, nb) for (s, d), nb in sorted(edge_bytes.items()))

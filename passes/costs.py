@@ -45,7 +45,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, GiB
-from fxsplit.passes.manager import PassResult, carries_value, require_meta
+from fxsplit.passes.manager import PassResult, carries_value, getattr_path, require_meta
 from fxsplit.passes.shapes import fake_mode_of, fake_state
 
 __all__ = ["NodeCost", "AnnotateCosts", "annotate_costs", "measure_cpu_spec", "COST_MODELS", "node_cost"]
@@ -145,7 +145,7 @@ def _state_bytes(
     traced GPT) is counted once, so the graph's total equals the model's.
     """
     if node.op == "get_attr":
-        t = _fetch_attr(gm, str(node.target))
+        t = getattr_path(gm, str(node.target))
         if isinstance(t, torch.Tensor) and id(t) not in seen:
             seen.add(id(t))
             nb = t.numel() * t.element_size()
@@ -164,13 +164,6 @@ def _state_bytes(
                 b += nb
         return p, b
     return 0, 0
-
-
-def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _trainable_names(gm: torch.fx.GraphModule) -> set[str]:

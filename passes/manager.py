@@ -23,6 +23,7 @@ from fxsplit.errors import AnnotationError, FxsplitError, PassError
 
 __all__ = [
     "PassResult", "GraphPass", "graph_pass", "PassManager", "PassRecord", "require_meta", "carries_value",
+    "getattr_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,20 @@ def pass_name(p: Any) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in cls).lstrip("_")
 
 
+def getattr_path(root: Any, target: str, default: Any = None) -> Any:
+    """``root.a.b.c`` for ``target="a.b.c"`` (a ``get_attr`` target), or ``default`` when a part
+    is missing."""
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part, _MISSING)
+        if obj is _MISSING:
+            return default
+    return obj
+
+
+_MISSING = object()
+
+
 def carries_value(node: torch.fx.Node) -> bool:
     """True when ``node`` has a value for ``node.meta["val"]``: every node except the output and
     ``get_attr`` nodes of non-tensor attributes (the subgraph ``GraphModule`` of a higher-order op
@@ -75,10 +90,7 @@ def carries_value(node: torch.fx.Node) -> bool:
     if node.op == "output":
         return False
     if node.op == "get_attr":
-        owner = node.graph.owning_module
-        obj: Any = owner
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part, None)
+        obj = getattr_path(node.graph.owning_module, str(node.target))
         return obj is None or not isinstance(obj, torch.nn.Module)
     return True
 

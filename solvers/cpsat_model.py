@@ -66,8 +66,7 @@ class CpData:
         slowest = min(d.speed for d in problem.devices)
         q = quantum_s or max(sum(times) / slowest, 1e-12) / 2**20
         time_q = tuple(tuple(int(t / problem.devices[u[0]].speed / q) for t in times) for u in units)
-        state = problem.state_bytes_per_param_byte()
-        static = tuple(int(b.param_bytes * state + b.buffer_bytes) for b in g.blocks)
+        static = tuple(int(problem.static_bytes(b)) for b in g.blocks)
         act = tuple(b.activation_bytes for b in g.blocks)
         producers: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for e in g.edges:

@@ -54,8 +54,7 @@ def _least_devices(problem: Problem, run_excess: RunExcess, deadline: float) -> 
     (then the memory bound's lower bound is quoted when it has one).
     """
     big = max(problem.devices, key=lambda d: (d.memory_bytes, d.speed))
-    state = problem.state_bytes_per_param_byte()
-    alone = max(b.param_bytes * state + b.buffer_bytes + b.activation_bytes for b in problem.graph.blocks)
+    alone = max(problem.static_bytes(b) + b.activation_bytes for b in problem.graph.blocks)
     if alone > big.memory_bytes:
         return None, (f"adding devices alone does not help: a block needs {fmt_bytes(alone)} on its own, "
                       f"more than the largest device {big.name!r}")

@@ -50,12 +50,12 @@ class DPEstimate:
 
 def _memory_may_bind(problem: Problem) -> bool:
     """Like the DP's test, with every producer's largest edge as the cut (may say yes wrongly)."""
-    g, per_param = problem.graph, problem.state_bytes_per_param_byte()
+    g = problem.graph
     largest: dict[int, int] = {}
     for e in g.edges:
         largest[e.src] = max(largest.get(e.src, 0), e.size_bytes)
     cut = sum(largest.values())
-    worst = sum(b.param_bytes * per_param + b.buffer_bytes for b in g.blocks) \
+    worst = sum(problem.static_bytes(b) for b in g.blocks) \
         + (sum(b.activation_bytes for b in g.blocks) + cut) * problem.in_flight(0, problem.num_devices) + cut
     return worst >= min(d.memory_bytes for d in problem.devices) + 1
 

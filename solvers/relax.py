@@ -92,8 +92,7 @@ def memory_bound(problem: Problem, extra_devices: int = 0, extra_bytes: int = 0)
     p = k if not problem.allow_idle_devices else min(k, max(1, len(g)))
     caps = caps[:p]  # the p largest: exact in free order, a relaxation in fixed order
     flights = [problem.in_flight(s, p) for s in range(p)]
-    per_param = problem.state_bytes_per_param_byte()
-    state = [b.param_bytes * per_param + b.buffer_bytes for b in g.blocks]
+    state = [problem.static_bytes(b) for b in g.blocks]
     acts = [b.activation_bytes for b in g.blocks]
     block = next((b for b in range(len(g)) if state[b] + acts[b] * min(flights) > max(caps)), None)
     spent, left = _least_memory(sum(acts), caps, flights)
@@ -158,8 +157,7 @@ def memory_bound_error(problem: Problem) -> InfeasibleError | None:
             "proven by a relaxation that ignores contiguity and boundary buffers: ")
     if mb.block is not None:
         b = g.blocks[mb.block]
-        alone = (b.param_bytes * problem.state_bytes_per_param_byte() + b.buffer_bytes
-                 + b.activation_bytes * min(mb.flights))
+        alone = problem.static_bytes(b) + b.activation_bytes * min(mb.flights)
         biggest = max(d.memory_bytes for d in devs)
         why = (f"block {mb.block} ({b.name!r}) alone needs {fmt_bytes(alone)} (state + activations × "
                f"{min(mb.flights)} in flight), the largest device has {fmt_bytes(biggest)}")

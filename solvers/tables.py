@@ -113,8 +113,7 @@ def build_tables(problem: Problem, max_downsets: int | None = DEFAULT_MAX_DOWNSE
     layer_start = np.searchsorted(size, np.arange(n + 2), side="left")
     fwd = np.array([b.fwd_s for b in g.blocks])
     bwd = np.array([b.bwd_s for b in g.blocks]) if problem.training else np.zeros(n)
-    state = problem.state_bytes_per_param_byte()
-    static = np.array([b.param_bytes * state + b.buffer_bytes for b in g.blocks], dtype=float)
+    static = np.array([problem.static_bytes(b) for b in g.blocks], dtype=float)
     act = np.array([float(b.activation_bytes) for b in g.blocks])
     mf = member.astype(float)
     return DownsetTables(

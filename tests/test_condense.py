@@ -284,3 +284,28 @@ def test_frontier_of_a_diamond() -> None:
     assert sorted(result.frontier(0b0111)) == [1, 2]
     assert result.frontier(0b0011) == [1]
     assert result.frontier(0b1111) == [3]
+
+
+@pytest.mark.parametrize("method", ["export", "symbolic_trace"])
+def test_tied_weight_is_owned_by_its_first_reader_and_charged_to_the_others(method, ref_device):
+    """Regression: the tied embedding / LM head was charged once, so a plan putting the head on
+    another stage under-counted that stage's memory (codegen gives it a copy)."""
+    import fxsplit.models as zoo
+    from fxsplit.api import analyze
+    from fxsplit.ir import Problem, evaluate
+
+    case = zoo.get("gpt", batch_size=2)
+    ins = analyze(case.model, case.example_inputs, device=ref_device, method=method)
+    g = ins.condensed.graph
+    weight = case.model.tok_emb.weight
+    nbytes = weight.numel() * weight.element_size()
+    assert g.total_param_bytes == 4 * case.num_parameters()  # owned once: cost is conserved
+    charged = [b for b in g.blocks if b.replica_param_bytes]
+    assert [b.replica_param_bytes for b in charged] == [nbytes]
+    head = charged[0].id
+    problem = Problem(g, (ref_device, ref_device))
+    split = [[b for b in range(len(g)) if b < head], [b for b in range(len(g)) if b >= head]]
+    plan = evaluate(problem, split)
+    state = problem.state_bytes_per_param_byte()
+    last_params = sum(g.blocks[b].param_bytes for b in split[1])
+    assert plan.stages[1].memory_bytes >= (last_params + nbytes) * state

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch import nn
 
 from fxsplit.errors import PlanError
+from fxsplit.passes.manager import getattr_path
 
 __all__ = ["Stage", "StagedProgram", "split_graph", "stage_of_nodes"]
 
@@ -148,13 +148,6 @@ def _check_sendable(values: Sequence[torch.fx.Node], boundary: int) -> None:
         )
 
 
-def _fetch(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 class _StageBuilder:
     """Copies one stage's nodes into a fresh graph."""
 
@@ -174,7 +167,7 @@ class _StageBuilder:
             return self.env[node]
         if node.op != "get_attr":
             raise PlanError(f"stage {self.index} reads {node.name!r}, which it neither makes nor receives (a bug in fxsplit)")
-        self.attrs[str(node.target)] = _fetch(self.source, str(node.target))
+        self.attrs[str(node.target)] = getattr_path(self.source, str(node.target))
         new = self.graph.get_attr(str(node.target))
         new.meta = dict(node.meta)
         self.env[node] = new

@@ -29,6 +29,9 @@ class Block:
         fwd_s: Forward time per micro-batch on the reference device, seconds.
         bwd_s: Backward time per micro-batch on the reference device, seconds.
         param_bytes: Bytes of trainable parameters the block owns.
+        replica_param_bytes: Bytes of trainable parameters the block reads but another block
+            owns (tied weights): a stage holding this block keeps its own copy, so its memory
+            is charged here too (conservatively, even when the owner shares the stage).
         buffer_bytes: Bytes of non-trainable state (buffers) the block owns.
         activation_bytes: Bytes kept for backward per micro-batch.
         output_bytes: Bytes of the block's outputs per micro-batch.
@@ -42,6 +45,7 @@ class Block:
     bwd_s: float = 0.0
     param_bytes: int = 0
     buffer_bytes: int = 0
+    replica_param_bytes: int = 0
     activation_bytes: int = 0
     output_bytes: int = 0
 
@@ -158,7 +162,7 @@ class CondensedGraph:
         for i, b in enumerate(self.blocks):
             if b.id != i:
                 faults.append(f"block at position {i} has id {b.id}; ids must be 0..n-1 in order")
-            for attr in ("flops", "fwd_s", "bwd_s", "param_bytes", "buffer_bytes",
+            for attr in ("flops", "fwd_s", "bwd_s", "param_bytes", "buffer_bytes", "replica_param_bytes",
                          "activation_bytes", "output_bytes"):
                 if getattr(b, attr) < 0:
                     faults.append(f"block {i} ({b.name!r}) has negative {attr}={getattr(b, attr)}")

@@ -10,7 +10,9 @@ Cost model of stage ``s`` of ``p`` (0-based) holding blocks ``B_s`` on device ``
   forward, gradients backward): ``comm_s = k · (link_in(in) + link_out(out))``, ``k ∈ {1, 2}``;
 * stage time ``time_s = fwd_s + bwd_s + comm_s``; bottleneck = ``max_s time_s``;
 * makespan of one step with ``m`` micro-batches (fill-drain): ``Σ_s time_s + (m - 1) · bottleneck``;
-* memory: ``params · (1 + grad + optimizer) + buffers + (activations + in) · in_flight(s) + out``,
+* memory: ``(params + replicas) · (1 + grad + optimizer) + buffers + (activations + in) · in_flight(s)
+  + out`` (replicas: copies of tied parameters a block reads but another owns, see
+  :meth:`Problem.static_bytes`),
   ``in_flight`` from :meth:`Problem.in_flight` (GPipe: ``m``; 1F1B: ``min(m, p - s)``).
 
 References:
@@ -195,7 +197,6 @@ class Plan:
 def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Sequence[int]) -> list[StagePlan]:
     g, p = problem.graph, len(stages)
     k = 2 if problem.training else 1
-    state = problem.state_bytes_per_param_byte()
     out: list[StagePlan] = []
     prefix: set[int] = set()
     in_bytes = 0
@@ -213,8 +214,7 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
             comm += problem.link_between(d, devices[s + 1]).transfer_s(out_bytes)
         flight = problem.in_flight(s, p)
         mem = (
-            sum(b.param_bytes for b in bl) * state
-            + sum(b.buffer_bytes for b in bl)
+            sum(problem.static_bytes(b) for b in bl)
             + (sum(b.activation_bytes for b in bl) + in_bytes) * flight
             + out_bytes
         )

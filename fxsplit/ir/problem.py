@@ -20,7 +20,7 @@ from typing import Any
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, LinkSpec
-from fxsplit.ir.graph import CondensedGraph
+from fxsplit.ir.graph import Block, CondensedGraph
 
 __all__ = ["Problem", "SCHEDULES", "OBJECTIVES"]
 
@@ -90,6 +90,11 @@ class Problem:
         if not self.training:
             return 1.0
         return 1.0 + self.grad_factor + self.optimizer_state_factor
+
+    def static_bytes(self, block: Block) -> float:
+        """Memory a block takes regardless of micro-batches: its parameters and the copies of
+        parameters it reads (times params + grads + optimizer state), plus its buffers."""
+        return (block.param_bytes + block.replica_param_bytes) * self.state_bytes_per_param_byte() + block.buffer_bytes
 
     def with_(self, **changes: Any) -> Problem:
         """A copy with some fields changed."""
