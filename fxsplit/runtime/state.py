@@ -63,7 +63,12 @@ class StateMap:
         return [self.orphans[original]] if original in self.orphans else []
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """Original names and parameters; each copy once (copies take the next unused alias)."""
+        """Original names and parameters; each copy once (copies take the next unused alias).
+
+        A tied tensor copied to more stages than it has names yields its last name again for
+        the extra copies: ``parameters()`` (for an optimizer) sees every copy, while
+        ``dict(named_parameters())`` keeps one per name.
+        """
         seen: set[int] = set()
         last_name: dict[int, str] = {}
         for name in self.param_order:
