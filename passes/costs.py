@@ -342,9 +342,23 @@ def _median_time(fn: Callable[[], Any], repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
+def _op_overhead_s(chain: int = 32) -> float:
+    """Per-operator cost of a training forward (dispatch plus autograd recording): the median
+    time of a chain of tiny multiplications on a tensor that requires grad, per operator."""
+    y = torch.ones(8, requires_grad=True)
+
+    def run() -> torch.Tensor:
+        z = y
+        for _ in range(chain):
+            z = torch.ops.aten.mul.Tensor(z, 1.0)
+        return z
+
+    return _median_time(run, repeats=21) / chain
+
+
 def measure_cpu_spec(name: str = "cpu", *, size: int = 512) -> DeviceSpec:
     """A :class:`DeviceSpec` for this CPU, measured now: fp32 matmul FLOP/s, copy bandwidth and
-    the per-operator overhead (median time of a tiny ``torch.add``).
+    the per-operator overhead (a tiny op with autograd recording, see :func:`_op_overhead_s`).
 
     Args:
         name: Device name in plans.
@@ -358,8 +372,7 @@ def measure_cpu_spec(name: str = "cpu", *, size: int = 512) -> DeviceSpec:
     src = torch.empty(8 * 1024 * 1024)
     dst = torch.empty_like(src)
     bw = 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src))
-    x = torch.ones(8)
-    overhead = _median_time(lambda: torch.add(x, x), repeats=51)
+    overhead = _op_overhead_s()
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

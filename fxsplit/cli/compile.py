@@ -68,7 +68,10 @@ def _summary(pipe: Any, result: dict[str, Any]) -> Table:
     table.add_column("quantity")
     table.add_column("value", justify="right")
     measured = result["step_s"][1:] or result["step_s"]
-    table.add_row("predicted step time (cost model)", human_seconds(pipe.plan.makespan_s))
+    table.add_row("predicted step time (cost model, devices in parallel)", human_seconds(pipe.plan.makespan_s))
+    if pipe.executor == "sequential":  # one process, one thread: stages cannot overlap
+        serial_s = pipe.microbatches * sum(st.time_s for st in pipe.plan.stages)
+        table.add_row("predicted step time (stages one after another, as run here)", human_seconds(serial_s))
     table.add_row("measured step time (median)", human_seconds(sorted(measured)[len(measured) // 2]))
     table.add_row("largest loss difference vs original", f"{result['loss_diff']:.3e}")
     table.add_row(f"largest gradient difference vs original ({result['worst_param'] or '-'})", f"{result['grad_diff']:.3e}")
