@@ -130,3 +130,9 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from exc
         console.print(_summary(pipe, result))
+        if pipe.bn_tracker is not None:
+            console.print(
+                "note: the model has BatchNorm in training mode, which normalises each micro-batch on its own "
+                "(as in GPipe), so its loss and gradients differ from the unsplit model's; run with "
+                "--microbatches 1 for an exact match (running statistics are deferred to the whole batch)."
+            )
