@@ -191,3 +191,17 @@ def tied_copies_start_equal(rank: int, world: int, out_dir: str) -> dict[str, An
     dist.all_gather_object(gathered, sums)
     pipe.close()
     return {"sums": gathered}
+
+
+def forward_equal(rank: int, world: int, out_dir: str, batch: int, m: int) -> dict[str, Any]:
+    """Inference on a batch that splits into unequal micro-batches equals the unsplit model."""
+    case = _case("gpt", batch)
+    inputs, _ = case.make_batch(batch, 5)
+    pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="gpipe", microbatches=m,
+                       state_dict=case.model.state_dict(), timeout_s=30)
+    out = pipe(*inputs)
+    if pipe.is_last:
+        with torch.no_grad():
+            torch.testing.assert_close(out, case.model(*inputs), rtol=1e-4, atol=1e-5)
+    pipe.close()
+    return {"last": pipe.is_last}

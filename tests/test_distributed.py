@@ -114,3 +114,25 @@ def test_tied_copies_start_equal_without_a_state_dict(tmp_path):
     values = [v for d in results[0]["result"]["sums"] for v in d.values()]
     assert len(values) == 2, values
     assert values[0] == values[1]
+
+
+@pytest.mark.parametrize(("world", "microbatches", "batch"), [(2, 2, 5), (3, 4, 7)])
+def test_uneven_micro_batches_train_like_the_unsplit_model(tmp_path, world, microbatches, batch):
+    """A batch that does not divide into equal micro-batches runs as one schedule per micro-batch
+    size (PipelineStage sizes its buffers by the first micro-batch); loss and gradients are
+    still those of the unsplit model (was: refused with ConfigError)."""
+    runs = [("gpt", schedule, microbatches, batch) for schedule in ("gpipe", "1f1b")]
+    results = launch(w.train_equal, world, tmp_path, runs, deadline_s=120)
+    check_ok(results)
+    for tag in results[0]["result"]:
+        losses = {r["result"][tag]["broadcast"] for r in results.values()}
+        assert len(losses) == 1, f"{tag}: {losses}"
+
+
+@pytest.mark.parametrize("batch", [4, 5])
+def test_inference_equals_the_unsplit_model(tmp_path, batch):
+    """Regression: ``pipe(*inputs)`` failed on the last rank (torch's schedule computed a loss
+    with no target); now also with unequal micro-batches (batch 5 in 2)."""
+    results = launch(w.forward_equal, 2, tmp_path, batch, 2, deadline_s=90)
+    check_ok(results)
+    assert [r["result"]["last"] for r in results.values()] == [False, True]

@@ -8,8 +8,9 @@ Global rank ``i`` runs stage ``i``. Communication is torch's, not ours:
   ``PipelineStage`` from the first micro-batch;
 * the loss is weighted by each micro-batch's share of the batch inside the loss function given
   to the schedule (``scale_grads=False``), so gradients equal those of the unsplit model's
-  mean-reduced loss; the schedules need equal micro-batches (their receive buffers are sized by
-  the first one), which :meth:`DistributedPipeline.train_step` checks;
+  mean-reduced loss; a schedule needs equal micro-batches (``PipelineStage`` sizes its receive
+  buffers by the first one), so a batch that splits unevenly runs as two schedules, one per
+  micro-batch size, over the same module (gradients accumulate across them);
 * tied tensors (a tied embedding and LM head in the first and last stage) get their gradients
   summed with ``torch.distributed.all_reduce`` over a subgroup of the ranks holding a copy
   (plain ``torch.distributed``: the schedules know nothing of tied weights);
@@ -23,6 +24,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -42,7 +44,7 @@ from fxsplit.passes.capture import flatten_to_spec
 from fxsplit.runtime.dist_faults import Progress, Watchdog
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState
-from fxsplit.runtime.microbatch import batch_size_of
+from fxsplit.runtime.microbatch import batch_size_of, merge_outputs, microbatch_sizes
 from fxsplit.runtime.state import ParameterAPI
 
 __all__ = ["DistributedPipeline", "TiedGroup", "SCHEDULES", "shard_name", "PLAN_FILE"]
@@ -116,10 +118,10 @@ class DistributedPipeline(ParameterAPI):
         self.meta, self.timeout_s = dict(meta or {}), timeout_s
         self.progress = Progress(dist.get_rank(), stage_index, str(device))
         self.watchdog = Watchdog(self.progress, timeout_s) if watchdog else None
-        self.stage = PipelineStage(module, stage_index, num_stages, device)
-        self.schedule = SCHEDULES[schedule_kind](self.stage, microbatches, loss_fn=self._loss, scale_grads=False)
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-        self._instrument()
+        self._weight = 1.0 / microbatches
+        self._runners: dict[tuple[int, int, bool], tuple[PipelineStage, Any]] = {}
+        self.stage, self.schedule = self._runner(0, microbatches)
 
     # -- structure ---------------------------------------------------------------------------
     @property
@@ -130,32 +132,63 @@ class DistributedPipeline(ParameterAPI):
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
-    def _instrument(self) -> None:
+    def _runner(self, size: int, count: int, train: bool = True) -> tuple[PipelineStage, Any]:
+        """A ``PipelineStage`` and schedule for ``count`` micro-batches of ``size`` samples.
+
+        ``PipelineStage`` sizes its receive buffers from the first micro-batch it sees, so each
+        micro-batch size gets its own stage object (over the same module); 1F1B needs at least as
+        many micro-batches as stages, so a shorter group runs GPipe. Inference runs a schedule
+        without a loss (torch's schedules compute the loss whenever they have one).
+        """
+        key = (size, count, train)
+        if key not in self._runners:
+            stage = PipelineStage(self.module, self.stage_index, self.num_stages, self.device)
+            kind = self.schedule_kind if count >= self.num_stages or self.schedule_kind == "gpipe" else "gpipe"
+            schedule = SCHEDULES[kind](stage, count, loss_fn=self._loss if train else None, scale_grads=False)
+            self._instrument(stage)
+            self._runners[key] = (stage, schedule)
+        return self._runners[key]
+
+    def _groups(self, batch: int) -> list[tuple[int, int, int]]:
+        """``(first sample, micro-batch size, count)`` runs of equal micro-batches: a batch of
+        ``q * m + r`` samples makes ``r`` micro-batches of ``q + 1`` then ``m - r`` of ``q``
+        (``tensor_split``'s sizes, as in the local pipeline)."""
+        sizes = microbatch_sizes(batch, self.microbatches)
+        groups, start = [], 0
+        for size in dict.fromkeys(sizes):
+            count = sizes.count(size)
+            groups.append((start, size, count))
+            start += size * count
+        return groups
+
+    def _slice_inputs(self, flat: Sequence[Any], start: int, stop: int) -> list[Any]:
+        if not self.is_first:
+            return []
+        flags = self.module.batched
+        return [v[start:stop] if b else v for v, b in zip(flat, flags, strict=True)]
+
+    def _instrument(self, stage: PipelineStage) -> None:
         """Record the action in flight, so a failure names its micro-batch (see Progress)."""
         for attr, action in (
             ("get_fwd_recv_ops", "receiving activations for"), ("forward_one_chunk", "running the forward of"),
             ("get_fwd_send_ops", "sending activations of"), ("get_bwd_recv_ops", "receiving gradients for"),
             ("backward_one_chunk", "running the backward of"), ("get_bwd_send_ops", "sending gradients of"),
         ):
-            method = getattr(self.stage, attr)
+            method = getattr(stage, attr)
 
             def traced(chunk: int, *args: Any, _m: Any = method, _a: str = action, **kwargs: Any) -> Any:
                 self.progress.at(_a, chunk)
                 return _m(chunk, *args, **kwargs)
 
-            setattr(self.stage, attr, traced)
+            setattr(stage, attr, traced)
 
     def _flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
         return flatten_to_spec(args, kwargs, self.in_spec)
 
     def _check_batch(self, flat: Sequence[Any]) -> int:
         batch, m = batch_size_of(flat), self.microbatches
-        if batch % m:
-            raise ConfigError(
-                f"a batch of {batch} samples does not split into {m} equal micro-batches; the "
-                "torch.distributed.pipelining schedules size their receive buffers by the first "
-                f"micro-batch: use a batch that is a multiple of {m}"
-            )
+        if batch < m:
+            raise ConfigError(f"a batch of {batch} samples cannot be split into {m} micro-batches; use microbatches <= {batch}")
         return batch
 
     # -- running -----------------------------------------------------------------------------
@@ -164,7 +197,7 @@ class DistributedPipeline(ParameterAPI):
         if self._loss_fn is None:
             raise ConfigError("train_step needs loss_fn")
         outs = list(output) if isinstance(output, tuple | list) else [output]
-        return self._loss_fn(pytree.tree_unflatten(outs, self.out_spec), target) / self.microbatches
+        return self._loss_fn(pytree.tree_unflatten(outs, self.out_spec), target) * self._weight
 
     def _run(self, what: str, call: Callable[[], Any]) -> Any:
         self.progress.started_s = time.monotonic()
@@ -212,14 +245,20 @@ class DistributedPipeline(ParameterAPI):
                 ``timeout_s`` (names rank, stage, micro-batch and action).
         """
         flat = self._flatten(args, kwargs)
-        self._check_batch(flat)
+        batch = self._check_batch(flat)
         if self.is_last and not isinstance(target, torch.Tensor):
             raise ConfigError(f"target must be a tensor with the batch on dim 0, got {type(target).__name__}")
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []
-        step_args = self._step_args(flat)
-        extra = {"target": target.to(self.device), "losses": losses} if self.is_last else {}
-        self._run("train_step", lambda: self.schedule.step(*step_args, return_outputs=False, **extra))
+        for start, size, count in self._groups(batch):  # one run per micro-batch size
+            stop = start + size * count
+            _, schedule = self._runner(size, count)
+            self._weight = size / batch  # each micro-batch loss times its share of the batch
+            step_args = self._step_args(self._slice_inputs(flat, start, stop))
+            group: list[torch.Tensor] = []  # the schedule clears the list it is given
+            extra = {"target": target[start:stop].to(self.device), "losses": group} if self.is_last else {}
+            self._run("train_step", functools.partial(schedule.step, *step_args, return_outputs=False, **extra))
+            losses += group
         self._run("the tied-weight all-reduce", self._sync_tied)
         loss = torch.stack([x.detach() for x in losses]).sum() if self.is_last else None
         if broadcast_loss:
@@ -248,14 +287,18 @@ class DistributedPipeline(ParameterAPI):
             None.
         """
         flat = self._flatten(args, kwargs)
-        self._check_batch(flat)
-        step_args = self._step_args(flat)
-        with torch.no_grad():
-            out = self._run("a forward", lambda: self.schedule.eval(*step_args))
+        batch = self._check_batch(flat)
+        parts: list[list[Any]] = []
+        for start, size, count in self._groups(batch):
+            _, schedule = self._runner(size, count, train=False)
+            step_args = self._step_args(self._slice_inputs(flat, start, start + size * count))
+            with torch.no_grad():
+                out = self._run("a forward", functools.partial(schedule.step, *step_args))
+            parts.append(list(out) if isinstance(out, tuple | list) else [out])
         if not self.is_last:
             return None
-        outs = list(out) if isinstance(out, tuple | list) else [out]
-        return pytree.tree_unflatten(outs, self.out_spec)
+        rows = [size * count for _, size, count in self._groups(batch)]
+        return pytree.tree_unflatten(merge_outputs(parts, rows), self.out_spec)
 
     forward = __call__
 
