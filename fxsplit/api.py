@@ -21,10 +21,10 @@ from torch import nn
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec
 from fxsplit.passes.capture import Captured, capture
-from fxsplit.passes.condense import CondenseAntichains, Condensed
-from fxsplit.passes.costs import AnnotateCosts, measure_cpu_spec
+from fxsplit.passes.condense import Condensed
+from fxsplit.passes.costs import measure_cpu_spec
+from fxsplit.passes.frontend import front_end_passes
 from fxsplit.passes.manager import PassManager, PassRecord
-from fxsplit.passes.shapes import PropagateShapes
 
 __all__ = ["Inspection", "inspect", "load_model", "analyze"]
 
@@ -145,11 +145,7 @@ def analyze(
     flat = captured.flatten_inputs(example_inputs, example_kwargs)
     device = device or measure_cpu_spec()
     pm = PassManager(
-        [
-            PropagateShapes(tuple(flat)),
-            AnnotateCosts(device, cost_model=cost_model, example_inputs=tuple(flat)),
-            CondenseAntichains(max_ideals=max_ideals, name=name),
-        ],
+        front_end_passes(flat, device, cost_model=cost_model, max_ideals=max_ideals, name=name),
         verify=verify,
         dump_dir=dump_dir,
     )

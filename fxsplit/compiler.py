@@ -19,12 +19,11 @@ from torch import nn
 from fxsplit import solvers
 from fxsplit.codegen import defer_batch_norm, place_stages, split_graph
 from fxsplit.errors import ConfigError
-from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
+from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem
 from fxsplit.passes.capture import Captured, capture
-from fxsplit.passes.condense import CondenseAntichains, Condensed
-from fxsplit.passes.costs import AnnotateCosts
+from fxsplit.passes.condense import Condensed
+from fxsplit.passes.frontend import front_end_passes
 from fxsplit.passes.manager import PassManager
-from fxsplit.passes.shapes import PropagateShapes
 from fxsplit.runtime import Pipeline, StateMap
 from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
 from fxsplit.schedule import explore
@@ -61,12 +60,10 @@ def front_end(
     timed, scale = tuple(flat), 1.0
     if cost_model == "measured" and isinstance(microbatches, int) and microbatches > 1:
         timed, scale = tuple(split_microbatches(flat, microbatches)[0][0]), float(microbatches)
-    pm = PassManager([
-        PropagateShapes(tuple(flat), force=True),
-        AnnotateCosts(reference, cost_model=cost_model, example_inputs=timed, measure_device=reference.torch_device,
-                      measure_scale=scale),
-        CondenseAntichains(max_ideals=options.max_ideals, name=type(model).__name__),
-    ])
+    pm = PassManager(front_end_passes(
+        flat, reference, cost_model=cost_model, max_ideals=options.max_ideals, name=type(model).__name__,
+        force_shapes=True, timed_inputs=timed, measure_device=reference.torch_device, measure_scale=scale,
+    ))
     pm.run(captured.gm)
     return captured, pm.artifacts["condense_antichains"], flat
 
@@ -192,9 +189,3 @@ def assemble(
         executor=getattr(options, "executor", "auto"), bn_tracker=tracker,
         batched_inputs=captured.batched_inputs, batched_outputs=captured.batched_outputs,
     )
-
-
-def evaluate_fixed(problem: Problem, stages: Sequence[Sequence[int]], devices: Sequence[int], m: int, kind: str) -> Plan:
-    """Cost a hand-made split at ``m`` micro-batches (used by tests and benches)."""
-    per_mb = problem.with_(graph=problem.graph.scaled(1.0 / m), microbatches=m, schedule=kind)
-    return evaluate(per_mb, stages, devices, solver="manual")

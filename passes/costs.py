@@ -31,9 +31,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, GiB
 from fxsplit.passes.manager import PassResult, carries_value, getattr_path, require_meta
+from fxsplit.passes.measure import measure_node_times, median_time_s
 from fxsplit.passes.shapes import fake_mode_of, fake_state
 
 __all__ = ["NodeCost", "AnnotateCosts", "annotate_costs", "measure_cpu_spec", "COST_MODELS", "node_cost"]
@@ -125,7 +124,7 @@ def _is_view(node: torch.fx.Node) -> bool:
 
 def _is_embedding(node: torch.fx.Node) -> bool:
     if node.op == "call_module":
-        return isinstance(node.graph.owning_module.get_submodule(str(node.target)), torch.nn.Embedding)
+        return isinstance(getattr_path(node.graph.owning_module, str(node.target)), torch.nn.Embedding)
     return node.target in _EMBEDDING
 
 
@@ -318,8 +317,6 @@ class AnnotateCosts:
                 read_bytes=read,
             )
         if self.cost_model == "measured":
-            from fxsplit.passes.measure import measure_node_times
-
             if self.example_inputs is None:
                 raise ConfigError("cost_model='measured' needs example_inputs (real tensors) to time nodes")
             measure_node_times(gm, self.example_inputs, self.measure_device, self.warmup, self.repeats, self.measure_scale)
@@ -332,16 +329,6 @@ def annotate_costs(gm: torch.fx.GraphModule, device: DeviceSpec | None = None, *
 
 
 # -- the CPU, measured on the spot ------------------------------------------------------------
-def _median_time(fn: Callable[[], Any], repeats: int = 5) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def _op_overhead_s(chain: int = 32) -> float:
     """Per-operator cost of a training forward (dispatch plus autograd recording): the median
     time of a chain of tiny multiplications on a tensor that requires grad, per operator."""
@@ -353,7 +340,7 @@ def _op_overhead_s(chain: int = 32) -> float:
             z = torch.ops.aten.mul.Tensor(z, 1.0)
         return z
 
-    return _median_time(run, repeats=21) / chain
+    return median_time_s(run, repeats=21) / chain
 
 
 def measure_cpu_spec(name: str = "cpu", *, size: int = 512) -> DeviceSpec:
@@ -368,10 +355,10 @@ def measure_cpu_spec(name: str = "cpu", *, size: int = 512) -> DeviceSpec:
         The spec; ``memory_bytes`` is the machine's physical memory.
     """
     a = torch.randn(size, size)
-    peak = 2 * size**3 / _median_time(lambda: a @ a)
+    peak = 2 * size**3 / median_time_s(lambda: a @ a)
     src = torch.empty(8 * 1024 * 1024)
     dst = torch.empty_like(src)
-    bw = 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src))
+    bw = 2 * src.numel() * 4 / median_time_s(lambda: dst.copy_(src))
     overhead = _op_overhead_s()
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -23,29 +23,27 @@ import torch.utils._pytree as pytree
 
 from fxsplit.passes.manager import require_meta
 
-__all__ = ["measure_node_times"]
+__all__ = ["measure_node_times", "median_time_s"]
 
 log = logging.getLogger(__name__)
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], Any], int, int], float]:
-    def sync() -> None:
-        if device.type == "cuda":
+def median_time_s(fn: Callable[[], Any], warmup: int = 1, repeats: int = 5, device: torch.device | None = None) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed calls; on CUDA the
+    device is synchronised around every timed call."""
+    cuda = device is not None and device.type == "cuda"
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(max(1, repeats)):
+        if cuda:
             torch.cuda.synchronize(device)
-
-    def median_s(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
-        for _ in range(warmup):
-            fn()
-        samples = []
-        for _ in range(max(1, repeats)):
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-
-    return median_s
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def _float_tensors(x: Any) -> list[torch.Tensor]:
@@ -55,7 +53,7 @@ def _float_tensors(x: Any) -> list[torch.Tensor]:
 class _TimingInterpreter(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, device: torch.device, warmup: int, repeats: int) -> None:
         super().__init__(gm)
-        self.median_s = _timer(device)
+        self.device = device
         self.warmup, self.repeats = warmup, repeats
         self.times: dict[str, tuple[float, float]] = {}
 
@@ -64,7 +62,7 @@ class _TimingInterpreter(torch.fx.Interpreter):
         if cost is None or cost.is_view:
             return super().run_node(n)
         with torch.no_grad():
-            fwd_s = self.median_s(lambda: super(_TimingInterpreter, self).run_node(n), self.warmup, self.repeats)
+            fwd_s = median_time_s(lambda: super(_TimingInterpreter, self).run_node(n), self.warmup, self.repeats, self.device)
         result = super().run_node(n)
         bwd_s = self._backward_s(n) if cost.bwd_s > 0 else 0.0
         self.times[n.name] = (fwd_s, bwd_s)
@@ -84,10 +82,11 @@ class _TimingInterpreter(torch.fx.Interpreter):
         if not outs or not wrt:
             return 0.0
         grads = [torch.ones_like(t) for t in outs]
-        return self.median_s(
+        return median_time_s(
             lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True),
             self.warmup,
             self.repeats,
+            self.device,
         )
 
 
