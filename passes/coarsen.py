@@ -22,28 +22,35 @@ import logging
 from fxsplit.ir.downsets import count_downsets
 from fxsplit.ir.graph import CondensedGraph
 
-__all__ = ["coarsen_blocks", "CAP_FRACTIONS"]
+__all__ = ["coarsen_blocks", "CAP_FRACTIONS", "UnionFind"]
 
 log = logging.getLogger(__name__)
 
 CAP_FRACTIONS = (1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
 
-class _Quotient:
+class UnionFind:
+    """Disjoint sets over ``0..n-1`` with path halving; subclasses decide how to merge."""
+
+    def __init__(self, n: int) -> None:
+        self.parent = list(range(n))
+
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+
+class _Quotient(UnionFind):
     """Block groups with their successor and predecessor groups, updated on every merge."""
 
     def __init__(self, graph: CondensedGraph) -> None:
         n = len(graph)
-        self.parent = list(range(n))
+        super().__init__(n)
         self.time = [b.time_s for b in graph.blocks]
         self.succ = [set(graph.successors(b)) for b in range(n)]
         self.pred = [set(graph.predecessors(b)) for b in range(n)]
-
-    def find(self, b: int) -> int:
-        while self.parent[b] != b:
-            self.parent[b] = self.parent[self.parent[b]]
-            b = self.parent[b]
-        return b
 
     def can_merge(self, u: int, v: int) -> bool:
         return u != v and v in self.succ[u] and (self.succ[u] == {v} or self.pred[v] == {u})

@@ -35,7 +35,7 @@ from fxsplit.ir.downsets import (
     members,
 )
 from fxsplit.ir.graph import Block, CondensedGraph, Edge
-from fxsplit.passes.coarsen import coarsen_blocks
+from fxsplit.passes.coarsen import UnionFind, coarsen_blocks
 from fxsplit.passes.costs import NodeCost
 from fxsplit.passes.manager import PassResult, getattr_path, require_meta
 
@@ -82,18 +82,12 @@ class Condensed:
         )
 
 
-class _Groups:
+class _Groups(UnionFind):
     """Union-find over node indices with member lists."""
 
     def __init__(self, n: int) -> None:
-        self.parent = list(range(n))
+        super().__init__(n)
         self.members = {i: [i] for i in range(n)}
-
-    def find(self, i: int) -> int:
-        while self.parent[i] != i:
-            self.parent[i] = self.parent[self.parent[i]]
-            i = self.parent[i]
-        return i
 
     def union(self, a: int, b: int) -> int:
         ra, rb = self.find(a), self.find(b)
