@@ -142,62 +142,59 @@ def _even_split(model: torch.nn.Module, rank: int) -> torch.nn.Module:
     return torch.nn.Sequential(*hidden[half:], model.head)
 
 
-def _worker_torch_pp(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
+def _timed_on_two_ranks(rank: int, port: int, queue: Any, build: Any, warmup: int, steps: int) -> None:
+    """Join a 2-rank gloo group, ``build(rank) -> (train_step, optimizer)``, time SGD steps and
+    hand rank 0's times to ``queue``."""
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
+        train_step, opt = build(rank)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            train_step()
+            opt.step()
+            dist.barrier()
+
+        times = time_steps(step, warmup, steps)
+        if rank == 0:
+            queue.put(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker_torch_pp(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+    """torch.distributed.pipelining with a hand-placed even split."""
+
+    def build(rank: int) -> tuple[Any, Any]:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
         case = make_case(args)
         module = _even_split(case.model, rank)
         stage = PipelineStage(module, rank, 2, torch.device("cpu"))
         kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
         schedule = kind(stage, n_microbatches=args.microbatches, loss_fn=torch.nn.functional.mse_loss)
-        opt = torch.optim.SGD(module.parameters(), lr=1e-3)
         x, y = case.make_batch(args.batch, 1)
+        run = (lambda: schedule.step(*x)) if rank == 0 else (lambda: schedule.step(target=y, losses=[]))
+        return run, torch.optim.SGD(module.parameters(), lr=1e-3)
 
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            if rank == 0:
-                schedule.step(*x)
-            else:
-                schedule.step(target=y, losses=[])
-            opt.step()
-            dist.barrier()
-
-        times = time_steps(step, args.warmup, args.steps)
-        if rank == 0:
-            queue.put(times)
-    finally:
-        dist.destroy_process_group()
+    _timed_on_two_ranks(rank, port, queue, build, args.warmup, args.steps)
 
 
 def _worker_fxsplit(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     """fxsplit.distributed (issue 5), called as its issue describes: compile on every rank."""
-    import fxsplit.distributed as fxd  # type: ignore[import-not-found]
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    def build(rank: int) -> tuple[Any, Any]:
+        import fxsplit.distributed as fxd  # type: ignore[import-not-found]
+
         case = make_case(args)
         pipe = fxd.compile(lambda: make_case(args).model, case.example_inputs, microbatches=args.microbatches,
                            schedule=args.schedule)
-        opt = torch.optim.SGD(list(pipe.parameters()), lr=1e-3)
         x, y = case.make_batch(args.batch, 1)
+        return (lambda: pipe.train_step(*x, target=y, loss_fn=case.loss_fn)), torch.optim.SGD(list(pipe.parameters()), lr=1e-3)
 
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            pipe.train_step(*x, target=y, loss_fn=case.loss_fn)
-            opt.step()
-            dist.barrier()
-
-        times = time_steps(step, args.warmup, args.steps)
-        if rank == 0:
-            queue.put(times)
-    finally:
-        dist.destroy_process_group()
+    _timed_on_two_ranks(rank, port, queue, build, args.warmup, args.steps)
 
 
 def run_two_processes(worker: Any, args: argparse.Namespace) -> list[float]:

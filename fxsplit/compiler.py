@@ -19,7 +19,7 @@ from torch import nn
 from fxsplit import solvers
 from fxsplit.codegen import defer_batch_norm, place_stages, split_graph
 from fxsplit.errors import ConfigError
-from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem
+from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
 from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
 from fxsplit.passes.frontend import front_end_passes
@@ -77,9 +77,18 @@ def check_microbatches(microbatches: int | str, batch: int) -> None:
         )
 
 
+def per_microbatch(problem: Problem, m: int, kind: str) -> Problem:
+    """``problem`` (whole-batch costs) as ``m`` micro-batches under schedule ``kind``."""
+    return problem.with_(graph=problem.graph.scaled(1.0 / m), microbatches=m, schedule=kind)
+
+
 def _solve(problem: Problem, solver: str, options: Any, m: int, kind: str) -> Plan:
-    per_mb = problem.with_(graph=problem.graph.scaled(1.0 / m), microbatches=m, schedule=kind)
-    return solvers.solve(per_mb, solver, time_limit_s=options.time_limit_s)
+    return solvers.solve(per_microbatch(problem, m, kind), solver, time_limit_s=options.time_limit_s)
+
+
+def evaluate_fixed(problem: Problem, stages: Sequence[Sequence[int]], devices: Sequence[int], m: int, kind: str) -> Plan:
+    """Cost a hand-made split at ``m`` micro-batches (benches compare it with the solvers')."""
+    return evaluate(per_microbatch(problem, m, kind), stages, devices, solver="manual")
 
 
 def plan_pipeline(
