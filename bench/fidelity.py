@@ -1,9 +1,11 @@
 """Does the cost model come true? Predicted vs measured forward+backward time of every stage.
 
-For each model: capture, annotate with the *measured* cost model on this CPU (1 thread), plan
-with a fixed stage count, schedule and micro-batch count, build the local pipeline, train a few
-steps and read the runtime trace (``pipe.recorder``): the mean forward and backward time of each
-stage per micro-batch, against the plan's ``fwd_s`` / ``bwd_s``. Ratios are measured/predicted.
+For each model: capture, annotate with a cost model on this CPU (1 thread; default the
+*profiled* one, which times every node at the micro-batch sizes the schedule search considers and
+fits ``t0 + t1 * b``), plan with a fixed stage count, schedule and micro-batch count, build the
+local pipeline, train a few steps and read the runtime trace (``pipe.recorder``): the mean
+forward and backward time of each stage per micro-batch, against the plan's ``fwd_s`` /
+``bwd_s``. Ratios are measured/predicted.
 
 Two step-level errors: (1) the local pipeline runs every action in turn, so its wall step should be
 ``m x sum of stage compute`` as predicted; (2) the simulated pipelined step with the plan's stage
@@ -44,14 +46,14 @@ QUICK = [("mlp-tiny", "mlp", "tiny", {}, 2, 2, 4)]
 
 
 def run_case(name: str, model: str, size: str, overrides: dict, p: int, m: int, batch: int,
-             steps: int, schedule: str) -> dict[str, Any]:
+             steps: int, schedule: str, cost_model: str) -> dict[str, Any]:
     """Plan, build, train ``steps`` steps; per-stage predicted and measured times."""
     case = zoo.get(model, size=size, batch_size=batch, **overrides)
-    options = CompileOptions(allow_idle_devices=False)
+    options = CompileOptions(allow_idle_devices=False, profile_cache_dir=False)
     cpu = measure_cpu_spec()
     specs = tuple(cpu.with_(name=f"cpu#{i}") for i in range(p))
     start = time.perf_counter()
-    captured, condensed, _ = front_end(case.model, tuple(case.example_inputs), {}, specs[0], "measured", options)
+    captured, condensed, _ = front_end(case.model, tuple(case.example_inputs), {}, specs[0], cost_model, options)
     problem = Problem(condensed.graph, specs, LinkSpec(), allow_idle_devices=False).check()
     plan = plan_pipeline(problem, batch, m, schedule, "auto", options).plan
     pipe = assemble(case.model, captured, plan, specs, schedule, m, options)
@@ -71,7 +73,7 @@ def run_case(name: str, model: str, size: str, overrides: dict, p: int, m: int, 
               for s, st in enumerate(plan.stages)]
     sim_pred = _simulate(pipe, [(r["pred_fwd_s"], r["pred_bwd_s"]) for r in stages])
     sim_meas = _simulate(pipe, [(r["meas_fwd_s"], r["meas_bwd_s"]) for r in stages])
-    return {"name": name, "stages": p, "microbatches": m, "batch": batch, "schedule": schedule, "plan_s": plan_s,
+    return {"name": name, "cost_model": cost_model, "stages": p, "microbatches": m, "batch": batch, "schedule": schedule, "plan_s": plan_s,
             "per_stage": stages, "pred_serial_s": m * sum(st.compute_s for st in plan.stages),
             "meas_wall_s": statistics.median(walls), "sim_pred_s": sim_pred, "sim_meas_s": sim_meas}
 
@@ -116,6 +118,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one tiny model, 2 steps")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    parser.add_argument("--cost-model", choices=("profiled", "measured", "analytic"), default="profiled")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -124,7 +127,8 @@ def main() -> None:
     rows = []
     for name, model, size, overrides, p, m, batch in QUICK if args.quick else CASES:
         with out.status(f"{name}: {p} stages, {m} micro-batches ..."):
-            rows.append(run_case(name, model, size, overrides, p, m, batch, 2 if args.quick else args.steps, args.schedule))
+            rows.append(run_case(name, model, size, overrides, p, m, batch, 2 if args.quick else args.steps, args.schedule,
+                                 args.cost_model))
     show(stage_table(rows), out, args.markdown)
     show(step_table(rows), out, args.markdown)
     path = write_json(args.out, "fidelity", {"env": environment(), "threads": 1, "rows": rows})

@@ -216,6 +216,10 @@ class CompileOptions:
             per device, stages overlap) or ``"sequential"``.
         deferred_batch_norm: With several micro-batches, update BatchNorm running statistics
             once per step with the whole batch's statistics, as the unsplit model does.
+        profile_cache_dir: Folder of the profiled cost model's timing cache (default
+            ``~/.cache/fxsplit/profiles``); ``False`` times every node afresh and keeps nothing.
+        progress: ``progress(done, total)`` called after each micro-batch size the profiled
+            cost model times (the CLI draws a progress bar with it).
     """
 
     capture_method: str = "auto"
@@ -229,6 +233,8 @@ class CompileOptions:
     allow_idle_devices: bool = True
     executor: str = "auto"
     deferred_batch_norm: bool = True
+    profile_cache_dir: str | Path | bool | None = None
+    progress: Any = None
 
 
 def _device_specs(devices: Any, memory_limit_bytes: int | None) -> list[DeviceSpec]:

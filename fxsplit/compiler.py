@@ -24,9 +24,11 @@ from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
 from fxsplit.passes.frontend import front_end_passes
 from fxsplit.passes.manager import PassManager
+from fxsplit.passes.profile import ProfileCache, default_cache_dir, device_name, profile_sizes
 from fxsplit.runtime import Pipeline, StateMap
 from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
 from fxsplit.schedule import explore
+from fxsplit.schedule.explore import default_microbatches
 from fxsplit.viz import DrawablePlan
 
 __all__ = ["compile_pipeline", "front_end", "plan_pipeline", "assemble", "PlanChoice"]
@@ -53,19 +55,39 @@ def front_end(
     """Capture with a symbolic batch dimension, annotate at the example batch, condense.
 
     With the measured cost model and a fixed micro-batch count, nodes are timed on one
-    micro-batch and scaled to the batch, so per-micro-batch costs are measured ones.
+    micro-batch and scaled to the batch, so per-micro-batch costs are measured ones. The profiled
+    cost model times every node at the micro-batch sizes the schedule search considers (the one
+    that runs, when ``microbatches`` is fixed) and keeps the timings in the profile cache.
     """
     captured = capture(model, args, kwargs, method=options.capture_method, dynamic_batch=options.dynamic_batch)
     flat = captured.flatten_inputs(args, kwargs)
     timed, scale = tuple(flat), 1.0
     if cost_model == "measured" and isinstance(microbatches, int) and microbatches > 1:
         timed, scale = tuple(split_microbatches(flat, microbatches)[0][0]), float(microbatches)
+    profile = _profile_options(captured, flat, reference, microbatches, options) if cost_model == "profiled" else None
     pm = PassManager(front_end_passes(
         flat, reference, cost_model=cost_model, max_ideals=options.max_ideals, name=type(model).__name__,
         force_shapes=True, timed_inputs=timed, measure_device=reference.torch_device, measure_scale=scale,
+        profile=profile,
     ))
     pm.run(captured.gm)
+    if profile is not None and profile["profile_cache"] is not None:
+        cache = profile["profile_cache"]
+        cache.save()
+        log.info("profile cache %s: %d hits, %d misses", cache.path, cache.hits, cache.misses)
     return captured, pm.artifacts["condense_antichains"], flat
+
+
+def _profile_options(captured: Captured, flat: Sequence[Any], reference: DeviceSpec, microbatches: int | str,
+                     options: Any) -> dict[str, Any]:
+    """Options of the profiled cost model: sizes from the micro-batch counts that may run."""
+    batched = None if captured.batched_inputs is None else tuple(captured.batched_inputs)
+    batch = batch_size_of([x for x, b in zip(flat, batched or [True] * len(flat), strict=True) if b] or flat)
+    counts = microbatches if isinstance(microbatches, int) else default_microbatches(batch)
+    cache_dir = getattr(options, "profile_cache_dir", None)
+    cache = None if cache_dir is False else ProfileCache(cache_dir or default_cache_dir(), device_name(reference))
+    return {"batched": batched, "profile_sizes": profile_sizes(batch, counts), "profile_cache": cache,
+            "progress": getattr(options, "progress", None)}
 
 
 def check_microbatches(microbatches: int | str, batch: int) -> None:

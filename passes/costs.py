@@ -12,7 +12,9 @@ Analytic model (default), per node, on a :class:`~fxsplit.ir.DeviceSpec` ``d``:
 * bytes moved: tensor operands plus results (0 for views); time is the roofline plus the
   device's per-operator overhead ``o`` (kernel launch, dispatch):
   ``fwd_s = max(flops / d.peak_flops, bytes / d.memory_bandwidth_bytes_per_s) + o`` and
-  ``bwd_s = max(bwd_flops / peak, 2 · bytes / bandwidth) + 2·o``.
+  ``bwd_s = max(bwd_flops / peak, 2 · bytes / bandwidth) + 2·o``. The overhead is the fixed
+  part of the time (``fwd_fixed_s = o``, ``bwd_fixed_s = 2·o``): a micro-batch of any size pays
+  it whole.
 * memory: ``param_bytes``/``buffer_bytes`` of the state the node reads (a tensor read by
   several nodes, e.g. a tied embedding, is counted once, at the first), ``output_bytes`` of its
   result, ``saved_bytes`` = its result when it needs a gradient and is not a view (the tensor the
@@ -20,6 +22,8 @@ Analytic model (default), per node, on a :class:`~fxsplit.ir.DeviceSpec` ``d``:
 
 ``cost_model="measured"`` runs every node on real tensors on ``device`` (warm-up, median of
 repeats) for forward and backward time, and keeps the analytic times beside them.
+``cost_model="profiled"`` times every node at the micro-batch sizes that run and fits
+``t0 + t1 * b`` (:mod:`fxsplit.passes.profile`), with a cache on disk.
 
 References:
     Williams, Waterman, Patterson, "Roofline", CACM 2009; Kaplan et al. 2020 (training FLOPs
@@ -45,13 +49,14 @@ from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, GiB
 from fxsplit.passes.manager import PassResult, carries_value, getattr_path, require_meta
 from fxsplit.passes.measure import measure_node_times, median_time_s
+from fxsplit.passes.profile import profile_node_times
 from fxsplit.passes.shapes import fake_mode_of, fake_state
 
 __all__ = ["NodeCost", "AnnotateCosts", "annotate_costs", "measure_cpu_spec", "COST_MODELS", "node_cost"]
 
 log = logging.getLogger(__name__)
 
-COST_MODELS = ("analytic", "measured")
+COST_MODELS = ("analytic", "measured", "profiled")
 _ATTENTION: set[Any] = {
     torch.ops.aten.scaled_dot_product_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -77,8 +82,10 @@ class NodeCost:
         output_bytes: Bytes of the node's result (0 for views and state).
         saved_bytes: Bytes kept for backward.
         is_view: True for views, getitems, placeholders and state reads (free to fold).
-        source: ``"analytic"`` or ``"measured"``.
-        analytic_fwd_s, analytic_bwd_s: Roofline times, kept when ``source == "measured"``.
+        source: ``"analytic"``, ``"measured"`` or ``"profiled"``.
+        analytic_fwd_s, analytic_bwd_s: Roofline times, kept when the times are measured.
+        fwd_fixed_s, bwd_fixed_s: The part of ``fwd_s`` / ``bwd_s`` paid by every micro-batch
+            whatever its size (operator overhead; the intercept of a profiled fit).
     """
 
     flops: float = 0.0
@@ -93,6 +100,8 @@ class NodeCost:
     source: str = "analytic"
     analytic_fwd_s: float = 0.0
     analytic_bwd_s: float = 0.0
+    fwd_fixed_s: float = 0.0
+    bwd_fixed_s: float = 0.0
 
     @property
     def is_free(self) -> bool:
@@ -263,6 +272,7 @@ def node_cost(
         flops=flops, bwd_flops=bwd_flops, fwd_s=fwd_s, bwd_s=bwd_s, param_bytes=state[0],
         buffer_bytes=state[1], output_bytes=out_bytes, saved_bytes=out_bytes if needs_grad else 0,
         analytic_fwd_s=fwd_s, analytic_bwd_s=bwd_s,
+        fwd_fixed_s=device.op_overhead_s, bwd_fixed_s=2 * device.op_overhead_s if needs_grad else 0.0,
     )
 
 
@@ -281,6 +291,12 @@ class AnnotateCosts:
             (``example_inputs`` one micro-batch) and scale to the annotated batch with
             ``measure_scale = microbatches``, so per-micro-batch costs are what a micro-batch
             really takes (small batches run less efficiently than a linear share).
+        batched: For ``"profiled"``: which flat inputs carry the batch (default: every tensor
+            whose dim 0 equals the first input's).
+        profile_sizes: For ``"profiled"``: micro-batch sizes to time (default: the whole batch).
+        profile_cache: For ``"profiled"``: a :class:`~fxsplit.passes.profile.ProfileCache` (or
+            any mutable mapping) to read and extend; ``None`` times everything afresh.
+        progress: For ``"profiled"``: ``progress(done, total)`` after each timed micro-batch size.
 
     Raises:
         ConfigError: for an unknown ``cost_model`` or ``"measured"`` without real inputs.
@@ -294,6 +310,10 @@ class AnnotateCosts:
     warmup: int = 2
     repeats: int = 5
     measure_scale: float = 1.0
+    batched: tuple[bool, ...] | None = None
+    profile_sizes: tuple[int, ...] = ()
+    profile_cache: Any = None
+    progress: Any = None
     requires: tuple[str, ...] = ("val",)
     produces: tuple[str, ...] = ("fxsplit.cost",)
 
@@ -316,11 +336,25 @@ class AnnotateCosts:
                 node, flops.get(node.name, 0.0), counted.get(node.name, False), node.name in needs, state, self.device,
                 read_bytes=read,
             )
+        if self.cost_model != "analytic" and self.example_inputs is None:
+            raise ConfigError(f"cost_model={self.cost_model!r} needs example_inputs (real tensors) to time nodes")
         if self.cost_model == "measured":
-            if self.example_inputs is None:
-                raise ConfigError("cost_model='measured' needs example_inputs (real tensors) to time nodes")
             measure_node_times(gm, self.example_inputs, self.measure_device, self.warmup, self.repeats, self.measure_scale)
+        elif self.cost_model == "profiled":
+            self._profile(gm)
         return PassResult(gm, modified=True)
+
+    def _profile(self, gm: torch.fx.GraphModule) -> None:
+        flat = list(self.example_inputs or ())
+        batched = self.batched
+        if batched is None:
+            batch = next((x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim() >= 1), None)
+            batched = tuple(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch for x in flat)
+        if not any(batched):
+            raise ConfigError("cost_model='profiled' needs an input with a batch dimension to time micro-batches")
+        sizes = self.profile_sizes or (int(next(x for x, b in zip(flat, batched, strict=True) if b).shape[0]),)
+        profile_node_times(gm, flat, batched, sizes, self.measure_device, cache=self.profile_cache,
+                           warmup=self.warmup, repeats=self.repeats, progress=self.progress)
 
 
 def annotate_costs(gm: torch.fx.GraphModule, device: DeviceSpec | None = None, **options: Any) -> PassResult:

@@ -24,6 +24,7 @@ def front_end_passes(
     timed_inputs: Sequence[Any] | None = None,
     measure_device: str = "cpu",
     measure_scale: float = 1.0,
+    profile: dict[str, Any] | None = None,
 ) -> list[Any]:
     """``propagate_shapes -> annotate_costs -> condense_antichains`` for a PassManager.
 
@@ -36,11 +37,13 @@ def front_end_passes(
         force_shapes: Recompute ``"val"`` even where export left one (symbolic-batch captures).
         timed_inputs: Inputs the measured cost model times (default: ``flat_inputs``).
         measure_device, measure_scale: See :class:`AnnotateCosts`.
+        profile: Options of the profiled cost model for :class:`AnnotateCosts` (``batched``,
+            ``profile_sizes``, ``profile_cache``, ``progress``).
     """
     timed = tuple(flat_inputs if timed_inputs is None else timed_inputs)
     return [
         PropagateShapes(tuple(flat_inputs), force=force_shapes),
         AnnotateCosts(device, cost_model=cost_model, example_inputs=timed, measure_device=measure_device,
-                      measure_scale=measure_scale),
+                      measure_scale=measure_scale, **(profile or {})),
         CondenseAntichains(max_ideals=max_ideals, name=name),
     ]

@@ -28,6 +28,9 @@ class Block:
         flops: Forward floating-point operations per micro-batch.
         fwd_s: Forward time per micro-batch on the reference device, seconds.
         bwd_s: Backward time per micro-batch on the reference device, seconds.
+        fwd_fixed_s, bwd_fixed_s: The part of ``fwd_s`` / ``bwd_s`` that does not shrink with
+            the micro-batch (operator launch and dispatch, the intercept ``t0`` of a profiled
+            ``t(b) = t0 + t1 * b``), seconds; :meth:`CondensedGraph.scaled` keeps it whole.
         param_bytes: Bytes of trainable parameters the block owns.
         replica_param_bytes: Bytes of trainable parameters the block reads but another block
             owns (tied weights): a stage holding this block keeps its own copy, so its memory
@@ -46,6 +49,8 @@ class Block:
     param_bytes: int = 0
     buffer_bytes: int = 0
     replica_param_bytes: int = 0
+    fwd_fixed_s: float = 0.0
+    bwd_fixed_s: float = 0.0
     activation_bytes: int = 0
     output_bytes: int = 0
 
@@ -142,13 +147,20 @@ class CondensedGraph:
     def scaled(self, batch_fraction: float) -> CondensedGraph:
         """Costs for a micro-batch that is ``batch_fraction`` of the annotated batch.
 
-        Times, FLOPs, activation, output and edge bytes scale linearly; parameter and buffer
-        bytes do not. Used to turn whole-batch annotations into per-micro-batch costs
-        (``batch_fraction = 1 / microbatches``).
+        Times scale as ``t(f) = fixed + (t - fixed) * f`` (the fixed part, ``fwd_fixed_s`` /
+        ``bwd_fixed_s``, is paid by every micro-batch whatever its size); FLOPs, activation, output
+        and edge bytes scale linearly; parameter and buffer bytes do not. Used to turn whole-batch
+        annotations into per-micro-batch costs (``batch_fraction = 1 / microbatches``).
+
+        Example:
+            >>> g = CondensedGraph((Block(0, "b", fwd_s=5.0, fwd_fixed_s=1.0),))
+            >>> g.scaled(0.25).blocks[0].fwd_s
+            2.0
         """
         f = batch_fraction
         blocks = tuple(
-            replace(b, flops=b.flops * f, fwd_s=b.fwd_s * f, bwd_s=b.bwd_s * f,
+            replace(b, flops=b.flops * f, fwd_s=b.fwd_fixed_s + (b.fwd_s - b.fwd_fixed_s) * f,
+                    bwd_s=b.bwd_fixed_s + (b.bwd_s - b.bwd_fixed_s) * f,
                     activation_bytes=int(b.activation_bytes * f), output_bytes=int(b.output_bytes * f))
             for b in self.blocks
         )
@@ -163,9 +175,13 @@ class CondensedGraph:
             if b.id != i:
                 faults.append(f"block at position {i} has id {b.id}; ids must be 0..n-1 in order")
             for attr in ("flops", "fwd_s", "bwd_s", "param_bytes", "buffer_bytes", "replica_param_bytes",
-                         "activation_bytes", "output_bytes"):
+                         "activation_bytes", "output_bytes", "fwd_fixed_s", "bwd_fixed_s"):
                 if getattr(b, attr) < 0:
                     faults.append(f"block {i} ({b.name!r}) has negative {attr}={getattr(b, attr)}")
+            for part, whole in (("fwd_fixed_s", "fwd_s"), ("bwd_fixed_s", "bwd_s")):
+                if getattr(b, part) > getattr(b, whole) * (1 + 1e-9):
+                    faults.append(f"block {i} ({b.name!r}) has {part}={getattr(b, part)} > {whole}={getattr(b, whole)}; "
+                                  "the fixed part is a share of the whole time")
         n = len(self.blocks)
         for e in self.edges:
             if not (0 <= e.src < n and 0 <= e.dst < n):

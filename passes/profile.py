@@ -1,0 +1,287 @@
+"""The profiled cost model: every node timed on the target device at the micro-batch sizes that run.
+
+PipeDream's profiler times each layer's forward and backward on the device it will run on; the
+time of a micro-batch is not a linear share of the batch's (small matrices run below the peak and
+every operator pays a launch and dispatch cost). This pass times every compute node at two or
+three micro-batch sizes ``b`` (the smallest and largest micro-batch of the candidate micro-batch
+counts, and one between), fits ``t(b) = t0 + t1 * b`` per node by least squares (``t0, t1 >= 0``),
+and stores the time of the whole annotated batch ``t0 + t1 * B`` with its fixed part ``t0``
+(``NodeCost.fwd_fixed_s``), so :meth:`CondensedGraph.scaled` gives ``t0 + t1 * b`` for a
+micro-batch of any size ``b``.
+
+Nodes are timed inside whole forward and backward passes (:func:`~fxsplit.passes.measure.time_nodes_in_context`).
+Timings are cached on disk, one JSON file per device name and torch version, keyed by the
+micro-batch size, the graph's digest (its code, input shapes and state shapes) and the node: a
+second compile of the same model times nothing.
+
+References:
+    Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN Training", SOSP 2019,
+    section 3.1 (profiling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+
+from fxsplit.errors import ConfigError
+from fxsplit.ir.devices import DeviceSpec
+from fxsplit.passes.measure import NodeTimes, time_nodes_in_context
+
+__all__ = ["ProfileCache", "fit_affine", "profile_sizes", "profile_node_times", "default_cache_dir", "device_name",
+           "graph_digest"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]
+"""``progress(done, total)``: called after each micro-batch size is timed."""
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/fxsplit/profiles`` (``~/.cache/fxsplit/profiles`` when unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "fxsplit" / "profiles"
+
+
+def device_name(spec: DeviceSpec) -> str:
+    """The name timings of ``spec`` are cached under: the CUDA device's model name, or for a CPU
+    its model name and torch's thread count (timings depend on both).
+
+    Example:
+        >>> device_name(DeviceSpec("fast", torch_device="meta"))
+        'meta'
+    """
+    dev = torch.device(spec.torch_device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev)
+    if dev.type == "cpu":
+        return f"cpu-{_cpu_model()}-{torch.get_num_threads()}t"
+    return dev.type
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+class ProfileCache(MutableMapping[str, NodeTimes]):
+    """Node timings of one device kind and torch version, kept in one JSON file.
+
+    Args:
+        directory: Folder of the cache files (created on :meth:`save`).
+        device_name: The device's name (``torch.cuda.get_device_name`` or ``"cpu"``).
+
+    Keys are ``"{size}|{graph digest}|{node}"``, values ``(fwd_s, bwd_s)``. :attr:`hits` and
+    :attr:`misses` count look-ups since the file was opened.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], device_name: str) -> None:
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{device_name}-torch{torch.__version__}")
+        self.path = Path(directory) / f"{slug}.json"
+        self._data: dict[str, NodeTimes] = {}
+        self.hits = self.misses = 0
+        self._dirty = False
+        if self.path.exists():
+            try:
+                raw = json.loads(self.path.read_text())
+                self._data = {k: (float(v[0]), float(v[1])) for k, v in raw.items()}
+            except (ValueError, TypeError, IndexError, OSError) as exc:
+                log.warning("ignoring unreadable profile cache %s (%s); it will be rewritten", self.path, exc)
+
+    def __getitem__(self, key: str) -> NodeTimes:
+        return self._data[key]
+
+    def __contains__(self, key: object) -> bool:
+        found = key in self._data
+        self.hits += found
+        self.misses += not found
+        return found
+
+    def __setitem__(self, key: str, value: NodeTimes) -> None:
+        self._data[key] = (float(value[0]), float(value[1]))
+        self._dirty = True
+
+    def __delitem__(self, key: str) -> None:
+        del self._data[key]
+        self._dirty = True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def save(self) -> None:
+        """Write the file atomically (a crash never leaves a half-written cache)."""
+        if not self._dirty:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self._data, f)
+        os.replace(tmp, self.path)
+        self._dirty = False
+
+
+def fit_affine(sizes: Sequence[int], times_s: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``t(b) = t0 + t1 * b`` with ``t0, t1 >= 0``.
+
+    Args:
+        sizes: ``[k]`` micro-batch sizes, samples.
+        times_s: ``[k]`` measured seconds.
+
+    Returns:
+        ``(t0_s, t1_s_per_sample)``. With one size (or all sizes equal) ``t0 = 0`` and ``t1 =
+        mean(t / b)``: the time is taken as proportional to the batch.
+
+    Example:
+        >>> fit_affine([1, 4], [3.0, 6.0])
+        (2.0, 1.0)
+    """
+    pts = [(float(b), float(t)) for b, t in zip(sizes, times_s, strict=True)]
+    if len({b for b, _ in pts}) < 2:
+        return 0.0, sum(t / b for b, t in pts) / len(pts)
+    n = len(pts)
+    mb, mt = sum(b for b, _ in pts) / n, sum(t for _, t in pts) / n
+    slope = sum((b - mb) * (t - mt) for b, t in pts) / sum((b - mb) ** 2 for b, _ in pts)
+    if slope < 0:  # noise on a size-independent op: a constant fits best
+        return mt, 0.0
+    t0 = mt - slope * mb
+    if t0 < 0:  # through the origin instead
+        return 0.0, sum(b * t for b, t in pts) / sum(b * b for b, _ in pts)
+    return t0, slope
+
+
+def profile_sizes(batch: int, microbatches: int | Sequence[int]) -> tuple[int, ...]:
+    """The micro-batch sizes to time for a batch of ``batch`` samples.
+
+    Args:
+        batch: Samples in the annotated batch.
+        microbatches: The micro-batch count that runs, or the candidate counts of the schedule
+            search.
+
+    Returns:
+        One size for one count (``ceil(batch / m)``); otherwise the smallest and largest
+        micro-batch size of the candidates and, when they are far apart, their geometric mean.
+
+    Raises:
+        ConfigError: for a count outside ``1..batch``.
+    """
+    counts = (microbatches,) if isinstance(microbatches, int) else tuple(microbatches)
+    bad = [m for m in counts if not 1 <= m <= batch]
+    if bad or not counts:
+        raise ConfigError(f"micro-batch counts {list(bad or counts)} must lie in 1..batch={batch}")
+    sizes = sorted({math.ceil(batch / m) for m in counts})
+    if len(sizes) <= 2:
+        return tuple(sizes)
+    lo, hi = sizes[0], sizes[-1]
+    mid = min(sizes, key=lambda s: abs(math.log(s) - (math.log(lo) + math.log(hi)) / 2))
+    return tuple(sorted({lo, mid, hi}))
+
+
+def _slice_batch(flat: Sequence[Any], batched: Sequence[bool], size: int) -> list[Any]:
+    return [x[:size] if b and isinstance(x, torch.Tensor) else x for x, b in zip(flat, batched, strict=True)]
+
+
+def graph_digest(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any]) -> str:
+    """A digest equal for two graphs that run the same code on inputs and state of the same
+    shapes and dtypes: the generated code, the input shapes and every parameter and buffer's
+    name, shape and dtype (values do not change the timing)."""
+    h = hashlib.sha256(gm.code.encode())
+    for x in flat_inputs:
+        h.update(repr((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x).encode())
+    for name, t in [*gm.named_parameters(), *gm.named_buffers()]:
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}{t.requires_grad}".encode())
+    return h.hexdigest()[:24]
+
+
+def _timed_at(gm: torch.fx.GraphModule, inputs: list[Any], names: list[str], key: str, device: str,
+              cache: MutableMapping[str, NodeTimes], warmup: int, repeats: int) -> dict[str, NodeTimes]:
+    """Per-node times at one size, from the cache when every node is there, else timed."""
+    keys = {n: f"{key}|{n}" for n in names}
+    if all(k in cache for k in keys.values()):
+        return {n: cache[k] for n, k in keys.items()}
+    times = time_nodes_in_context(gm, inputs, device, warmup, repeats)
+    for n, k in keys.items():
+        cache[k] = times.get(n, (0.0, 0.0))
+    return {n: cache[k] for n, k in keys.items()}
+
+
+def profile_node_times(
+    gm: torch.fx.GraphModule,
+    flat_inputs: Sequence[Any],
+    batched: Sequence[bool],
+    sizes: Sequence[int],
+    device: str = "cpu",
+    *,
+    cache: MutableMapping[str, NodeTimes] | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: Progress | None = None,
+) -> dict[str, tuple[float, float, float, float]]:
+    """Time every compute node at each micro-batch size, fit ``t0 + t1 * b``, store the costs.
+
+    Args:
+        gm: Annotated graph (every node has ``"fxsplit.cost"``), real weights, exported with a
+            symbolic batch dimension (so it runs at any micro-batch size).
+        flat_inputs: Real flat inputs of the whole batch, ``B`` samples on dim 0 of the batched ones.
+        batched: ``[len(flat_inputs)]`` which inputs carry the batch (``Captured.batched_inputs``).
+        sizes: Micro-batch sizes to time (:func:`profile_sizes`), each ``<= B``.
+        device: Where to time.
+        cache: Timings by ``"{size}|{graph digest}|{node}"`` (a :class:`ProfileCache`), read and
+            extended; a size whose every node is cached is not run.
+        warmup, repeats: Untimed and timed steps per size; the per-node median is kept.
+        progress: ``progress(done, total)`` after each size.
+
+    Returns:
+        ``{node name: (fwd_t0_s, fwd_t1_s, bwd_t0_s, bwd_t1_s)}``; every timed node's
+        ``"fxsplit.cost"`` gets ``fwd_s = fwd_t0 + fwd_t1 * B`` with ``fwd_fixed_s = fwd_t0``
+        (backward likewise) and ``source="profiled"``.
+
+    Raises:
+        ConfigError: for a size outside ``1..B``.
+    """
+    batch = next((int(x.shape[0]) for x, b in zip(flat_inputs, batched, strict=True) if b), None)
+    if batch is None or any(not 1 <= s <= batch for s in sizes):
+        raise ConfigError(f"profile sizes {list(sizes)} must lie in 1..batch={batch}; the inputs carry {batch} samples")
+    store: MutableMapping[str, NodeTimes] = {} if cache is None else cache
+    names = [n.name for n in gm.graph.nodes if n.op != "output" and not n.meta["fxsplit.cost"].is_view]
+    digest = graph_digest(gm, flat_inputs)
+    runs = []
+    for i, size in enumerate(sizes):
+        runs.append(_timed_at(gm, _slice_batch(flat_inputs, batched, size), names, f"{size}|{digest}", device,
+                              store, warmup, repeats))
+        if progress is not None:
+            progress(i + 1, len(sizes))
+    fits = {}
+    for node in gm.graph.nodes:
+        if node.name not in runs[0]:
+            continue
+        f0, f1 = fit_affine(sizes, [r[node.name][0] for r in runs])
+        b0, b1 = fit_affine(sizes, [r[node.name][1] for r in runs])
+        fits[node.name] = (f0, f1, b0, b1)
+        node.meta["fxsplit.cost"] = dataclasses.replace(
+            node.meta["fxsplit.cost"], fwd_s=f0 + f1 * batch, bwd_s=b0 + b1 * batch, fwd_fixed_s=f0,
+            bwd_fixed_s=b0, source="profiled",
+        )
+    log.info("profiled %d nodes at micro-batch sizes %s on %s", len(fits), list(sizes), device)
+    return fits

@@ -1,0 +1,223 @@
+"""The profiled cost model: affine fits, micro-batch sizes, in-context timing, the disk cache."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fxsplit
+import fxsplit.passes.profile as profile_mod
+from fxsplit.api import CompileOptions
+from fxsplit.errors import ConfigError, PlanError
+from fxsplit.ir import Block, CondensedGraph, DeviceSpec
+from fxsplit.passes.capture import capture
+from fxsplit.passes.costs import AnnotateCosts
+from fxsplit.passes.measure import time_nodes_in_context
+from fxsplit.passes.profile import ProfileCache, fit_affine, profile_node_times, profile_sizes
+from fxsplit.passes.shapes import PropagateShapes
+
+# -- the fit -----------------------------------------------------------------------------------
+
+
+@given(
+    t0=st.floats(0.0, 1e-2), t1=st.floats(0.0, 1e-3),
+    sizes=st.lists(st.integers(1, 64), min_size=2, max_size=4, unique=True),
+)
+def test_fit_affine_recovers_exact_lines(t0: float, t1: float, sizes: list[int]) -> None:
+    f0, f1 = fit_affine(sizes, [t0 + t1 * b for b in sizes])
+    assert f0 == pytest.approx(t0, abs=1e-12) and f1 == pytest.approx(t1, abs=1e-12)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 64), min_size=1, max_size=4),
+    times=st.lists(st.floats(0.0, 1.0), min_size=4, max_size=4),
+)
+def test_fit_affine_is_never_negative_and_fits_the_mean(sizes: list[int], times: list[float]) -> None:
+    """Noisy points never give a negative intercept or slope, and the fit is exact in the mean
+    when it is unconstrained or a constant."""
+    times = times[: len(sizes)]
+    t0, t1 = fit_affine(sizes, times)
+    assert t0 >= 0 and t1 >= 0
+    assert all(math.isfinite(v) for v in (t0, t1))
+
+
+def test_fit_affine_with_one_size_is_proportional() -> None:
+    assert fit_affine([4], [2.0]) == (0.0, 0.5)
+    assert fit_affine([4, 4], [2.0, 4.0]) == (0.0, 0.75)
+
+
+def test_fit_affine_falls_back_to_a_constant_when_times_shrink() -> None:
+    assert fit_affine([1, 8], [3.0, 1.0]) == (2.0, 0.0)
+
+
+# -- the sizes ---------------------------------------------------------------------------------
+
+
+@given(batch=st.integers(1, 512), data=st.data())
+def test_profile_sizes_span_the_candidates(batch: int, data: st.DataObject) -> None:
+    counts = data.draw(st.lists(st.integers(1, batch), min_size=1, max_size=8))
+    sizes = profile_sizes(batch, counts)
+    wanted = {math.ceil(batch / m) for m in counts}
+    assert min(wanted) in sizes and max(wanted) in sizes
+    assert len(sizes) <= 3 and set(sizes) <= wanted and list(sizes) == sorted(sizes)
+
+
+def test_profile_sizes_of_one_count_is_its_micro_batch() -> None:
+    assert profile_sizes(10, 4) == (3,)
+
+
+def test_profile_sizes_refuses_counts_outside_the_batch() -> None:
+    with pytest.raises(ConfigError, match=r"\[9\] must lie in 1..batch=8"):
+        profile_sizes(8, [2, 9])
+
+
+# -- the fixed part in the IR ------------------------------------------------------------------
+
+
+@given(fwd=st.floats(0.0, 10.0), share=st.floats(0.0, 1.0), f=st.floats(0.01, 1.0))
+def test_scaled_keeps_the_fixed_part_whole(fwd: float, share: float, f: float) -> None:
+    block = Block(0, "b", fwd_s=fwd, fwd_fixed_s=fwd * share, bwd_s=2 * fwd, bwd_fixed_s=2 * fwd * share)
+    got = CondensedGraph((block,)).scaled(f).blocks[0]
+    assert got.fwd_s == pytest.approx(fwd * share + fwd * (1 - share) * f)
+    assert got.bwd_s == pytest.approx(2 * fwd * share + 2 * fwd * (1 - share) * f)
+    assert got.fwd_fixed_s == block.fwd_fixed_s  # still the fixed share of the scaled time
+    assert not CondensedGraph((got,)).validate()
+
+
+def test_a_fixed_part_larger_than_the_time_is_a_fault() -> None:
+    graph = CondensedGraph((Block(0, "b", fwd_s=1.0, fwd_fixed_s=2.0),))
+    with pytest.raises(PlanError, match="fwd_fixed_s=2.0 > fwd_s=1.0"):
+        graph.check()
+
+
+def test_fixed_parts_round_trip_through_json() -> None:
+    graph = CondensedGraph((Block(0, "b", fwd_s=1.0, fwd_fixed_s=0.25, bwd_s=2.0, bwd_fixed_s=0.5),))
+    assert CondensedGraph.from_json(graph.to_json()) == graph
+
+
+def test_analytic_overhead_is_the_fixed_part(ref_device: DeviceSpec) -> None:
+    """A micro-batch pays the per-operator overhead whole: scaling a graph by 1/m must not divide
+    it (the analytic model used to, and underpredicted small micro-batches)."""
+    device = ref_device.with_(op_overhead_s=1e-5)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    x = torch.randn(16, 8)
+    cap = capture(model, (x,))
+    PropagateShapes((x,))(cap.gm)
+    AnnotateCosts(device)(cap.gm)
+    costs = [n.meta["fxsplit.cost"] for n in cap.gm.graph.nodes if n.op != "output"]
+    computing = [c for c in costs if not c.is_view]
+    assert computing and all(c.fwd_fixed_s == 1e-5 and c.bwd_fixed_s == 2e-5 for c in computing)
+
+
+# -- timing and the cache ----------------------------------------------------------------------
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)), torch.randn(8, 16)
+
+
+def _annotated(model: nn.Module, x: torch.Tensor) -> torch.fx.GraphModule:
+    cap = capture(model, (x,), dynamic_batch=True)
+    PropagateShapes((x,), force=True)(cap.gm)
+    AnnotateCosts(DeviceSpec("ref"))(cap.gm)
+    return cap.gm
+
+
+def test_in_context_timing_covers_every_compute_node_and_leaves_the_model_alone() -> None:
+    model, x = _mlp()
+    gm = _annotated(model, x)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    times = time_nodes_in_context(gm, (x,), warmup=1, repeats=2)
+    compute = [n.name for n in gm.graph.nodes if n.op != "output" and not n.meta["fxsplit.cost"].is_view]
+    assert sorted(times) == sorted(compute)
+    assert all(f > 0 for f, _ in times.values())
+    assert sum(b for _, b in times.values()) > 0
+    assert all(p.grad is None for p in model.parameters())  # gradients land on the copy
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_profiled_costs_are_the_fit_at_the_whole_batch() -> None:
+    model, x = _mlp()
+    gm = _annotated(model, x)
+    fits = profile_node_times(gm, (x,), (True,), (1, 4, 8), warmup=1, repeats=2)
+    assert fits
+    for node in gm.graph.nodes:
+        if node.name in fits:
+            f0, f1, b0, b1 = fits[node.name]
+            cost = node.meta["fxsplit.cost"]
+            assert cost.source == "profiled"
+            assert cost.fwd_s == pytest.approx(f0 + 8 * f1) and cost.fwd_fixed_s == f0
+            assert cost.bwd_s == pytest.approx(b0 + 8 * b1) and cost.bwd_fixed_s == b0
+
+
+def test_profile_refuses_sizes_beyond_the_batch() -> None:
+    model, x = _mlp()
+    with pytest.raises(ConfigError, match=r"profile sizes \[16\] must lie in 1..batch=8"):
+        profile_node_times(_annotated(model, x), (x,), (True,), (16,))
+
+
+def test_cache_hit_times_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A second profile of the same graph reads every time from the cache file; a graph of other
+    shapes misses it."""
+    calls = []
+    real = profile_mod.time_nodes_in_context
+    monkeypatch.setattr(profile_mod, "time_nodes_in_context", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model, x = _mlp()
+    cache = ProfileCache(tmp_path, "cpu-test")
+    first = profile_node_times(_annotated(model, x), (x,), (True,), (2, 8), cache=cache, warmup=0, repeats=1)
+    cache.save()
+    assert len(calls) == 2 and cache.misses > 0
+    again = ProfileCache(tmp_path, "cpu-test")
+    second = profile_node_times(_annotated(model, x), (x,), (True,), (2, 8), cache=again, warmup=0, repeats=1)
+    assert len(calls) == 2, "the second profile timed again"
+    assert second == first and again.hits > 0 and again.misses == 0
+    wider = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    profile_node_times(_annotated(wider, x), (x,), (True,), (2,), cache=again, warmup=0, repeats=1)
+    assert len(calls) == 3
+
+
+def test_cache_file_is_json_and_a_broken_one_is_ignored(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    cache = ProfileCache(tmp_path, "cpu/odd name")
+    cache["k"] = (1.0, 2.0)
+    cache.save()
+    assert json.loads(cache.path.read_text()) == {"k": [1.0, 2.0]}
+    assert "/" not in cache.path.name.replace("torch", "")
+    cache.path.write_text("{not json")
+    assert len(ProfileCache(tmp_path, "cpu/odd name")) == 0
+    assert "ignoring unreadable profile cache" in caplog.text
+
+
+def test_compile_with_the_profiled_model_plans_on_micro_batch_costs(tmp_path) -> None:
+    model, x = _mlp()
+    opts = CompileOptions(profile_cache_dir=tmp_path)
+    pipe = fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=4, schedule="gpipe", cost_model="profiled",
+                           options=opts)
+    assert list(tmp_path.glob("*.json")), "no cache file written"
+    # The plan's per-micro-batch stage times are the fits at the micro-batch size (2 samples).
+    assert pipe.plan.stages and all(st.fwd_s > 0 for st in pipe.plan.stages)
+    out = pipe(x)
+    assert out.shape == (8, 4)
+
+
+@settings(deadline=None, max_examples=5)
+@given(m=st.sampled_from([1, 2, 4]))
+def test_profiled_costs_scale_to_the_fit_at_each_micro_batch(m: int) -> None:
+    """``graph.scaled(1/m)`` of a profiled graph gives, for each block, the sum of its nodes'
+    fitted ``t0 + t1 * B/m``."""
+    from fxsplit.passes.condense import condense_antichains
+
+    model, x = _mlp()
+    gm = _annotated(model, x)
+    fits = profile_node_times(gm, (x,), (True,), (1, 8), warmup=0, repeats=1)
+    graph = condense_antichains(gm).graph.scaled(1 / m)
+    b = 8 / m
+    for block in graph.blocks:
+        want = sum(fits[n][0] + fits[n][1] * b for n in block.nodes if n in fits)
+        assert block.fwd_s == pytest.approx(want, rel=1e-9, abs=1e-15)
