@@ -26,7 +26,7 @@ from fxsplit.passes.costs import measure_cpu_spec
 from fxsplit.passes.frontend import front_end_passes
 from fxsplit.passes.manager import PassManager, PassRecord
 
-__all__ = ["Inspection", "inspect", "load_model", "analyze"]
+__all__ = ["Inspection", "inspect", "load_model", "analyze", "resolve_cost_model"]
 
 log = logging.getLogger(__name__)
 
@@ -290,8 +290,8 @@ def _check_compile_args(solver: str, schedule: str, microbatches: Any, objective
         raise ConfigError(f"microbatches={microbatches!r}; pass a positive int or 'auto'")
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective={objective!r} is unknown; choose one of {OBJECTIVES}")
-    if cost_model not in COST_MODELS:
-        raise ConfigError(f"cost_model={cost_model!r} is unknown; choose one of {COST_MODELS}")
+    if cost_model != "auto" and cost_model not in COST_MODELS:
+        raise ConfigError(f"cost_model={cost_model!r} is unknown; choose 'auto' or one of {COST_MODELS}")
 
 
 def _check_inputs_bind(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> None:
@@ -317,7 +317,7 @@ def compile(  # noqa: A001 - the public name users expect
     schedule: str = "auto",
     solver: str = "auto",
     memory_limit_bytes: int | None = None,
-    cost_model: str = "analytic",
+    cost_model: str = "auto",
     objective: str = "makespan",
     options: CompileOptions | None = None,
 ) -> Any:
@@ -335,7 +335,10 @@ def compile(  # noqa: A001 - the public name users expect
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"auto"``.
         solver: A name from ``fxsplit.solvers.available_solvers()``.
         memory_limit_bytes: Memory of every device, overriding the specs.
-        cost_model: ``"analytic"`` or ``"measured"``.
+        cost_model: ``"auto"`` (``"profiled"`` when the model's weights and the inputs are real
+            tensors, else ``"analytic"``), ``"profiled"`` (every node timed on the first device at
+            the micro-batch sizes that may run, cached in ``options.profile_cache_dir``),
+            ``"measured"`` (timed at one size, scaled linearly) or ``"analytic"`` (roofline).
         objective: ``"makespan"`` (one training step) or ``"bottleneck"``.
         options: :class:`CompileOptions`.
 
@@ -354,7 +357,33 @@ def compile(  # noqa: A001 - the public name users expect
     _check_compile_args(solver, schedule, microbatches, objective, cost_model)
     _check_inputs_bind(model, example_inputs, example_kwargs)
     specs = _device_specs(devices, memory_limit_bytes)
+    if cost_model == "auto":
+        cost_model = resolve_cost_model(model, (example_inputs, example_kwargs), options.reference or specs[0])
     return compile_pipeline(
         model, specs, tuple(example_inputs), dict(example_kwargs or {}), microbatches=microbatches,
         schedule=schedule, solver=solver, cost_model=cost_model, objective=objective, options=options,
     )
+
+
+def resolve_cost_model(model: nn.Module, inputs: Any, reference: DeviceSpec) -> str:
+    """``cost_model="auto"``: ``"profiled"`` when the target device exists here and the model's
+    weights and the inputs are real tensors (nothing on the meta device or fake), else
+    ``"analytic"`` (a model too big to run, planned on meta tensors, or a device preset).
+
+    Example:
+        >>> resolve_cost_model(torch.nn.Linear(2, 2), (torch.ones(1, 2),), DeviceSpec("cpu"))
+        'profiled'
+        >>> resolve_cost_model(torch.nn.Linear(2, 2, device="meta"), (), DeviceSpec("cpu"))
+        'analytic'
+    """
+    import torch.utils._pytree as pytree
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    try:
+        dev: torch.device | None = torch.device(reference.torch_device)
+    except (RuntimeError, ValueError):  # a label such as "fast0": no device to time on
+        dev = None
+    present = dev is not None and (dev.type == "cpu" or (dev.type == "cuda" and torch.cuda.is_available()))
+    tensors = [*model.parameters(), *model.buffers(), *(x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor))]
+    real = all(not t.is_meta and not isinstance(t, FakeTensor) for t in tensors)
+    return "profiled" if present and real else "analytic"

@@ -10,13 +10,14 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit import solvers
+from fxsplit.calibrate import CompileContext, CompiledPipeline
 from fxsplit.codegen import defer_batch_norm, place_stages, split_graph
 from fxsplit.errors import ConfigError
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
@@ -31,9 +32,11 @@ from fxsplit.schedule import explore
 from fxsplit.schedule.explore import default_microbatches
 from fxsplit.viz import DrawablePlan
 
-__all__ = ["compile_pipeline", "front_end", "plan_pipeline", "assemble", "PlanChoice"]
+__all__ = ["compile_pipeline", "front_end", "plan_pipeline", "assemble", "assemble_compiled", "PlanChoice"]
 
 log = logging.getLogger(__name__)
+
+P = TypeVar("P", bound=Pipeline)
 
 
 @dataclass(frozen=True)
@@ -174,8 +177,8 @@ def compile_pipeline(
     ).check()
     choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
     t2 = time.perf_counter()
-    plan = DrawablePlan.of(choice.plan, problem.graph.scaled(1.0 / choice.microbatches))
-    pipe = assemble(model, captured, plan, specs, choice.schedule, choice.microbatches, options)
+    context = CompileContext(model, captured, problem, tuple(specs), batch, microbatches, schedule, solver, options)
+    pipe = assemble_compiled(model, captured, choice, specs, options, context)
     report = {
         "reason": choice.reason, "candidates": choice.candidates, "capture_method": captured.method,
         "num_blocks": condensed.num_blocks, "num_ideals": condensed.num_ideals,
@@ -187,6 +190,17 @@ def compile_pipeline(
     return pipe
 
 
+def assemble_compiled(
+    model: nn.Module, captured: Captured, choice: PlanChoice, specs: Sequence[DeviceSpec], options: Any,
+    context: CompileContext,
+) -> CompiledPipeline:
+    """:func:`assemble` for ``choice``, as the :class:`CompiledPipeline` that keeps ``context``."""
+    plan = DrawablePlan.of(choice.plan, choice.problem.graph.scaled(1.0 / choice.microbatches))
+    pipe = assemble(model, captured, plan, specs, choice.schedule, choice.microbatches, options, cls=CompiledPipeline)
+    pipe.context = context
+    return pipe
+
+
 def assemble(
     model: nn.Module,
     captured: Captured,
@@ -195,7 +209,8 @@ def assemble(
     schedule: str,
     microbatches: int,
     options: Any,
-) -> Pipeline:
+    cls: type[P] = Pipeline,  # type: ignore[assignment]
+) -> P:
     """Codegen and runtime for a given plan (any valid plan, not only a solver's).
 
     Args:
@@ -205,6 +220,7 @@ def assemble(
         specs: The devices.
         schedule, microbatches: How the pipeline runs.
         options: ``CompileOptions`` (``copy_tied``).
+        cls: The pipeline class to build (:class:`Pipeline` or a subclass).
     """
     program = split_graph(captured.gm, plan.stage_of_block(), [specs[st.device].torch_device for st in plan.stages])
     program = place_stages(program, copy_tied=options.copy_tied)
@@ -213,7 +229,7 @@ def assemble(
         program, captured.aliases, [n for n, _ in model.named_parameters(remove_duplicate=False)],
         list(model.state_dict().keys()), _orphans(model, captured),
     )
-    return Pipeline(
+    return cls(
         program, in_spec=captured.in_spec, out_spec=captured.out_spec, state=state,
         schedule_kind=schedule, microbatches=microbatches, plan=plan,
         report={"device_names": [specs[st.device].name for st in plan.stages], "training": model.training},

@@ -27,3 +27,12 @@ def cpu_spec() -> DeviceSpec:
     from fxsplit.passes.costs import measure_cpu_spec
 
     return measure_cpu_spec(size=256)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _profile_cache_in_a_temporary_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The profiled cost model (compile's default) caches timings under ``$XDG_CACHE_HOME``:
+    tests share one fresh cache folder per session instead of the user's."""
+    import os
+
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))

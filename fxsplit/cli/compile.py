@@ -92,13 +92,14 @@ def register(app: typer.Typer) -> None:
         batch_size: Annotated[int, typer.Option(help="samples per step")] = 8,
         lr: Annotated[float, typer.Option(help="SGD learning rate")] = 1e-2,
         objective: Annotated[str, typer.Option(help="makespan or bottleneck")] = "makespan",
+        cost_model: Annotated[str, typer.Option(help="auto (profiled on these devices), profiled, measured or analytic")] = "auto",
         distributed: Annotated[bool, typer.Option(help="one stage per process, under torchrun (see compile_dist)")] = False,
         backend: Annotated[str, typer.Option(help="--distributed: gloo, nccl or auto")] = "auto",
         timeout_s: Annotated[float, typer.Option(help="--distributed: seconds before a silent peer is an error")] = 60.0,
     ) -> None:
         """Plan MODEL over DEVICES, train STEPS steps, and compare with the unsplit model."""
         import fxsplit
-        from fxsplit.api import load_model
+        from fxsplit.api import CompileOptions, load_model
         from fxsplit.errors import FxsplitError
 
         console = Console()
@@ -117,10 +118,17 @@ def register(app: typer.Typer) -> None:
             case = load_model(model, size=size, batch_size=batch_size)
             reference = copy.deepcopy(case.model)
             m: int | str = int(microbatches) if microbatches.isdigit() else microbatches
-            with console.status(f"capturing, annotating and planning {model} over {devices} devices ..."):
+            with Progress(console=console, transient=True) as bar:
+                task = bar.add_task(f"capturing, profiling and planning {model} over {devices} devices", total=None)
+
+                def profiled(done: int, total: int) -> None:
+                    bar.update(task, completed=done, total=total,
+                               description=f"profiling {model}: micro-batch size {done} of {total}")
+
                 pipe = fxsplit.compile(
                     case.model, parse_devices(devices), case.example_inputs,
-                    microbatches=m, schedule=schedule, solver=solver, objective=objective,
+                    microbatches=m, schedule=schedule, solver=solver, objective=objective, cost_model=cost_model,
+                    options=CompileOptions(progress=profiled),
                 )
             console.print(pipe.__repr__())
             console.print(f"schedule: {pipe.report['reason']}")

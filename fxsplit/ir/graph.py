@@ -167,6 +167,33 @@ class CondensedGraph:
         edges = tuple(replace(e, size_bytes=int(e.size_bytes * f)) for e in self.edges)
         return CondensedGraph(blocks=blocks, edges=edges, name=self.name)
 
+    def with_time_factors(self, fwd_factors: Sequence[float], bwd_factors: Sequence[float]) -> CondensedGraph:
+        """Block times multiplied by per-block factors (fixed parts too): costs refitted to
+        measurements, e.g. by :func:`fxsplit.calibrate` with each stage's measured / predicted.
+
+        Args:
+            fwd_factors, bwd_factors: ``[num_blocks]`` positive finite factors.
+
+        Raises:
+            PlanError: for a factor list of the wrong length or a factor that is not positive
+                and finite.
+
+        Example:
+            >>> CondensedGraph.chain([1.0, 2.0]).with_time_factors([2.0, 1.0], [1.0, 1.0]).total_time_s
+            4.0
+        """
+        for label, factors in (("fwd_factors", fwd_factors), ("bwd_factors", bwd_factors)):
+            if len(factors) != len(self.blocks):
+                raise PlanError(f"{label} has {len(factors)} entries for {len(self.blocks)} blocks; give one per block")
+            bad = [(i, f) for i, f in enumerate(factors) if not (0 < f < float("inf"))]
+            if bad:
+                raise PlanError(f"{label} must be positive and finite; block {bad[0][0]} has {bad[0][1]!r}")
+        blocks = tuple(
+            replace(b, fwd_s=b.fwd_s * f, fwd_fixed_s=b.fwd_fixed_s * f, bwd_s=b.bwd_s * g, bwd_fixed_s=b.bwd_fixed_s * g)
+            for b, f, g in zip(self.blocks, fwd_factors, bwd_factors, strict=True)
+        )
+        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name)
+
     # -- checks and serialisation ----------------------------------------------------------
     def validate(self) -> list[str]:
         """Return every structural fault of the graph (empty when valid)."""

@@ -1,0 +1,289 @@
+"""Calibration in the loop: measure a compiled pipeline, refit its stage costs, re-plan, rebuild.
+
+A plan is only as balanced as the costs it was solved on. :meth:`CompiledPipeline.calibrate`
+runs a few training steps, reads each stage's forward and backward time per micro-batch from the
+runtime trace, refits the block costs to the measured stage times (:func:`refit_problem`: at
+first every block of stage ``s`` scaled by ``measured_s / predicted_s``, refined by least squares
+as more plans are measured), solves again on the refitted costs, and rebuilds the pipeline in
+place when the new plan is predicted to be faster by more than ``min_gain``. It reports
+predicted against measured, per stage and per step, before and after.
+
+Orchestration only: the refit is :meth:`CondensedGraph.with_time_factors`, the planning
+:func:`fxsplit.compiler.plan_pipeline`, the rebuild :func:`fxsplit.compiler.assemble`.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxsplit.errors import ConfigError
+from fxsplit.ir import DeviceSpec, Problem, evaluate
+from fxsplit.passes.capture import Captured
+from fxsplit.runtime import Pipeline
+
+__all__ = ["CompileContext", "CompiledPipeline", "CalibrationReport", "StageTimes", "Measurement", "refit_problem"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CompileContext:
+    """What :func:`fxsplit.compile` planned from, kept so the pipeline can be planned again.
+
+    Attributes:
+        model: The user's module (its parameters live in the stages).
+        captured: The captured, annotated and condensed graph.
+        problem: The planning problem with whole-batch costs.
+        specs: The devices.
+        batch: Samples in the example batch.
+        microbatches, schedule, solver: The arguments ``compile`` was given (``"auto"`` allowed).
+        options: The ``CompileOptions``.
+    """
+
+    model: nn.Module
+    captured: Captured
+    problem: Problem
+    specs: tuple[DeviceSpec, ...]
+    batch: int
+    microbatches: int | str
+    schedule: str
+    solver: str
+    options: Any
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """One stage per micro-batch: predicted and measured forward / backward seconds."""
+
+    stage: int
+    pred_fwd_s: float
+    pred_bwd_s: float
+    meas_fwd_s: float
+    meas_bwd_s: float
+
+    @property
+    def ratio(self) -> float:
+        """Measured over predicted forward + backward time."""
+        pred = self.pred_fwd_s + self.pred_bwd_s
+        return (self.meas_fwd_s + self.meas_bwd_s) / pred if pred > 0 else float("nan")
+
+
+@dataclass(frozen=True)
+class CalibrationReport:
+    """What :meth:`CompiledPipeline.calibrate` measured and did.
+
+    Attributes:
+        before, after: Per-stage predicted vs measured times of the plan before and after
+            (``after`` equals ``before`` when the pipeline was not rebuilt).
+        step_before_s, step_after_s: ``(predicted, measured)`` median step seconds.
+        predicted_gains: Per round, ``1 - new / old`` predicted step time, both on the refitted
+            costs; the pipeline was rebuilt in every round whose gain exceeded ``min_gain``.
+        stages_before, stages_after: Block ids of every stage.
+    """
+
+    before: tuple[StageTimes, ...]
+    after: tuple[StageTimes, ...]
+    step_before_s: tuple[float, float]
+    step_after_s: tuple[float, float]
+    predicted_gains: tuple[float, ...]
+    stages_before: tuple[tuple[int, ...], ...]
+    stages_after: tuple[tuple[int, ...], ...]
+
+    def format_table(self) -> str:
+        """Plain-text table: per stage and per step, predicted vs measured, before and after."""
+        lines = [f"{'':8}{'stage':>6}{'pred F+B ms':>13}{'meas F+B ms':>13}{'meas/pred':>11}"]
+        for label, rows, step in (("before", self.before, self.step_before_s), ("after", self.after, self.step_after_s)):
+            for r in rows:
+                lines.append(f"{label:8}{r.stage:>6}{(r.pred_fwd_s + r.pred_bwd_s) * 1e3:>13.3f}"
+                             f"{(r.meas_fwd_s + r.meas_bwd_s) * 1e3:>13.3f}{r.ratio:>11.2f}")
+            lines.append(f"{label:8}{'step':>6}{step[0] * 1e3:>13.3f}{step[1] * 1e3:>13.3f}{step[1] / step[0]:>11.2f}")
+        gains = ", ".join(f"{g:+.1%}" for g in self.predicted_gains)
+        lines.append(f"predicted gain per round {gains}: {'rebuilt' if self.replanned else 'kept the plan'}")
+        return "\n".join(lines)
+
+    @property
+    def replanned(self) -> bool:
+        """Whether the pipeline now runs another plan than before."""
+        return self.stages_after != self.stages_before
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured plan: the blocks and device of every stage, and what each stage took."""
+
+    stages: tuple[tuple[int, ...], ...]
+    devices: tuple[int, ...]
+    times: tuple[StageTimes, ...]
+
+
+def refit_problem(problem: Problem, measurements: Sequence[Measurement], microbatches: int, kind: str) -> Problem:
+    """``problem`` with block times refitted to measured stage times.
+
+    Blocks that were in the same stage in every measured plan form a group with one unknown
+    factor ``x_g`` on its times (forward and backward separately). Each measured stage ``S``
+    gives one equation ``sum_g P_g,S * x_g = M_S`` (``P`` the per-micro-batch prediction of
+    ``problem`` at ``microbatches``, ``M`` the measurement); the least-squares solution nearest to
+    ``x = 1`` (NumPy's minimum-norm ``lstsq`` on ``x - 1``) is taken, clipped to ``>= 1e-3``. With
+    one measured plan this is each stage's measured / predicted ratio for all its blocks; each
+    further plan splits groups and refines them.
+
+    Args:
+        problem: Whole-batch costs (the compile-time problem).
+        measurements: Measured plans, per micro-batch at ``microbatches`` under ``kind``.
+        microbatches, kind: How the measured pipelines ran.
+
+    Raises:
+        ConfigError: when a measurement does not cover every block once.
+    """
+    import numpy as np
+
+    from fxsplit.compiler import per_microbatch
+
+    graph = per_microbatch(problem, microbatches, kind).graph
+    n = len(graph)
+    for meas in measurements:
+        covered = sorted(b for st in meas.stages for b in st)
+        if covered != list(range(n)) or len(meas.times) != len(meas.stages):
+            raise ConfigError(f"a measured plan covers blocks {covered[:8]}... of {n} with {len(meas.times)} timings "
+                              f"for {len(meas.stages)} stages; measure a whole plan")
+    signature = [tuple(i for meas in measurements for i, st in enumerate(meas.stages) if b in st) for b in range(n)]
+    groups = sorted(set(signature))
+    group_of = [groups.index(sig) for sig in signature]
+    factors = []
+    for attr in ("fwd_s", "bwd_s"):
+        rows, rhs = [], []
+        for meas in measurements:
+            for st, dev, t in zip(meas.stages, meas.devices, meas.times, strict=True):
+                row = np.zeros(len(groups))
+                for b in st:
+                    row[group_of[b]] += getattr(graph.blocks[b], attr) / problem.devices[dev].speed
+                rows.append(row)
+                rhs.append(getattr(t, "meas_" + attr) - row.sum())
+        a = np.array(rows)
+        y = np.linalg.lstsq(a, np.array(rhs), rcond=None)[0] if a.any() else np.zeros(len(groups))
+        x = np.maximum(1.0 + y, 1e-3)
+        factors.append([float(x[group_of[b]]) for b in range(n)])
+    return problem.with_(graph=problem.graph.with_time_factors(factors[0], factors[1]))
+
+
+def _replan(pipe: CompiledPipeline, ctx: CompileContext, refit: Problem) -> tuple[Any, float]:
+    """The best plan on the refitted costs, and its predicted gain over the running plan's."""
+    from fxsplit.compiler import per_microbatch, plan_pipeline
+
+    old = evaluate(per_microbatch(refit, pipe.microbatches, pipe.schedule_kind),
+                   [st.blocks for st in pipe.plan.stages], [st.device for st in pipe.plan.stages])
+    choice = plan_pipeline(refit, ctx.batch, ctx.microbatches, ctx.schedule, ctx.solver, ctx.options)
+    return choice, (1.0 - choice.plan.makespan_s / old.makespan_s if old.makespan_s > 0 else 0.0)
+
+
+class CompiledPipeline(Pipeline):
+    """The :class:`~fxsplit.runtime.Pipeline` that :func:`fxsplit.compile` returns: it also
+    keeps its :class:`CompileContext` so it can :meth:`calibrate` itself."""
+
+    context: CompileContext | None = None
+
+    def predicted_step_s(self) -> float:
+        """The step time this pipeline should take here: the plan's makespan, or, when the stages
+        run one after another in one thread, ``microbatches x`` the sum of the stage times."""
+        if self.executor == "sequential":
+            return self.microbatches * sum(st.time_s for st in self.plan.stages)
+        return float(self.plan.makespan_s)
+
+    def calibrate(
+        self,
+        *args: Any,
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        steps: int = 3,
+        min_gain: float = 0.05,
+        rounds: int = 2,
+        **kwargs: Any,
+    ) -> CalibrationReport:
+        """Measure ``steps`` training steps, refit the stage costs, re-plan, and rebuild the
+        pipeline in place when the new plan is predicted faster by more than ``min_gain``.
+
+        Call it before creating the optimizer: a rebuild makes new stages (tied copies are new
+        tensors). Gradients are left cleared (``None``); parameters are not changed.
+
+        Args:
+            args, kwargs: A batch of the model's inputs (as for :meth:`train_step`).
+            target, loss_fn: As for :meth:`train_step`.
+            steps: Measured steps per plan (after one warm-up step), ``>= 1``.
+            min_gain: Rebuild only when ``1 - new / old`` predicted step time exceeds this.
+            rounds: Measure-refit-replan rounds at most (a rebuilt plan is measured again and
+                its costs refined, since blocks that changed stage took their old stage's factor).
+
+        Returns:
+            A :class:`CalibrationReport` (``print(report.format_table())``).
+
+        Raises:
+            ConfigError: for ``steps < 1``, a negative ``min_gain``, or a pipeline not made by
+                :func:`fxsplit.compile`.
+        """
+        if self.context is None:
+            raise ConfigError("calibrate needs the pipeline fxsplit.compile returns (it keeps what it planned from)")
+        if not isinstance(steps, int) or steps < 1 or not min_gain >= 0 or not isinstance(rounds, int) or rounds < 1:
+            raise ConfigError(f"calibrate(steps={steps!r}, min_gain={min_gain!r}, rounds={rounds!r}); "
+                              "use steps >= 1, min_gain >= 0 and rounds >= 1")
+        ctx = self.context
+        base = ctx.problem
+        before, step_before = self._measure(args, kwargs, target, loss_fn, steps)
+        stages_before = tuple(st.blocks for st in self.plan.stages)
+        rows, step, gains, measured = before, step_before, [], []
+        for _ in range(rounds):
+            measured.append(Measurement(tuple(st.blocks for st in self.plan.stages),
+                                        tuple(st.device for st in self.plan.stages), tuple(rows)))
+            refit = refit_problem(base, measured, self.microbatches, self.schedule_kind)
+            choice, gain = _replan(self, ctx, refit)
+            gains.append(gain)
+            if gain <= min_gain:
+                break
+            self._rebuild(ctx, refit, choice)
+            ctx = self.context
+            rows, step = self._measure(args, kwargs, target, loss_fn, steps)
+        report = CalibrationReport(
+            before=tuple(before), after=tuple(rows), step_before_s=step_before, step_after_s=step,
+            predicted_gains=tuple(gains), stages_before=stages_before,
+            stages_after=tuple(st.blocks for st in self.plan.stages),
+        )
+        log.info("calibrate:\n%s", report.format_table())
+        return report
+
+    def _measure(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, steps: int
+                 ) -> tuple[list[StageTimes], tuple[float, float]]:
+        """Per-stage mean times over ``steps`` steps (after one warm-up) and the median step."""
+        per_step, walls = [], []
+        recorder = self.recorder
+        if recorder is None:
+            raise ConfigError("calibrate reads the runtime trace; set pipe.recorder to a TraceRecorder")
+        for i in range(steps + 1):
+            start = time.perf_counter()
+            self.train_step(*args, target=target, loss_fn=loss_fn, **kwargs)
+            if i:
+                walls.append(time.perf_counter() - start)
+                per_step.append(recorder.per_stage_s(self.num_stages))
+        self.zero_grad(set_to_none=True)
+        rows = [
+            StageTimes(s, st.fwd_s, st.bwd_s, statistics.mean(p[s]["fwd_s"] for p in per_step),
+                       statistics.mean(p[s]["bwd_s"] for p in per_step))
+            for s, st in enumerate(self.plan.stages)
+        ]
+        return rows, (self.predicted_step_s(), statistics.median(walls))
+
+    def _rebuild(self, ctx: CompileContext, refit: Problem, choice: Any) -> None:
+        """Become the pipeline of ``choice``'s plan (same model, same captured graph)."""
+        from fxsplit.compiler import assemble_compiled
+
+        new = assemble_compiled(ctx.model, ctx.captured, choice, ctx.specs, ctx.options,
+                                context=CompileContext(**{**ctx.__dict__, "problem": refit}))
+        new.report = {**self.report, **new.report, "reason": choice.reason, "candidates": choice.candidates,
+                      "predicted_step_s": choice.plan.makespan_s}
+        self.__dict__.update(new.__dict__)

@@ -1,0 +1,145 @@
+"""Calibration in the loop: the least-squares refit and ``pipe.calibrate`` on a mis-costed model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fxsplit
+from fxsplit.api import CompileOptions
+from fxsplit.calibrate import CompiledPipeline, Measurement, StageTimes, refit_problem
+from fxsplit.compiler import per_microbatch
+from fxsplit.errors import ConfigError
+from fxsplit.ir import CondensedGraph, DeviceSpec, Problem, evaluate
+
+
+def _problem(times: list[float]) -> Problem:
+    graph = CondensedGraph.chain(times)
+    graph = graph.with_time_factors([1.0] * len(times), [1.0] * len(times))
+    return Problem(graph, (DeviceSpec("a"), DeviceSpec("b")), microbatches=1)
+
+
+def _measure(problem: Problem, true_factors: list[float], stages: list[list[int]]) -> Measurement:
+    """What a pipeline of ``stages`` would measure if block ``b`` really took ``factor_b x`` its cost."""
+    plan = evaluate(problem, stages)
+    rows = []
+    for s, stage in enumerate(plan.stages):
+        real = sum(problem.graph.blocks[b].fwd_s * true_factors[b] for b in stage.blocks)
+        rows.append(StageTimes(s, stage.fwd_s, 0.0, real, 0.0))
+    return Measurement(tuple(tuple(blocks) for blocks in stages), tuple(range(len(stages))), tuple(rows))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    times=st.lists(st.floats(0.1, 10.0), min_size=4, max_size=8),
+    factor=st.floats(0.2, 20.0), data=st.data(),
+)
+def test_one_plan_scales_each_stage_by_its_ratio(times: list[float], factor: float, data: st.DataObject) -> None:
+    problem = _problem(times)
+    cut = data.draw(st.integers(1, len(times) - 1))
+    stages = [list(range(cut)), list(range(cut, len(times)))]
+    true = [factor] * cut + [1.0] * (len(times) - cut)
+    refit = refit_problem(problem, [_measure(problem, true, stages)], 1, "gpipe")
+    for b, block in enumerate(refit.graph.blocks):
+        assert block.fwd_s == pytest.approx(times[b] * true[b], rel=1e-9)
+
+
+@settings(max_examples=50, deadline=None)
+@given(times=st.lists(st.floats(0.1, 10.0), min_size=5, max_size=8), data=st.data())
+def test_every_measured_stage_is_reproduced(times: list[float], data: st.DataObject) -> None:
+    """Whatever the true costs, the refit predicts every stage of every measured plan exactly
+    when the plans' stages determine the groups (two 2-stage plans: up to 3 groups, 4 equations)."""
+    n = len(times)
+    problem = _problem(times)
+    true = data.draw(st.lists(st.floats(0.2, 5.0), min_size=n, max_size=n))
+    c1, c2 = sorted(data.draw(st.lists(st.integers(1, n - 1), min_size=2, max_size=2, unique=True)))
+    plans = [[list(range(c1)), list(range(c1, n))], [list(range(c2)), list(range(c2, n))]]
+    measured = [_measure(problem, true, p) for p in plans]
+    refit = refit_problem(problem, measured, 1, "gpipe")
+    for meas in measured:
+        for stage, row in zip(meas.stages, meas.times, strict=True):
+            assert sum(refit.graph.blocks[b].fwd_s for b in stage) == pytest.approx(row.meas_fwd_s, rel=1e-6)
+
+
+def test_refit_keeps_the_fixed_share_and_uses_micro_batch_costs() -> None:
+    """Measured times are per micro-batch: the refit compares them with the problem's costs at
+    that micro-batch count (fixed part whole), and scales the fixed part with the rest."""
+    base = Problem(CondensedGraph.chain([4.0, 4.0]), (DeviceSpec("a"), DeviceSpec("b")))
+    graph = base.graph
+    blocks = tuple(b.__class__(**{**b.__dict__, "fwd_fixed_s": 1.0}) for b in graph.blocks)
+    problem = base.with_(graph=CondensedGraph(blocks, graph.edges, graph.name))
+    mb = per_microbatch(problem, 4, "gpipe").graph  # 1 + 3/4 per block
+    assert mb.blocks[0].fwd_s == pytest.approx(1.75)
+    rows = (StageTimes(0, 1.75, 0, 3.5, 0), StageTimes(1, 1.75, 0, 1.75, 0))
+    refit = refit_problem(problem, [Measurement(((0,), (1,)), (0, 1), rows)], 4, "gpipe")
+    assert refit.graph.blocks[0].fwd_s == pytest.approx(8.0) and refit.graph.blocks[0].fwd_fixed_s == pytest.approx(2.0)
+    assert refit.graph.blocks[1].fwd_s == pytest.approx(4.0)
+
+
+def test_refit_refuses_a_partial_plan() -> None:
+    problem = _problem([1.0, 2.0, 3.0])
+    partial = Measurement(((0,), (1,)), (0, 1), (StageTimes(0, 1, 0, 1, 0), StageTimes(1, 1, 0, 1, 0)))
+    with pytest.raises(ConfigError, match="measure a whole plan"):
+        refit_problem(problem, [partial], 1, "gpipe")
+
+
+# -- calibrate on a real pipeline ----------------------------------------------------------------
+
+
+class _MatrixExp(nn.Module):
+    """A layer whose cost the analytic model gets badly wrong: ``matrix_exp`` is priced at one
+    FLOP per element, but runs a dozen small matrix products per matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        m = h.unsqueeze(-1) * h.unsqueeze(-2) * 0.01
+        e = torch.linalg.matrix_exp(m).sum(-1)
+        return torch.cat([h, e, e[:, :16]], -1)
+
+
+def _imbalance(rows) -> float:
+    t = [r.meas_fwd_s + r.meas_bwd_s for r in rows]
+    return max(t) / min(t)
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_calibrate_balances_a_plan_made_on_wrong_costs(one_thread: None) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_MatrixExp(), *[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(9)])
+    reference = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(16, 64), torch.randn(16, 64)
+    pipe = fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=2, schedule="gpipe", cost_model="analytic",
+                           options=CompileOptions(allow_idle_devices=False))
+    assert isinstance(pipe, CompiledPipeline)
+    report = pipe.calibrate(x, target=y, loss_fn=nn.functional.mse_loss, steps=3, rounds=2)
+    text = report.format_table()
+    assert report.replanned, text
+    assert _imbalance(report.after) < _imbalance(report.before), text
+    pred, meas = report.step_after_s
+    assert 0.6 < meas / pred < 1.6, text  # before: the analytic model was several times off
+    # The rebuilt pipeline still computes what the model computes, and nothing was trained.
+    assert all(torch.equal(p, r) for p, r in zip(model.parameters(), reference, strict=True))
+    assert all(p.grad is None for p in pipe.parameters())
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_calibrate_checks_its_arguments() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    x = torch.randn(4, 4)
+    pipe = fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=2, cost_model="analytic")
+    with pytest.raises(ConfigError, match="use steps >= 1"):
+        pipe.calibrate(x, target=x, loss_fn=nn.functional.mse_loss, steps=0)
