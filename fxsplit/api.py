@@ -209,7 +209,9 @@ class CompileOptions:
         max_ideals: Budget of the ideal enumeration (``auto`` switches to CP-SAT past it).
         copy_tied: Give every stage its own copy of tied tensors even on one device (tests).
         reference: The reference device of the cost annotation (default: first device).
-        link: Link between neighbouring devices (default: the ``LinkSpec`` default).
+        link: Links between the devices: a ``LinkSpec`` for every pair, ``"probe"`` to measure
+            every pair (:func:`fxsplit.runtime.links.pipeline_links`), or ``"auto"`` (probe when
+            the cost model times the devices, else the ``LinkSpec`` default).
         training: Plan for training (True) or inference.
         allow_idle_devices: Let the plan use fewer stages than devices (False: one stage each).
         executor: ``"auto"`` (threads when a stage is on CUDA), ``"threads"`` (one worker thread
@@ -228,7 +230,7 @@ class CompileOptions:
     max_ideals: int = 20_000
     copy_tied: bool = False
     reference: DeviceSpec | None = None
-    link: Any = None
+    link: Any = "auto"
     training: bool = True
     allow_idle_devices: bool = True
     executor: str = "auto"

@@ -27,6 +27,7 @@ from fxsplit.passes.frontend import front_end_passes
 from fxsplit.passes.manager import PassManager
 from fxsplit.passes.profile import ProfileCache, default_cache_dir, device_name, profile_sizes
 from fxsplit.runtime import Pipeline, StateMap
+from fxsplit.runtime.links import pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
 from fxsplit.schedule import explore
 from fxsplit.schedule.explore import default_microbatches
@@ -146,6 +147,20 @@ def plan_pipeline(
     return PlanChoice(plan, problem.with_(microbatches=m, schedule=kind), kind, m, choice.reason, choice.format_table())
 
 
+def _links(specs: Sequence[DeviceSpec], options: Any, cost_model: str) -> tuple[LinkSpec, tuple]:
+    """The default link and per-pair links of the problem: ``options.link`` when it is a
+    :class:`LinkSpec`; measured between the devices (:func:`pipeline_links`) for ``"probe"``, and
+    for ``"auto"`` when the devices are here to be timed (a timed cost model); else the default."""
+    chosen = getattr(options, "link", None) or "auto"
+    if isinstance(chosen, LinkSpec):
+        return chosen, ()
+    if chosen not in ("auto", "probe"):
+        raise ConfigError(f"link={chosen!r}; pass a LinkSpec, 'probe' or 'auto'")
+    if chosen == "probe" or cost_model in ("profiled", "measured"):
+        return LinkSpec(), pipeline_links([s.torch_device for s in specs])
+    return LinkSpec(), ()
+
+
 def _orphans(model: nn.Module, captured: Captured) -> dict[str, torch.Tensor]:
     used = {a for names in captured.aliases.values() for a in names}
     return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in used}
@@ -171,8 +186,9 @@ def compile_pipeline(
     reference = options.reference or specs[0]
     captured, condensed, _ = front_end(model, args, kwargs, reference, cost_model, options, microbatches)
     t1 = time.perf_counter()
+    link, links = _links(specs, options, cost_model)
     problem = Problem(
-        condensed.graph, tuple(specs), link=options.link or LinkSpec(), objective=objective,
+        condensed.graph, tuple(specs), link=link, links=links, objective=objective,
         training=options.training, schedule="1f1b", allow_idle_devices=options.allow_idle_devices,
     ).check()
     choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
