@@ -217,7 +217,8 @@ class CompiledPipeline(Pipeline):
             args, kwargs: A batch of the model's inputs (as for :meth:`train_step`).
             target, loss_fn: As for :meth:`train_step`.
             steps: Measured steps per plan (after one warm-up step), ``>= 1``.
-            min_gain: Rebuild only when ``1 - new / old`` predicted step time exceeds this.
+            min_gain: Rebuild only when ``1 - new / old`` predicted step time exceeds this; otherwise
+                the stages stay and their predictions take the refitted costs.
             rounds: Measure-refit-replan rounds at most (a rebuilt plan is measured again and
                 its costs refined, since blocks that changed stage took their old stage's factor).
 
@@ -244,11 +245,15 @@ class CompiledPipeline(Pipeline):
             refit = refit_problem(base, measured, self.microbatches, self.schedule_kind)
             choice, gain = _replan(self, ctx, refit)
             gains.append(gain)
-            if gain <= min_gain:
-                break
-            self._rebuild(ctx, refit, choice)
+            rebuild = gain > min_gain
+            if rebuild:
+                self._rebuild(ctx, refit, choice)
+            else:
+                self._adopt_costs(ctx, refit)
             ctx = self.context
             rows, step = self._measure(args, kwargs, target, loss_fn, steps)
+            if not rebuild:
+                break
         report = CalibrationReport(
             before=tuple(before), after=tuple(rows), step_before_s=step_before, step_after_s=step,
             predicted_gains=tuple(gains), stages_before=stages_before,
@@ -277,6 +282,17 @@ class CompiledPipeline(Pipeline):
             for s, st in enumerate(self.plan.stages)
         ]
         return rows, (self.predicted_step_s(), statistics.median(walls))
+
+    def _adopt_costs(self, ctx: CompileContext, refit: Problem) -> None:
+        """Keep the stages, predict them with the refitted costs (the plan's times, the context)."""
+        from fxsplit.compiler import per_microbatch
+        from fxsplit.viz import DrawablePlan
+
+        pb = per_microbatch(refit, self.microbatches, self.schedule_kind)
+        plan = evaluate(pb, [st.blocks for st in self.plan.stages], [st.device for st in self.plan.stages],
+                        solver=self.plan.solver, status=self.plan.status)
+        self.plan = DrawablePlan.of(plan.with_(microbatches=self.microbatches, schedule=self.schedule_kind), pb.graph)
+        self.context = CompileContext(**{**ctx.__dict__, "problem": refit})
 
     def _rebuild(self, ctx: CompileContext, refit: Problem, choice: Any) -> None:
         """Become the pipeline of ``choice``'s plan (same model, same captured graph)."""
