@@ -143,3 +143,16 @@ def test_calibrate_checks_its_arguments() -> None:
     pipe = fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=2, cost_model="analytic")
     with pytest.raises(ConfigError, match="use steps >= 1"):
         pipe.calibrate(x, target=x, loss_fn=nn.functional.mse_loss, steps=0)
+
+
+def test_cli_compile_calibrates_before_training() -> None:
+    from typer.testing import CliRunner
+
+    from fxsplit.cli import _register_all, app
+
+    _register_all()
+    args = ["compile", "gpt", "--devices", "2", "--steps", "1", "--size", "tiny", "--batch-size", "4", "--calibrate", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "predicted gain per round" in result.output
+    assert "before    step" in result.output and "after     step" in result.output

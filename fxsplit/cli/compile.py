@@ -93,6 +93,7 @@ def register(app: typer.Typer) -> None:
         lr: Annotated[float, typer.Option(help="SGD learning rate")] = 1e-2,
         objective: Annotated[str, typer.Option(help="makespan or bottleneck")] = "makespan",
         cost_model: Annotated[str, typer.Option(help="auto (profiled on these devices), profiled, measured or analytic")] = "auto",
+        calibrate: Annotated[int, typer.Option(help="measure this many steps, refit the costs and re-plan first (0: off)")] = 0,
         distributed: Annotated[bool, typer.Option(help="one stage per process, under torchrun (see compile_dist)")] = False,
         backend: Annotated[str, typer.Option(help="--distributed: gloo, nccl or auto")] = "auto",
         timeout_s: Annotated[float, typer.Option(help="--distributed: seconds before a silent peer is an error")] = 60.0,
@@ -130,6 +131,11 @@ def register(app: typer.Typer) -> None:
                     microbatches=m, schedule=schedule, solver=solver, objective=objective, cost_model=cost_model,
                     options=CompileOptions(progress=profiled),
                 )
+            if calibrate > 0:
+                inputs, target = case.make_batch(batch_size, 999)
+                with console.status(f"calibrating: {calibrate} measured steps per plan ..."):
+                    report = pipe.calibrate(*inputs, target=target, loss_fn=case.loss_fn, steps=calibrate)
+                console.print(report.format_table())
             console.print(pipe.__repr__())
             console.print(f"schedule: {pipe.report['reason']}")
             with Progress(console=console, transient=False) as progress:
