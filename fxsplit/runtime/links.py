@@ -171,13 +171,13 @@ def probe_ranks(
     return link
 
 
-def pipeline_links(devices: Sequence[str], **probe: int) -> tuple[tuple[int, int, LinkSpec], ...]:
+def pipeline_links(devices: Sequence[str], repeats: int = 5) -> tuple[tuple[int, int, LinkSpec], ...]:
     """Probe the link between every pair of devices of this process (each distinct pair of
     torch devices once; a plan may leave devices idle, so non-neighbours can meet).
 
     Args:
         devices: ``[num_devices]`` torch device strings in pipeline order.
-        probe: ``repeats`` for :func:`probe_devices`.
+        repeats: Timed copies per size (:func:`probe_devices`).
 
     Returns:
         ``Problem.links`` entries ``(i, j, LinkSpec)`` for ``i < j``; pairs on one device are a
@@ -189,7 +189,7 @@ def pipeline_links(devices: Sequence[str], **probe: int) -> tuple[tuple[int, int
         for j in range(i + 1, len(devices)):
             key = (str(devices[i]), str(devices[j]))
             if key not in cache:
-                cache[key] = probe_devices(*key, **probe)
+                cache[key] = probe_devices(*key, repeats=repeats)
             out.append((i, j, cache[key]))
     return tuple(out)
 
