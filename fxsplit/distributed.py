@@ -31,6 +31,7 @@ from fxsplit.codegen.place import get_state
 from fxsplit.compiler import front_end, plan_pipeline
 from fxsplit.errors import ConfigError, PlanError
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem
+from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState, materialise
 from fxsplit.runtime.distributed import PLAN_FILE, SCHEDULES, DistributedPipeline, TiedGroup
@@ -173,6 +174,36 @@ def _broadcast_tied(gm: Any, tied: list[TiedGroup]) -> None:
             dist.broadcast(get_state(gm, group.name).data, src=group.ranks[0], group=group.group)
 
 
+def batched_flags(captured: Any, flat: Sequence[Any]) -> list[bool]:
+    """Which flat inputs carry the batch on dim 0: export's symbolic batch dimension
+    (``Captured.batched_inputs``), never a coincidence of sizes; by shape (dim 0 equal to the
+    first input's) only when export fixed every input's batch and so left no sign."""
+    if captured.batched_inputs is not None:
+        return list(captured.batched_inputs)
+    batch = batch_size_of(flat)
+    return [isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch for x in flat]
+
+
+def _pipeline(stage: Any, captured: Any, inputs: tuple[tuple, dict], rank: int, world: int, device: torch.device,
+              schedule: str, m: int, state: StageState, tied: list[TiedGroup], *, meta: dict[str, Any],
+              state_order: list[str], timeout_s: float, watchdog: bool) -> DistributedPipeline:
+    """This rank's runtime around its materialised stage; ``inputs`` is ``(args, kwargs)``."""
+    flat = captured.flatten_inputs(*inputs)
+    batched = batched_flags(captured, flat)
+    module = StageModule(stage.gm, first=rank == 0, last=rank == world - 1, batched=batched)
+    shapes = WireShapes(
+        captured.gm, _to_meta(flat), batched, inputs=stage.inputs, outputs=stage.outputs,
+        in_layouts=module.in_layouts, out_layouts=module.out_layouts, first=rank == 0, last=rank == world - 1,
+        index=rank,
+    )
+    return DistributedPipeline(
+        module, state=state, stage_index=rank, num_stages=world, device=device, schedule_kind=schedule,
+        microbatches=m, in_spec=captured.in_spec, out_spec=captured.out_spec, tied=tied,
+        state_order=state_order, meta=meta, timeout_s=timeout_s, watchdog=watchdog, shapes=shapes,
+        batched_inputs=batched, batched_outputs=captured.batched_outputs,
+    )
+
+
 def _barrier(timeout_s: float) -> None:
     if dist.get_backend() == "gloo":
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
@@ -200,7 +231,8 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
 
     Args:
         model_fn: Builds the model; called under ``torch.device("meta")`` (no weights allocated),
-            and again for real buffers if the stage needs some no state dict provides.
+            and once more, parameters on meta, for buffers (and rare parameters) that neither a
+            state dict nor the model's initialisation fills.
         example_inputs: A representative batch, batch on dim 0 (fixes the micro-batch size).
         example_kwargs: Keyword inputs.
         schedule: ``"gpipe"`` or ``"1f1b"``.
@@ -210,7 +242,11 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         state_dict: The original model's state dict, or a path to one (``torch.save``); each rank
             reads only its stage's keys.
         init_fn: ``init_fn(original_name, tensor)`` filling a stage tensor in place, for the
-            tensors ``state_dict`` lacks. Without both, ``reset_parameters()`` of the owning module.
+            tensors ``state_dict`` lacks. Without both, the tensors the stage owns are initialised
+            as the model's constructor does, on this rank's device (a Hugging Face model's
+            ``_init_weights``, else each module's ``reset_parameters()``, else the value a second
+            ``model_fn()`` gives; see :mod:`fxsplit.runtime.dist_init`); tied copies then take the
+            first holder's values.
         plan: A fixed plan (its stage count must equal the world size); default: solve.
         solver: The solver (deterministic ones only: every rank solves and the results must agree).
         timeout_s: Seconds a rank waits for a peer before raising ``ExecutionError``.
@@ -249,16 +285,9 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
                          meta_model=meta_model, model_fn=model_fn)
     log.info("rank %d: stage %d state from %s", rank, rank, sorted(set(origin.values())))
     _broadcast_tied(stage.gm, tied)
-    flat = pytree.tree_leaves((args, kwargs))
-    batch = batch_size_of(flat)
-    batched = [isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch for x in flat]
-    module = StageModule(stage.gm, first=rank == 0, last=rank == world - 1, batched=batched)
     meta = {"plan": plan.to_dict(), "schedule": schedule, "microbatches": m, "model": type(meta_model).__name__}
-    pipe = DistributedPipeline(
-        module, state=state, stage_index=rank, num_stages=world, device=device, schedule_kind=schedule,
-        microbatches=m, in_spec=captured.in_spec, out_spec=captured.out_spec, tied=tied,
-        state_order=list(meta_model.state_dict().keys()), meta=meta, timeout_s=timeout_s, watchdog=watchdog,
-    )
+    pipe = _pipeline(stage, captured, (args, kwargs), rank, world, device, schedule, m, state, tied,
+                     meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s, watchdog=watchdog)
     _barrier(timeout_s)
     if rank == 0:
         log.info("pipeline over %d ranks: %s x %d, stage sizes %s", world, schedule, m, [len(s.blocks) for s in plan.stages])

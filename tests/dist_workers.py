@@ -139,7 +139,7 @@ def raises_in_loss(rank: int, world: int, out_dir: str, timeout_s: float) -> dic
 
     def bad_loss(out: Any, tgt: Any) -> Any:
         calls["n"] += 1
-        if calls["n"] == 3:  # the first call is torch's shape inference
+        if calls["n"] == 2:  # micro-batch 1 (shapes are given up front: torch infers none)
             raise ValueError("loss exploded")
         return case.loss_fn(out, tgt)
 
@@ -205,3 +205,57 @@ def forward_equal(rank: int, world: int, out_dir: str, batch: int, m: int) -> di
             torch.testing.assert_close(out, case.model(*inputs), rtol=1e-4, atol=1e-5)
     pipe.close()
     return {"last": pipe.is_last}
+
+
+class SizeRelay(torch.nn.Module):
+    """Rows through three linears, then back to ``[batch, 4, 16]``: the batch size is read on the
+    first stage (``x.shape[0]``) and used by the last one's ``view``, so it crosses as a scalar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(16, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        h = self.b(self.a(x.reshape(n * 4, 16)).relu()).relu()
+        return self.c(h).reshape(n, 4, 16)
+
+
+class FixedMix(torch.nn.Module):
+    """``x [batch, 8]`` times a fixed ``mix [8, 8]``: with a batch of 8, ``mix`` has the batch size
+    on dim 0 but is the same matrix for every sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 256), torch.nn.Linear(256, 8)
+
+    def forward(self, x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x @ mix).relu())
+
+
+def _toy(name: str, batch: int) -> tuple[Any, tuple[torch.Tensor, ...], torch.Tensor]:
+    torch.manual_seed(0)
+    if name == "size_relay":
+        return SizeRelay(), (torch.randn(batch, 4, 16),), torch.randn(batch, 4, 16)
+    return FixedMix(), (torch.randn(batch, 8), torch.randn(8, 8)), torch.randn(batch, 8)
+
+
+def toy_train_equal(rank: int, world: int, out_dir: str, name: str, runs: list[tuple[str, int]], batch: int) -> dict[str, Any]:
+    """A toy model (see :func:`_toy`): one train step per ``(schedule, microbatches)`` equals the
+    unsplit model's; reports the layouts this rank receives."""
+    model, inputs, target = _toy(name, batch)
+    loss_fn = torch.nn.functional.mse_loss
+    ref = loss_fn(model(*inputs), target)
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    out: dict[str, Any] = {}
+    for schedule, m in runs:
+        pipe = fxd.compile(lambda: _toy(name, batch)[0], inputs, schedule=schedule, microbatches=m,
+                           state_dict=model.state_dict(), timeout_s=30)
+        loss = pipe.train_step(*inputs, target=target, loss_fn=loss_fn)
+        tag = f"{name}/{schedule}/m={m}"
+        out[tag] = compare(pipe, loss, float(ref.detach()), ref_grads, tag)
+        out[tag]["received"] = [layout.kind for layout in pipe.module.in_layouts] if not pipe.is_first else []
+        out[tag]["batched"] = list(pipe.module.batched)
+        pipe.close()
+    return out

@@ -136,3 +136,27 @@ def test_inference_equals_the_unsplit_model(tmp_path, batch):
     results = launch(w.forward_equal, 2, tmp_path, batch, 2, deadline_s=90)
     check_ok(results)
     assert [r["result"]["last"] for r in results.values()] == [False, True]
+
+
+def test_a_size_crossing_stages_arrives_exact(tmp_path):
+    """Regression (issue 9): ``x.shape[0]`` computed on stage 0 and used by a ``view`` on stage 1
+    reached stage 1 as garbage (``shape '[140659449077104, 128, 2048]' is invalid``). Root cause:
+    a Python scalar crosses as the *contents* of a 0-d tensor, and ``PipelineStage`` inferred the
+    wire shapes by running every later stage on ``torch.empty`` placeholders at the first step, so
+    the size read there was uninitialised memory. Now every stage's wire shapes are computed up
+    front (fake run of the captured graph per micro-batch size) and no stage runs on placeholders."""
+    runs = [("gpipe", 2), ("1f1b", 4)]
+    results = launch(w.toy_train_equal, 2, tmp_path, "size_relay", runs, 8, deadline_s=90)
+    check_ok(results)
+    for tag, r in results[1]["result"].items():
+        assert "scalar" in r["received"], f"{tag}: no size crosses the boundary, the test proves nothing: {r}"
+
+
+def test_an_input_with_the_batch_size_on_dim_0_is_not_split_unless_batched(tmp_path):
+    """Regression (issue 9): ``fxsplit.distributed`` took every input whose dim 0 equals the batch
+    size as batched, so a fixed ``[8, 8]`` matrix given with a batch of 8 was cut into micro-batches
+    (a shape coincidence, fixed in the local runtime before). Root cause: the batched flags came
+    from comparing sizes; they now come from export's symbolic batch (``Captured.batched_inputs``)."""
+    results = launch(w.toy_train_equal, 2, tmp_path, "fixed_mix", [("1f1b", 2)], 8, deadline_s=90)
+    check_ok(results)
+    assert results[0]["result"]["fixed_mix/1f1b/m=2"]["batched"] == [True, False]

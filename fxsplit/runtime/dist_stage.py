@@ -16,7 +16,10 @@ None           nothing                                       ``None``
 ============  ===========================================  ==========================
 
 The layout of every boundary value comes from ``node.meta["val"]`` of the stage's placeholders
-and output arguments, so both neighbours agree on it without talking. The first stage receives
+and output arguments, so both neighbours agree on it without talking. A scalar travels in the
+*contents* of a tensor, so no stage may ever run on receive buffers that were not received:
+``PipelineStage`` is given every shape up front (:mod:`~fxsplit.runtime.dist_shapes`) instead of
+inferring them by running the stages on ``torch.empty`` placeholders. The first stage receives
 the model's flat inputs: batched tensors come positionally from the schedule (which splits them
 into micro-batches), everything else is bound per step with :meth:`StageModule.bind_static`.
 
@@ -37,7 +40,7 @@ from torch import nn
 
 from fxsplit.errors import PlanError
 
-__all__ = ["Layout", "StageModule", "layout_of", "boundary_layouts"]
+__all__ = ["Layout", "SCALAR_DTYPES", "StageModule", "layout_of", "boundary_layouts", "encode", "decode"]
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,9 @@ def boundary_layouts(gm: torch.fx.GraphModule) -> tuple[list[Layout], list[Layou
     return ins, outs
 
 
-_SCALAR_DTYPES = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}
+SCALAR_DTYPES = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}
+"""The dtype of the 0-d tensor that carries a Python scalar of each type (exact: int64 and
+float64 hold every Python int size and float there is in a graph)."""
 
 
 def encode(values: Sequence[Any], layouts: Sequence[Layout], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -113,7 +118,7 @@ def encode(values: Sequence[Any], layouts: Sequence[Layout], device: torch.devic
         elif layout.kind == "list":
             wire.extend(v.contiguous() for v in value)
         elif layout.kind == "scalar":
-            wire.append(torch.tensor(value, dtype=_SCALAR_DTYPES[layout.pytype], device=device))
+            wire.append(torch.tensor(value, dtype=SCALAR_DTYPES[layout.pytype], device=device))
     return tuple(wire)
 
 

@@ -4,8 +4,9 @@ Global rank ``i`` runs stage ``i``. Communication is torch's, not ours:
 
 * activations and their gradients travel through ``PipelineStage`` (built from
   :class:`~fxsplit.runtime.dist_stage.StageModule`, which puts lists, scalars and ``None`` crossing
-  a boundary into tensors) under ``ScheduleGPipe`` or ``Schedule1F1B``; shapes are inferred by
-  ``PipelineStage`` from the first micro-batch;
+  a boundary into tensors) under ``ScheduleGPipe`` or ``Schedule1F1B``; the shapes on the wire
+  are given to ``PipelineStage`` up front (:class:`~fxsplit.runtime.dist_shapes.WireShapes`), so
+  no stage runs on placeholder buffers;
 * the loss is weighted by each micro-batch's share of the batch inside the loss function given
   to the schedule (``scale_grads=False``), so gradients equal those of the unsplit model's
   mean-reduced loss; a schedule needs equal micro-batches (``PipelineStage`` sizes its receive
@@ -42,6 +43,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from fxsplit.errors import ConfigError, ExecutionError
 from fxsplit.passes.capture import flatten_to_spec
 from fxsplit.runtime.dist_faults import Progress, Watchdog
+from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState
 from fxsplit.runtime.microbatch import batch_size_of, merge_outputs, microbatch_sizes
@@ -90,6 +92,13 @@ class DistributedPipeline(ParameterAPI):
         timeout_s: Seconds a rank waits for a peer before failing; the watchdog ends the
             process past it plus a grace period.
         watchdog: Start the :class:`~fxsplit.runtime.dist_faults.Watchdog`.
+        shapes: The stage's wire shapes at any micro-batch size; None lets ``PipelineStage``
+            infer them (only safe when no Python scalar crosses a boundary).
+        batched_inputs: Which flat inputs carry the batch on dim 0 (``[num_inputs]``, the same
+            on every rank: every rank splits the batch into the same micro-batch sizes); None:
+            the first stage's ``module.batched``, or every tensor input.
+        batched_outputs: Which flat outputs carry the batch (``Captured.batched_outputs``;
+            None: those whose dim 0 is the micro-batch size).
     """
 
     def __init__(
@@ -109,6 +118,9 @@ class DistributedPipeline(ParameterAPI):
         meta: Mapping[str, Any] | None = None,
         timeout_s: float = 60.0,
         watchdog: bool = True,
+        shapes: WireShapes | None = None,
+        batched_inputs: Sequence[bool] | None = None,
+        batched_outputs: Sequence[bool] | None = None,
     ) -> None:
         self.module, self.state = module, state
         self.stage_index, self.num_stages, self.device = stage_index, num_stages, device
@@ -116,12 +128,13 @@ class DistributedPipeline(ParameterAPI):
         self.in_spec, self.out_spec = in_spec, out_spec
         self.tied, self.state_order = tuple(tied), list(state_order)
         self.meta, self.timeout_s = dict(meta or {}), timeout_s
+        self.shapes, self.batched_outputs = shapes, batched_outputs
+        self.batched_inputs = list(batched_inputs) if batched_inputs is not None else (module.batched or None)
         self.progress = Progress(dist.get_rank(), stage_index, str(device))
         self.watchdog = Watchdog(self.progress, timeout_s) if watchdog else None
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._weight = 1.0 / microbatches
-        self._runners: dict[tuple[int, int, bool], tuple[PipelineStage, Any]] = {}
-        self.stage, self.schedule = self._runner(0, microbatches)
+        self._runners: dict[tuple[int, int, bool], tuple[PipelineStage, Any]] = {}  # built at first use
 
     # -- structure ---------------------------------------------------------------------------
     @property
@@ -142,7 +155,9 @@ class DistributedPipeline(ParameterAPI):
         """
         key = (size, count, train)
         if key not in self._runners:
-            stage = PipelineStage(self.module, self.stage_index, self.num_stages, self.device)
+            ins, outs = self.shapes.example_args(size, train) if self.shapes is not None else (None, None)
+            stage = PipelineStage(self.module, self.stage_index, self.num_stages, self.device,
+                                  input_args=ins, output_args=outs)
             kind = self.schedule_kind if count >= self.num_stages or self.schedule_kind == "gpipe" else "gpipe"
             schedule = SCHEDULES[kind](stage, count, loss_fn=self._loss if train else None, scale_grads=False)
             self._instrument(stage)
@@ -186,7 +201,9 @@ class DistributedPipeline(ParameterAPI):
         return flatten_to_spec(args, kwargs, self.in_spec)
 
     def _check_batch(self, flat: Sequence[Any]) -> int:
-        batch, m = batch_size_of(flat), self.microbatches
+        flags = self.batched_inputs
+        sized = [x for x, b in zip(flat, flags, strict=True) if b] if flags is not None else flat
+        batch, m = batch_size_of(sized), self.microbatches
         if batch < m:
             raise ConfigError(f"a batch of {batch} samples cannot be split into {m} micro-batches; use microbatches <= {batch}")
         return batch
@@ -298,7 +315,7 @@ class DistributedPipeline(ParameterAPI):
         if not self.is_last:
             return None
         rows = [size * count for _, size, count in self._groups(batch)]
-        return pytree.tree_unflatten(merge_outputs(parts, rows), self.out_spec)
+        return pytree.tree_unflatten(merge_outputs(parts, rows, self.batched_outputs), self.out_spec)
 
     forward = __call__
 
