@@ -17,6 +17,10 @@ plan (for (d): the even split costed with the same model). The local pipeline's 
 written as a Chrome trace and a predicted-vs-measured Gantt chart next to the JSON.
 
 Run: ``python bench/runtime.py [--quick] [--width 1024 --layers 8 --batch 64 --microbatches 4]``.
+
+``--workload gpt2`` runs the Hugging Face GPT-2 comparison instead (eager, torch's pipelining with
+the even split, fxsplit.distributed; GPipe and 1F1B; alternating rounds in one pair of processes;
+see ``bench/runtime_gpt2.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import runtime_gpt2
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -258,11 +263,16 @@ def main() -> None:
     parser.add_argument("--skip-distributed", action="store_true", help="only the one-process variants")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--workload", choices=("mlp", "gpt2"), default="mlp")
+    runtime_gpt2.add_arguments(parser)
     args = parser.parse_args()
-    if args.quick:
-        args.width, args.layers, args.batch, args.steps, args.warmup = 64, 4, 8, 3, 1
     args.out.mkdir(parents=True, exist_ok=True)
     out = console()
+    if args.workload == "gpt2":
+        main_gpt2(args, out)
+        return
+    if args.quick:
+        args.width, args.layers, args.batch, args.steps, args.warmup = 64, 4, 8, 3, 1
     built = Built(args)
     predicted = predictions(built, args)
     measured: list[tuple[str, str, str, Any]] = [
@@ -298,6 +308,33 @@ def main() -> None:
     path = write_json(args.out, "runtime", {"env": environment(), "args": {k: v for k, v in vars(args).items() if k != "out"},
                                             "plan": plan, "rows": rows})
     out.print(f"wrote {path} (trace and Gantt chart of (b): {args.out}/runtime-local-*)")
+
+
+def main_gpt2(args: argparse.Namespace, out: Any) -> None:
+    """The GPT-2 workload: defaults of the issue (8 layers, d 512, batch 16 x 128, 8 micro-batches)."""
+    defaults = {"width": 512, "layers": 8, "batch": 16, "microbatches": 8, "steps": 3, "warmup": 1}
+    if args.quick:
+        defaults.update(width=64, layers=2, batch=8, microbatches=4, steps=2, vocab=256, seq=16, rounds=2)
+    for key, value in defaults.items():
+        if key in ("vocab", "seq", "rounds") or getattr(args, key) == parser_default(key):
+            setattr(args, key, value)
+    with out.status("GPT-2: eager, torch pipelining and fxsplit.distributed in alternating rounds ..."):
+        result = runtime_gpt2.run_gpt2(args)
+    show(runtime_gpt2.gpt2_table(result, args), out, args.markdown)
+    before, after = result["load"]
+    out.print(f"load average (1, 5, 15 min) before {tuple(round(v, 2) for v in before)}, "
+              f"after {tuple(round(v, 2) for v in after)}; {os.cpu_count()} cores")
+    path = write_json(args.out, "runtime-gpt2", {"env": environment(), "args": {k: v for k, v in vars(args).items()
+                                                                                 if k != "out"}, **result})
+    out.print(f"wrote {path}")
+
+
+_DEFAULTS = {"width": 1024, "layers": 8, "batch": 64, "microbatches": 4, "steps": 20, "warmup": 3}
+
+
+def parser_default(key: str) -> Any:
+    """The MLP workload's default of ``--key`` (the GPT-2 workload replaces untouched defaults)."""
+    return _DEFAULTS[key]
 
 
 class SkipVariant(Exception):
