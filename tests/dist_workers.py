@@ -259,3 +259,78 @@ def toy_train_equal(rank: int, world: int, out_dir: str, name: str, runs: list[t
         out[tag]["batched"] = list(pipe.module.batched)
         pipe.close()
     return out
+
+
+# -- Hugging Face GPT-2 (tests/test_distributed_hf.py) ------------------------------------------
+def gpt2_config(layers: int = 2, width: int = 64, vocab: int = 256, seq: int = 16) -> Any:
+    """A small ``GPT2Config``: tied embeddings, no KV cache, no dropout (so losses compare)."""
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=seq, use_cache=False,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+def gpt2_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = output["logits"]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _gpt2(config: Any) -> Any:
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+def _gpt2_batch(config: Any, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, config.vocab_size, (batch, config.n_positions + 1), generator=torch.Generator().manual_seed(5))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def gpt2_train_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, int]], batch: int) -> dict[str, Any]:
+    """With the unsplit model's state dict: loss and every gradient equal the unsplit model's."""
+    config = gpt2_config()
+    model = _gpt2(config)
+    ids, target = _gpt2_batch(config, batch)
+    ref = gpt2_loss(model(ids), target)
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    ref_grads["lm_head.weight"] = ref_grads["transformer.wte.weight"]  # one tensor, two names
+    out: dict[str, Any] = {}
+    for schedule, m in runs:
+        tag = f"gpt2/{schedule}/m={m}"
+        pipe = fxd.compile(lambda: _gpt2(config), (ids,), schedule=schedule, microbatches=m,
+                           state_dict=model.state_dict(), timeout_s=60)
+        loss = pipe.train_step(ids, target=target, loss_fn=gpt2_loss)
+        out[tag] = compare(pipe, loss, float(ref.detach()), ref_grads, tag)
+        out[tag]["received"] = [layout.kind for layout in pipe.module.in_layouts] if not pipe.is_first else []
+        pipe.close()
+    return out
+
+
+def gpt2_default_init(rank: int, world: int, out_dir: str, schedule: str, m: int, batch: int) -> dict[str, Any]:
+    """Without a state dict: per-parameter statistics, the tied copies, and one train step whose
+    loss equals the unsplit model's given the same (gathered) weights."""
+    import torch.distributed as dist
+
+    config = gpt2_config()
+    ids, target = _gpt2_batch(config, batch)
+    torch.manual_seed(100 + rank)
+    pipe = fxd.compile(lambda: _gpt2(config), (ids,), schedule=schedule, microbatches=m, timeout_s=60)
+    stats = {n: (float(p.detach().mean()), float(p.detach().std()) if p.numel() > 1 else 0.0,
+                 float(p.detach().min()), float(p.detach().max())) for n, p in pipe.named_parameters()}
+    shards: list[Any] = [None] * world
+    dist.all_gather_object(shards, {k: v.clone() for k, v in pipe.state_dict().items()})
+    loss = pipe.train_step(ids, target=target, loss_fn=gpt2_loss, broadcast_loss=True)
+    model = _gpt2(config)
+    model.load_state_dict({k: v for shard in shards for k, v in shard.items()})
+    with torch.no_grad():
+        ref = float(gpt2_loss(model(ids), target))
+    pipe.close()
+    return {"stats": stats, "shards": shards, "loss": float(loss), "ref": ref}
+
+
+def gpt2_all(rank: int, world: int, out_dir: str, runs: list[tuple[str, int]], batch: int) -> dict[str, Any]:
+    """:func:`gpt2_train_equal` then :func:`gpt2_default_init` (1F1B) in one launch."""
+    return {"equal": gpt2_train_equal(rank, world, out_dir, runs, batch),
+            "init": gpt2_default_init(rank, world, out_dir, "1f1b", runs[-1][1], batch)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -89,3 +90,61 @@ def test_watchdog_ends_a_stuck_process():
     assert proc.returncode == WATCHDOG_EXIT_CODE
     assert "stuck" in proc.stderr and "micro-batch 2" in proc.stderr
     assert __import__("time").monotonic() - start < 25
+
+
+class _Custom(torch.nn.Module):
+    """Tensors no ``reset_parameters`` covers: a constant parameter, one initialised after it is
+    registered, a float and an integer buffer (non-persistent, so no state dict has them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.scale = nn.Parameter(torch.full((8,), 0.5))
+        self.proj = nn.Parameter(torch.empty(8, 8))
+        nn.init.normal_(self.proj, std=3.0)
+        self.register_buffer("mask", torch.tril(torch.ones(8, 8)), persistent=False)
+        self.register_buffer("pos", torch.arange(8), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.lin(x)) * self.scale @ self.proj
+        return (h @ self.mask)[:, self.pos]
+
+
+def _one_stage(model_fn, inputs):
+    """The whole captured model as one stage, on the meta device: (meta model, graph, state)."""
+    from fxsplit.passes.capture import capture
+
+    with torch.device("meta"):
+        meta = model_fn()
+    cap = capture(meta, tuple(x.to("meta") for x in inputs))
+    names = list(dict.fromkeys(str(n.target) for n in cap.gm.graph.find_nodes(op="get_attr")))
+    return meta, cap.gm, StageState(names, cap.aliases)
+
+
+def test_without_a_state_dict_each_tensor_gets_the_constructors_kind_of_value():
+    # Regression (issue 9): without a state dict, compile failed ("no value for 38 tensor(s)")
+    # on any parameter whose module has no reset_parameters (GPT-2's Conv1D). Root cause: the only
+    # default was reset_parameters; now the model's own init runs on the stage's modules, and what
+    # is left takes the value a second model_fn() call (parameters on meta) gives it.
+    from fxsplit.runtime.dist_state import materialise
+
+    meta, gm, state = _one_stage(_Custom, (torch.randn(2, 8),))
+    origin = materialise(gm, state, torch.device("cpu"), state_dict=None, init_fn=None, meta_model=meta, model_fn=_Custom)
+    t = {name: tensor.detach() for _g, name, tensor in state.items(gm)}
+    assert origin["lin.weight"] == "reset_parameters" and t["lin.weight"].abs().max() <= 8**-0.5
+    assert origin["norm.weight"] == "reset_parameters" and bool((t["norm.weight"] == 1).all())
+    assert origin["scale"] == "model_fn" and bool((t["scale"] == 0.5).all())
+    assert origin["proj"] == "model_fn" and 2.0 < float(t["proj"].std()) < 4.0
+    assert origin["mask"] == "model_fn" and torch.equal(t["mask"], torch.tril(torch.ones(8, 8)))
+    assert origin["pos"] == "model_fn" and torch.equal(t["pos"], torch.arange(8))
+    assert {p.device.type for p in meta.parameters()} == {"meta"}, "the meta model is left as it was"
+
+
+def test_a_tensor_nothing_can_initialise_is_a_config_error_naming_it():
+    from fxsplit.errors import ConfigError
+    from fxsplit.runtime.dist_state import materialise
+
+    meta, gm, state = _one_stage(_Custom, (torch.randn(2, 8),))
+    with pytest.raises(ConfigError, match=r"'scale'.*state_dict=.*init_fn="):
+        materialise(gm, state, torch.device("cpu"), state_dict=None, init_fn=None, meta_model=meta, model_fn=None)

@@ -6,15 +6,15 @@ and split there, and only this rank's stage is allocated (``to_empty``) and fill
 1. from a state dict with the original model's keys (a mapping, or a file loaded with
    ``mmap=True`` so that only the needed tensors are read);
 2. from a per-stage initialiser ``init_fn(original_name, tensor)`` that fills ``tensor`` in place;
-3. otherwise parameters from their module's ``reset_parameters()`` (the module's default
-   initialisation, run on that module alone) and buffers (causal masks, rotary tables, which
-   ``state_dict`` leaves out when non-persistent) by calling ``model_fn()`` once more with every
-   parameter moved to the meta device as it is registered, so that only the buffers are real.
+3. otherwise as the model's constructor would (:mod:`~fxsplit.runtime.dist_init`): a Hugging Face
+   model's ``_init_weights``, else each module's ``reset_parameters()``, run on this stage's
+   modules on the real device; what is still left (buffers such as causal masks and position
+   ids, which ``state_dict`` leaves out when non-persistent) from a second ``model_fn()`` call
+   whose parameters move to the meta device as they are registered.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -24,6 +24,7 @@ import torch.fx
 from torch import nn
 
 from fxsplit.errors import ConfigError
+from fxsplit.runtime.dist_init import Pending, default_init, parameters_on_meta
 
 __all__ = ["StageState", "materialise", "parameters_on_meta", "retarget_meta_devices"]
 
@@ -65,27 +66,6 @@ class StageState:
             yield g, self.originals[g][0], get_tensor(module, g)
 
 
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Inside the block, every parameter a module registers moves to the meta device at once.
-
-    Buffers stay real. The peak extra memory is one parameter (the one being registered).
-    Patches ``nn.Module.register_parameter`` for the duration of the block (not thread-safe).
-    """
-    original = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
 def retarget_meta_devices(gm: torch.fx.GraphModule, device: torch.device) -> int:
     """Point factory calls the meta capture recorded on ``meta`` to ``device``.
 
@@ -124,25 +104,6 @@ def _load_source(state_dict: Mapping[str, torch.Tensor] | str | None) -> Mapping
     return state_dict
 
 
-def _reset_parameter(meta_model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
-    owner, leaf = _owner(meta_model, name)
-    reset = getattr(owner, "reset_parameters", None)
-    if leaf not in owner._parameters or reset is None:
-        return False
-    owner.to_empty(device="cpu", recurse=False)
-    reset()
-    with torch.no_grad():
-        tensor.copy_(owner._parameters[leaf])  # type: ignore[arg-type]
-    owner.to("meta")
-    return True
-
-
-def _real_buffers(model_fn: Callable[[], nn.Module]) -> dict[str, torch.Tensor]:
-    with parameters_on_meta():
-        model = model_fn()
-    return {k: v for k, v in model.named_buffers(remove_duplicate=False) if v.device.type != "meta"}
-
-
 def materialise(
     module: nn.Module,
     state: StageState,
@@ -161,12 +122,14 @@ def materialise(
         device: Where the stage runs.
         state_dict: Original-key state dict (or a path to one), or None.
         init_fn: ``init_fn(original_name, tensor)`` filling ``tensor`` in place, or None.
-        meta_model: The model built on the meta device (for ``reset_parameters``).
-        model_fn: Builds the model (for real buffers); None to not rebuild.
+        meta_model: The model built on the meta device (its own initialisation runs on it, with
+            this stage's tensors swapped in; it is left as it was).
+        model_fn: Builds the model (for constructor values such as buffers); None to not
+            rebuild.
 
     Returns:
         Original name -> where its value came from (``"state_dict"``, ``"init_fn"``,
-        ``"reset_parameters"``, ``"model_fn"``), for logs and tests.
+        ``"_init_weights"``, ``"reset_parameters"``, ``"model_fn"``), for logs and tests.
 
     Raises:
         ConfigError: naming every tensor no source could fill, with the fix.
@@ -176,7 +139,7 @@ def materialise(
         retarget_meta_devices(module, device)
     source = _load_source(state_dict)
     origin: dict[str, str] = {}
-    todo: list[tuple[str, str, torch.Tensor]] = []
+    todo: Pending = {}
     with torch.no_grad():
         for g, name, tensor in state.items(module):
             key = next((k for k in state.originals[g] if k in source), None)
@@ -187,29 +150,18 @@ def materialise(
                 init_fn(name, tensor)
                 origin[name] = "init_fn"
             else:
-                todo.append((g, name, tensor))
+                todo[g] = (state.originals[g], tensor)
     _fill_defaults(todo, origin, meta_model, model_fn)
     return origin
 
 
-def _fill_defaults(todo: list[tuple[str, str, torch.Tensor]], origin: dict[str, str], meta_model: nn.Module, model_fn: Any) -> None:
-    buffers: dict[str, torch.Tensor] | None = None
-    missing = []
-    for _g, name, tensor in todo:
-        if isinstance(tensor, nn.Parameter):
-            if _reset_parameter(meta_model, name, tensor):
-                origin[name] = "reset_parameters"
-                continue
-        elif model_fn is not None:
-            buffers = _real_buffers(model_fn) if buffers is None else buffers
-            if name in buffers:
-                with torch.no_grad():
-                    tensor.copy_(buffers[name])
-                origin[name] = "model_fn"
-                continue
-        missing.append(name)
+def _fill_defaults(todo: Pending, origin: dict[str, str], meta_model: nn.Module, model_fn: Any) -> None:
+    filled, left = default_init(meta_model, todo, model_fn)
+    origin.update({todo[g][0][0]: how for g, how in filled.items()})
+    missing = [todo[g][0][0] for g in left]
     if missing:
         raise ConfigError(
-            f"no value for {len(missing)} tensor(s) of this stage: {missing[:8]}; pass a state_dict "
-            "with these keys or an init_fn(name, tensor) that fills them"
+            f"no value for {len(missing)} tensor(s) of this stage: {missing[:8]}: neither the model's own "
+            "initialisation (Hugging Face _init_weights, reset_parameters) nor a second model_fn() call gave "
+            "them one; pass state_dict= with these keys or init_fn=lambda name, tensor: ... that fills them in place"
         )
