@@ -6,6 +6,7 @@ block times were annotated: a device of speed 2.0 runs every block in half the r
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -55,13 +56,16 @@ class DeviceSpec:
             object.__setattr__(self, "torch_device", self.name)
 
     def check(self) -> DeviceSpec:
-        """Raise :class:`ConfigError` when a number is not positive; return ``self``."""
-        for attr in ("peak_flops", "memory_bandwidth_bytes_per_s", "memory_bytes", "speed"):
+        """Raise :class:`ConfigError` when a number is not positive and finite (``op_overhead_s``:
+        not negative and finite); return ``self``."""
+        for attr in ("peak_flops", "memory_bandwidth_bytes_per_s", "memory_bytes", "speed", "op_overhead_s"):
             value = getattr(self, attr)
-            if not value > 0:
+            low_ok = value >= 0 if attr == "op_overhead_s" else value > 0
+            if not (isinstance(value, int | float) and math.isfinite(value) and low_ok):
+                kind = "not negative" if attr == "op_overhead_s" else "positive"
                 raise ConfigError(
-                    f"device {self.name!r}: {attr}={value!r} must be positive; "
-                    f"pass a positive number, e.g. DeviceSpec({self.name!r}, {attr}=...)"
+                    f"device {self.name!r}: {attr}={value!r} must be a finite, {kind} number; "
+                    f"pass e.g. DeviceSpec({self.name!r}, {attr}=...)"
                 )
         return self
 
@@ -101,6 +105,25 @@ class LinkSpec:
 
     bytes_per_s: float = 25e9
     latency_s: float = 10e-6
+
+    def check(self, where: str = "link") -> LinkSpec:
+        """Raise :class:`ConfigError` unless ``bytes_per_s`` is positive (``math.inf``: a link that
+        costs nothing, e.g. two stages on one device) and ``latency_s`` finite and not negative;
+        return ``self``.
+
+        Example:
+            >>> LinkSpec(bytes_per_s=1e9, latency_s=-1.0).check()
+            Traceback (most recent call last):
+            ...
+            fxsplit.errors.ConfigError: link: latency_s=-1.0 must be a finite number >= 0; pass e.g. LinkSpec(latency_s=1e-05)
+        """
+        if not (isinstance(self.bytes_per_s, int | float) and self.bytes_per_s > 0):
+            raise ConfigError(f"{where}: bytes_per_s={self.bytes_per_s!r} must be a number > 0 (math.inf: free); "
+                              "pass e.g. LinkSpec(bytes_per_s=25e9)")
+        if not (isinstance(self.latency_s, int | float) and math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ConfigError(f"{where}: latency_s={self.latency_s!r} must be a finite number >= 0; "
+                              "pass e.g. LinkSpec(latency_s=1e-05)")
+        return self
 
     def transfer_s(self, size_bytes: float) -> float:
         """Seconds to send ``size_bytes`` (0 when nothing is sent)."""

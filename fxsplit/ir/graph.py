@@ -8,6 +8,7 @@ condenses, measured or modelled on a *reference device* of speed 1.0.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -203,8 +204,11 @@ class CondensedGraph:
                 faults.append(f"block at position {i} has id {b.id}; ids must be 0..n-1 in order")
             for attr in ("flops", "fwd_s", "bwd_s", "param_bytes", "buffer_bytes", "replica_param_bytes",
                          "activation_bytes", "output_bytes", "fwd_fixed_s", "bwd_fixed_s"):
-                if getattr(b, attr) < 0:
-                    faults.append(f"block {i} ({b.name!r}) has negative {attr}={getattr(b, attr)}")
+                value = getattr(b, attr)
+                if not math.isfinite(value):
+                    faults.append(f"block {i} ({b.name!r}) has {attr}={value}; costs must be finite numbers")
+                elif value < 0:
+                    faults.append(f"block {i} ({b.name!r}) has negative {attr}={value}")
             for part, whole in (("fwd_fixed_s", "fwd_s"), ("bwd_fixed_s", "bwd_s")):
                 if getattr(b, part) > getattr(b, whole) * (1 + 1e-9):
                     faults.append(f"block {i} ({b.name!r}) has {part}={getattr(b, part)} > {whole}={getattr(b, whole)}; "
@@ -217,7 +221,9 @@ class CondensedGraph:
                 faults.append(
                     f"edge {e.src}->{e.dst} does not go forward; blocks must be in topological order"
                 )
-            if e.size_bytes < 0:
+            if not math.isfinite(e.size_bytes):
+                faults.append(f"edge {e.src}->{e.dst} has size_bytes={e.size_bytes}; sizes must be finite numbers")
+            elif e.size_bytes < 0:
                 faults.append(f"edge {e.src}->{e.dst} has negative size_bytes={e.size_bytes}")
         return faults
 

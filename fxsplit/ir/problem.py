@@ -15,6 +15,7 @@ JSON schema (``Problem.to_json``)::
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -117,10 +118,12 @@ class Problem:
         for i, j, spec in self.links:
             if not (0 <= i < self.num_devices and 0 <= j < self.num_devices):
                 raise ConfigError(f"link override ({i}, {j}) names a device outside 0..{self.num_devices - 1}")
-            if spec.bytes_per_s <= 0:
-                raise ConfigError(f"link ({i}, {j}) has bytes_per_s={spec.bytes_per_s}; must be > 0")
-        if self.link.bytes_per_s <= 0:
-            raise ConfigError(f"default link bytes_per_s={self.link.bytes_per_s} must be > 0")
+            spec.check(f"link ({i}, {j})")
+        self.link.check("default link")
+        for attr in ("optimizer_state_factor", "grad_factor"):
+            value = getattr(self, attr)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{attr}={value!r} must be a finite number >= 0 (Adam: optimizer_state_factor=2.0)")
         self.graph.check()
         return self
 

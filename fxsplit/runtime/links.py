@@ -19,6 +19,7 @@ References:
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PROBE_BYTES = (2**10, 2**14, 2**18, 2**22)
 """1 KiB to 4 MiB: latency-bound to bandwidth-bound."""
 
-SAME_DEVICE_LINK = LinkSpec(bytes_per_s=1e15, latency_s=0.0)
+SAME_DEVICE_LINK = LinkSpec(bytes_per_s=math.inf, latency_s=0.0)
 """Two stages on one device hand tensors over without a copy."""
 
 
