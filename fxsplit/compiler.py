@@ -7,6 +7,7 @@ runtime). Called by :func:`fxsplit.api.compile` after the arguments are checked.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ def front_end(
     if cost_model == "measured" and isinstance(microbatches, int) and microbatches > 1:
         timed, scale = tuple(split_microbatches(flat, microbatches)[0][0]), float(microbatches)
     profile = _profile_options(captured, flat, reference, microbatches, options) if cost_model == "profiled" else None
+    load = _load_per_core()
     pm = PassManager(front_end_passes(
         flat, reference, cost_model=cost_model, max_ideals=options.max_ideals, name=type(model).__name__,
         force_shapes=True, timed_inputs=timed, measure_device=reference.torch_device, measure_scale=scale,
@@ -77,9 +79,21 @@ def front_end(
     pm.run(captured.gm)
     if profile is not None and profile["profile_cache"] is not None:
         cache = profile["profile_cache"]
-        cache.save()
+        if cache.misses and load > 1.0:  # timings taken on an oversubscribed machine are not kept
+            log.warning("not caching the profile of %s: the machine was busy (load %.1f per core); timings "
+                        "may be high, and the next compile times again", type(model).__name__, load)
+        else:
+            cache.save()
         log.info("profile cache %s: %d hits, %d misses", cache.path, cache.hits, cache.misses)
     return captured, pm.artifacts["condense_antichains"], flat
+
+
+def _load_per_core() -> float:
+    """The 1-minute load average per core (0 where the platform has none)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return 0.0
 
 
 def _profile_options(captured: Captured, flat: Sequence[Any], reference: DeviceSpec, microbatches: int | str,
