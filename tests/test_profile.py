@@ -221,3 +221,14 @@ def test_profiled_costs_scale_to_the_fit_at_each_micro_batch(m: int) -> None:
     for block in graph.blocks:
         want = sum(fits[n][0] + fits[n][1] * b for n in block.nodes if n in fits)
         assert block.fwd_s == pytest.approx(want, rel=1e-9, abs=1e-15)
+
+
+def test_a_profile_taken_on_a_busy_machine_is_not_cached(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Timings inflated by other processes would poison every later compile of the model."""
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.0 * (os.cpu_count() or 1), 0.0, 0.0))
+    model, x = _mlp()
+    fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=2, cost_model="profiled",
+                    options=CompileOptions(profile_cache_dir=tmp_path))
+    assert not list(tmp_path.glob("*.json"))
