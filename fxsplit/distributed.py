@@ -4,16 +4,15 @@ Launch one process per stage with ``torchrun`` (gloo on CPU, NCCL on GPUs)::
 
     torchrun --nproc_per_node=4 train.py          # train.py calls fxsplit.distributed.compile
 
-Every rank builds the model on the meta device, captures and plans it the same way (the plan is
-deterministic: a fixed cost model and reference device), checks that all ranks agree (a digest
-of the plan, all-gathered), and then materialises only its own stage: global rank ``i`` runs
-stage ``i``. See :mod:`fxsplit.runtime.distributed` for the runtime.
+Every rank builds the model on the meta device and captures it; rank 0 alone plans, costed on
+the device it runs on, and broadcasts the plan, which every rank checks against its own capture
+(:mod:`fxsplit.dist_plan`). Each rank then materialises only its own stage: global rank ``i``
+runs stage ``i``. See :mod:`fxsplit.runtime.distributed` for the runtime.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import os
@@ -28,25 +27,18 @@ from torch import nn
 from fxsplit.api import CompileOptions
 from fxsplit.codegen import split_graph
 from fxsplit.codegen.place import get_state
-from fxsplit.compiler import front_end, plan_pipeline
-from fxsplit.errors import ConfigError, PlanError
-from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem
+from fxsplit.dist_plan import plan_on_rank0
+from fxsplit.errors import ConfigError
+from fxsplit.ir import Plan
 from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState, materialise
 from fxsplit.runtime.distributed import PLAN_FILE, SCHEDULES, DistributedPipeline, TiedGroup
 from fxsplit.runtime.microbatch import batch_size_of
 
-__all__ = ["compile", "load", "DistributedPipeline", "REFERENCE_CPU", "init_process_group"]
+__all__ = ["compile", "load", "DistributedPipeline", "init_process_group"]
 
 log = logging.getLogger(__name__)
-
-REFERENCE_CPU = DeviceSpec(
-    "cpu", peak_flops=50e9, memory_bandwidth_bytes_per_s=20e9, memory_bytes=64 * 2**30,
-    kind="cpu", torch_device="cpu", op_overhead_s=5e-6,
-)
-"""The fixed CPU the plan is costed on (never measured, so every rank plans the same)."""
-
 
 def init_process_group(backend: str | None, timeout_s: float) -> tuple[int, int, torch.device]:
     """Join the default process group (from torchrun's environment) unless already joined.
@@ -79,14 +71,6 @@ def init_process_group(backend: str | None, timeout_s: float) -> tuple[int, int,
     return rank, world, torch.device("cpu")
 
 
-def _reference(device: torch.device) -> DeviceSpec:
-    if device.type == "cuda":
-        from fxsplit.api import _cuda_spec
-
-        return _cuda_spec(device)
-    return REFERENCE_CPU
-
-
 def _check_args(schedule: str, microbatches: int, world: int, num_stages: int | None) -> None:
     if schedule not in SCHEDULES:
         raise ConfigError(f"schedule={schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
@@ -104,47 +88,8 @@ def _check_args(schedule: str, microbatches: int, world: int, num_stages: int | 
         )
 
 
-def plan_digest(plan: Plan, schedule: str, microbatches: int, gm: torch.fx.GraphModule) -> str:
-    """SHA-256 of what must agree across ranks: blocks per stage, schedule, the graph's nodes
-    and their shapes."""
-    doc = {
-        "stages": [list(st.blocks) for st in plan.stages], "schedule": schedule, "microbatches": microbatches,
-        "nodes": [(n.name, str(getattr(n.meta.get("val"), "shape", ""))) for n in gm.graph.nodes],
-    }
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
-
-
-def _agree(digest: str, world: int) -> None:
-    """Raise on every rank unless all ranks computed the same plan digest."""
-    digests: list[Any] = [None] * world
-    dist.all_gather_object(digests, digest)
-    groups: dict[str, list[int]] = {}
-    for r, d in enumerate(digests):
-        groups.setdefault(d, []).append(r)
-    if len(groups) > 1:
-        detail = "; ".join(f"ranks {ranks}: {d[:12]}" for d, ranks in groups.items())
-        raise PlanError(
-            f"the ranks planned different pipelines ({detail}); every rank must call compile with "
-            "the same model_fn, example inputs, schedule, micro-batches and plan: check for "
-            "rank-dependent model code or differing package versions"
-        )
-
-
 def _to_meta(values: Any) -> Any:
     return pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, values)
-
-
-def _plan(meta_model: nn.Module, args: tuple, kwargs: dict, world: int, device: torch.device, schedule: str,
-          microbatches: int, solver: str, plan: Plan | None, options: CompileOptions) -> tuple[Any, Plan]:
-    reference = _reference(device)
-    captured, condensed, _ = front_end(meta_model, _to_meta(args), _to_meta(kwargs), reference, "analytic", options)
-    if plan is None:
-        specs = tuple(reference.with_(name=f"rank{i}") for i in range(world))
-        problem = Problem(condensed.graph, specs, LinkSpec(), allow_idle_devices=False).check()
-        batch = batch_size_of(pytree.tree_leaves((args, kwargs)))
-        plan = plan_pipeline(problem, batch, microbatches, schedule, solver, options).plan
-    _check_args(schedule, microbatches, world, plan.num_stages)
-    return captured, plan
 
 
 def _tied_groups(program: Any, world: int) -> list[TiedGroup]:
@@ -247,8 +192,10 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
             ``_init_weights``, else each module's ``reset_parameters()``, else the value a second
             ``model_fn()`` gives; see :mod:`fxsplit.runtime.dist_init`); tied copies then take the
             first holder's values.
-        plan: A fixed plan (its stage count must equal the world size); default: solve.
-        solver: The solver (deterministic ones only: every rank solves and the results must agree).
+        plan: A fixed plan (its stage count must equal the world size; rank 0's copy is used);
+            default: rank 0 solves, costed on its own device (a measured CPU, or the preset of
+            the detected GPU).
+        solver: The solver rank 0 runs.
         timeout_s: Seconds a rank waits for a peer before raising ``ExecutionError``.
         watchdog: End a process stuck past ``timeout_s`` + 5 s where no timeout reaches.
         options: :class:`~fxsplit.api.CompileOptions` (capture method, ideal budget).
@@ -260,7 +207,8 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         ConfigError: for a launch without torchrun's environment, a plan whose stage count is
             not the world size, a bad schedule or micro-batch count, or stage tensors no source
             fills; on every rank, before any stage is built.
-        PlanError: when the ranks planned different pipelines.
+        PlanError: on every rank, when a rank captured a different graph than rank 0, rank 0's
+            plan does not fit a rank's capture, or capture or planning failed on another rank.
         CaptureError, InfeasibleError: as :func:`fxsplit.compile`.
 
     Example:
@@ -273,10 +221,14 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     _check_args(schedule, m, world, None)
     options = options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    if plan is not None:
+        _check_args(schedule, m, world, plan.num_stages)  # before any collective
     with torch.device("meta"):
         meta_model = model_fn()
-    captured, plan = _plan(meta_model, args, kwargs, world, device, schedule, m, solver, plan, options)
-    _agree(plan_digest(plan, schedule, m, captured.gm), world)
+    planned = plan_on_rank0(meta_model, (args, kwargs), rank=rank, world=world, device=device, schedule=schedule,
+                            microbatches=m, solver=solver, plan=plan, options=options)
+    captured, plan = planned.captured, planned.plan
+    _check_args(schedule, m, world, plan.num_stages)
     program = split_graph(captured.gm, plan.stage_of_block(), [str(device)] * world)
     tied = _tied_groups(program, world)
     stage = program.stages[rank]
@@ -285,7 +237,8 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
                          meta_model=meta_model, model_fn=model_fn)
     log.info("rank %d: stage %d state from %s", rank, rank, sorted(set(origin.values())))
     _broadcast_tied(stage.gm, tied)
-    meta = {"plan": plan.to_dict(), "schedule": schedule, "microbatches": m, "model": type(meta_model).__name__}
+    meta = {"plan": plan.to_dict(), "schedule": schedule, "microbatches": m, "model": type(meta_model).__name__,
+            "reference": planned.reference.to_dict()}
     pipe = _pipeline(stage, captured, (args, kwargs), rank, world, device, schedule, m, state, tied,
                      meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s, watchdog=watchdog)
     _barrier(timeout_s)

@@ -161,19 +161,22 @@ def _expect_error(call: Any) -> dict[str, Any]:
     return {"error": None, "message": "", "elapsed_s": time.monotonic() - start}
 
 
-def bad_launches(rank: int, world: int, out_dir: str, plan_json: str) -> dict[str, Any]:
-    """A 3-stage plan on 2 ranks (must fail fast), then rank 1 building a wider model than rank 0
-    (the plans differ: must fail on every rank)."""
+def bad_launches(rank: int, world: int, out_dir: str, plans: dict[str, str]) -> dict[str, Any]:
+    """A 3-stage plan on 2 ranks (must fail fast), rank 1 building a wider model than rank 0 (must
+    fail on every rank), and a 2-stage plan made for a deeper model (must fail on every rank)."""
     from fxsplit.ir import Plan
 
     case = _case("gpt", 4)
     out = {"world": _expect_error(lambda: fxd.compile(
         _model_fn("gpt", 4), case.example_inputs, schedule="gpipe", microbatches=2,
-        plan=Plan.from_json(plan_json), timeout_s=20))}
+        plan=Plan.from_json(plans["three_stages"]), timeout_s=20))}
     width = 32 if rank == 0 else 48
     out["plan"] = _expect_error(lambda: fxd.compile(
         lambda: zoo.get("gpt", batch_size=4, width=width).model, case.example_inputs,
         schedule="gpipe", microbatches=2, timeout_s=20))
+    out["deeper"] = _expect_error(lambda: fxd.compile(
+        _model_fn("gpt", 4), case.example_inputs, schedule="gpipe", microbatches=2,
+        plan=Plan.from_json(plans["deeper"]), timeout_s=20))
     return out
 
 
@@ -334,3 +337,20 @@ def gpt2_all(rank: int, world: int, out_dir: str, runs: list[tuple[str, int]], b
     """:func:`gpt2_train_equal` then :func:`gpt2_default_init` (1F1B) in one launch."""
     return {"equal": gpt2_train_equal(rank, world, out_dir, runs, batch),
             "init": gpt2_default_init(rank, world, out_dir, "1f1b", runs[-1][1], batch)}
+
+
+def planned_on_rank0(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """Every rank but 0 is forbidden to measure a device or solve: the plan must come from rank 0."""
+    import fxsplit.dist_plan as dp
+
+    if rank != 0:
+        def forbidden(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"rank {rank} planned")
+
+        dp.reference_spec = dp._solve = forbidden  # type: ignore[assignment]
+    batch = 2 * world
+    case = _case("gpt", batch)
+    pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="gpipe", microbatches=2,
+                       state_dict=case.model.state_dict(), timeout_s=30)
+    pipe.close()
+    return {"reference": pipe.meta["reference"], "stages": [s["blocks"] for s in pipe.meta["plan"]["stages"]]}

@@ -70,23 +70,30 @@ def test_rank_that_raises_stops_the_others_within_the_timeout(tmp_path):
     assert elapsed < timeout_s + 3, f"rank 0 needed {elapsed:.1f} s to give up"
 
 
-@pytest.fixture(scope="module")
-def bad_launches(tmp_path_factory):
-    """One 2-rank launch tries a 3-stage plan, then ranks that build different models."""
+def _plan_for(stages: int, **model_kwargs):
+    """A plan of ``stages`` stages for the zoo gpt (batch 4), as JSON."""
     import fxsplit.models as zoo
     from fxsplit.api import CompileOptions
     from fxsplit.compiler import front_end, plan_pipeline
-    from fxsplit.distributed import REFERENCE_CPU, _to_meta
-    from fxsplit.ir import LinkSpec, Problem
+    from fxsplit.distributed import _to_meta
+    from fxsplit.ir import DeviceSpec, LinkSpec, Problem
 
-    case = zoo.get("gpt", batch_size=4)
+    spec = DeviceSpec("cpu", peak_flops=50e9, memory_bandwidth_bytes_per_s=20e9, memory_bytes=64 * 2**30, torch_device="cpu")
     with torch.device("meta"):
-        meta = zoo.get("gpt", batch_size=4).model
+        case = zoo.get("gpt", batch_size=4, **model_kwargs)
     opts = CompileOptions(allow_idle_devices=False)
-    _, cond, _ = front_end(meta, _to_meta(case.example_inputs), {}, REFERENCE_CPU, "analytic", opts)
-    specs = tuple(REFERENCE_CPU.with_(name=f"rank{i}") for i in range(3))
-    plan = plan_pipeline(Problem(cond.graph, specs, LinkSpec(), allow_idle_devices=False), 4, 2, "gpipe", "dp", opts).plan
-    results = launch(w.bad_launches, 2, tmp_path_factory.mktemp("bad"), plan.to_json(), deadline_s=60)
+    _, cond, _ = front_end(case.model, _to_meta(case.example_inputs), {}, spec, "analytic", opts)
+    specs = tuple(spec.with_(name=f"rank{i}") for i in range(stages))
+    problem = Problem(cond.graph, specs, LinkSpec(), allow_idle_devices=False)
+    return plan_pipeline(problem, 4, 2, "gpipe", "dp", opts).plan.to_json()
+
+
+@pytest.fixture(scope="module")
+def bad_launches(tmp_path_factory):
+    """One 2-rank launch tries a 3-stage plan, ranks that build different models, and a 2-stage
+    plan made for a deeper model."""
+    plans = {"three_stages": _plan_for(3), "deeper": _plan_for(2, layers=4)}
+    results = launch(w.bad_launches, 2, tmp_path_factory.mktemp("bad"), plans, deadline_s=90)
     check_ok(results)
     return results
 
@@ -99,11 +106,19 @@ def test_world_size_mismatch_fails_fast(bad_launches):
         assert err["elapsed_s"] < 10, "no collective should run before the check"
 
 
-def test_mismatched_plans_fail_on_every_rank(bad_launches):
+def test_ranks_that_capture_different_models_fail_on_every_rank(bad_launches):
     for r in bad_launches.values():
         err = r["result"]["plan"]
         assert err["error"] == "PlanError", err
-        assert "planned different pipelines" in err["message"]
+        assert "rank 1: its captured graph differs from rank 0's" in err["message"], err["message"]
+
+
+def test_a_plan_that_does_not_fit_the_capture_fails_on_every_rank(bad_launches):
+    """Rank 0's plan (here the user's) is checked against every rank's own capture."""
+    for r in bad_launches.values():
+        err = r["result"]["deeper"]
+        assert err["error"] == "PlanError", err
+        assert "blocks" in err["message"] and "rank 0:" in err["message"] and "rank 1:" in err["message"], err["message"]
 
 
 def test_tied_copies_start_equal_without_a_state_dict(tmp_path):
@@ -160,3 +175,17 @@ def test_an_input_with_the_batch_size_on_dim_0_is_not_split_unless_batched(tmp_p
     results = launch(w.toy_train_equal, 2, tmp_path, "fixed_mix", [("1f1b", 2)], 8, deadline_s=90)
     check_ok(results)
     assert results[0]["result"]["fixed_mix/1f1b/m=2"]["batched"] == [True, False]
+
+
+def test_rank_0_plans_once_on_its_measured_device_and_the_others_follow(tmp_path):
+    """Issue 9: every rank planned on a fixed reference CPU (never the device it ran on) and the
+    ranks compared digests. Now rank 0 alone measures its device and solves; the others, whose
+    planner is disabled here, take the broadcast plan."""
+    import os
+
+    results = launch(w.planned_on_rank0, 2, tmp_path, deadline_s=90)
+    check_ok(results)
+    refs = [r["result"]["reference"] for r in results.values()]
+    assert refs[0] == refs[1] and [r["result"]["stages"] for r in results.values()].count(results[0]["result"]["stages"]) == 2
+    assert refs[0]["kind"] == "cpu" and refs[0]["peak_flops"] != 50e9, "the old fixed REFERENCE_CPU"
+    assert refs[0]["memory_bytes"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "measured on this machine"

@@ -58,6 +58,9 @@ def _summary(pipe: Any, result: dict[str, Any], world: int) -> Table:
     table.add_row("largest loss difference vs original", f"{result['loss_diff']:.3e}")
     table.add_row("largest gradient difference vs original (all ranks)", f"{result['grad_diff']:.3e}")
     table.add_row("final loss", f"{result['losses'][-1]:.4f}" if result["losses"] else "-")
+    ref = pipe.meta.get("reference") or {}
+    if ref:
+        table.add_row("plan costed on (rank 0's device)", f"{ref['kind']}, {ref['peak_flops'] / 1e9:,.0f} GFLOP/s")
     return table
 
 

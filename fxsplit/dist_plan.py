@@ -1,0 +1,247 @@
+"""Planning a distributed pipeline once, on rank 0, for the devices the ranks run on.
+
+Every rank captures the model (on the meta device) because it needs the graph to cut its own
+stage out of, but only rank 0 plans:
+
+1. rank 0 takes the reference spec of the device it runs on (a CPU measured now with
+   :func:`~fxsplit.passes.costs.measure_cpu_spec`, or the preset of the detected GPU, as
+   :func:`fxsplit.compile` does) and broadcasts it, so that every rank annotates and condenses
+   its graph with the same numbers and gets the same blocks;
+2. every rank captures, annotates and condenses;
+3. rank 0 solves the split (or takes the user's plan) and broadcasts the ``Plan`` JSON with the
+   digest of its graph (``torch.distributed.broadcast_object_list``);
+4. every rank checks the plan against its own capture (same graph digest, every block in exactly
+   one stage, contiguous stages, same schedule and micro-batch count) and all verdicts are
+   gathered, so that a mismatch, or a capture or planning failure on any rank, raises on every
+   rank instead of leaving the others waiting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxsplit.compiler import front_end, plan_pipeline
+from fxsplit.errors import InternalError, PlanError
+from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem
+from fxsplit.runtime.microbatch import batch_size_of
+
+__all__ = ["DistPlan", "graph_digest", "plan_on_rank0", "reference_spec", "check_plan"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DistPlan:
+    """What every rank holds after :func:`plan_on_rank0`.
+
+    Attributes:
+        captured: This rank's capture (``fxsplit.passes.capture.Captured``), nodes annotated
+            with their blocks.
+        plan: Rank 0's plan, checked against this rank's capture.
+        reference: The device spec the plan was costed on (rank 0's device).
+    """
+
+    captured: Any
+    plan: Plan
+    reference: DeviceSpec
+
+
+def reference_spec(device: torch.device) -> DeviceSpec:
+    """The spec of ``device`` that plans are costed on: the preset of the detected GPU, or
+    this CPU measured now (matmul FLOP/s, copy bandwidth, per-operator overhead)."""
+    if device.type == "cuda":
+        from fxsplit.api import _cuda_spec
+
+        return _cuda_spec(device)
+    from fxsplit.passes.costs import measure_cpu_spec
+
+    return measure_cpu_spec("cpu")
+
+
+def graph_digest(gm: torch.fx.GraphModule) -> str:
+    """SHA-256 of a captured, condensed graph: every node's name, op, target, shape and block."""
+    rows = [
+        (
+            n.name,
+            n.op,
+            str(n.target),
+            str(getattr(n.meta.get("val"), "shape", "")),
+            n.meta.get("fxsplit.block"),
+        )
+        for n in gm.graph.nodes
+    ]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def check_plan(plan: Plan, condensed: Any) -> list[str]:
+    """Faults of ``plan`` on this rank's condensed graph: blocks in no stage, in two stages, or
+    unknown; stages that are not contiguous (a prefix that is not a downset)."""
+    graph, faults, seen = condensed.graph, [], {}
+    for s, st in enumerate(plan.stages):
+        for b in st.blocks:
+            if b in seen:
+                faults.append(f"block {b} is in stages {seen[b]} and {s}")
+            seen[b] = s
+    if set(seen) != set(range(len(graph))):
+        faults.append(
+            f"the plan places blocks 0..{max(seen, default=-1)}, this capture has {len(graph)} blocks"
+        )
+        return faults
+    prefix: set[int] = set()
+    for s, st in enumerate(plan.stages):
+        prefix |= set(st.blocks)
+        if not graph.is_downset(prefix):
+            faults.append(f"stages 0..{s} are not contiguous (not a downset of the graph)")
+    return faults
+
+
+def _from_rank0(rank: int, make: Callable[[], T]) -> T:
+    """``make()`` on rank 0, broadcast to every rank."""
+    box: list[Any] = [make() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _try(call: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    try:
+        return call(), None
+    except Exception as exc:  # noqa: BLE001 - re-raised after the ranks have compared notes
+        return None, exc
+
+
+def _verdict(
+    payload: dict[str, Any], own: dict[str, Any], plan: Plan | None, condensed: Any
+) -> str:
+    """Why this rank cannot run rank 0's plan ("" when it can)."""
+    if own["error"]:
+        return own["error"]
+    if payload["error"]:
+        return f"rank 0 could not plan: {payload['error']}"
+    for key in ("schedule", "microbatches"):
+        if payload[key] != own[key]:
+            return f"{key}={own[key]!r} where rank 0 has {payload[key]!r}"
+    if payload["digest"] != own["digest"]:
+        return f"its captured graph differs from rank 0's (digest {own['digest'][:12]} vs {payload['digest'][:12]})"
+    faults = check_plan(plan, condensed) if plan is not None else ["no plan"]
+    return "; ".join(faults)
+
+
+def _raise_if_any(verdicts: list[str], failure: BaseException | None) -> None:
+    """Raise this rank's own failure, else a PlanError naming every rank that objected."""
+    if failure is not None:
+        raise failure
+    bad = {r: v for r, v in enumerate(verdicts) if v}
+    if bad:
+        detail = "; ".join(f"rank {r}: {v}" for r, v in bad.items())
+        raise PlanError(
+            f"the ranks cannot run one pipeline ({detail}); every rank must call compile with the same "
+            "model_fn, example inputs, schedule, micro-batches and plan: check for rank-dependent model "
+            "code or differing package versions"
+        )
+
+
+def _error(exc: BaseException | None) -> str:
+    return f"{type(exc).__name__}: {exc}" if exc is not None else ""
+
+
+def _solve(
+    front: tuple[Any, Any],
+    inputs: tuple[tuple, dict],
+    reference: DeviceSpec,
+    world: int,
+    schedule: str,
+    microbatches: int,
+    solver: str,
+    options: Any,
+) -> Plan:
+    """Rank 0's plan: ``world`` stages on copies of ``reference``."""
+    captured, condensed = front
+    flat = captured.flatten_inputs(*inputs)
+    flags = captured.batched_inputs or [True] * len(flat)
+    batch = batch_size_of([x for x, b in zip(flat, flags, strict=True) if b] or flat)
+    specs = tuple(reference.with_(name=f"rank{i}") for i in range(world))
+    problem = Problem(condensed.graph, specs, LinkSpec(), allow_idle_devices=False).check()
+    return plan_pipeline(problem, batch, microbatches, schedule, solver, options).plan
+
+
+def plan_on_rank0(
+    meta_model: nn.Module,
+    inputs: tuple[tuple, dict],
+    *,
+    rank: int,
+    world: int,
+    device: torch.device,
+    schedule: str,
+    microbatches: int,
+    solver: str,
+    plan: Plan | None,
+    options: Any,
+) -> DistPlan:
+    """Capture on every rank, plan on rank 0, check the plan on every rank; collective.
+
+    Args:
+        meta_model: The model on the meta device.
+        inputs: ``(args, kwargs)`` of the example batch (any device; only shapes are read).
+        rank, world: This rank and the number of ranks (= stages).
+        device: This rank's device (rank 0's is the reference the plan is costed on).
+        schedule, microbatches: How the pipeline runs (must agree across ranks).
+        solver: The solver rank 0 runs.
+        plan: A plan to use instead of solving (rank 0's copy is the one used).
+        options: ``CompileOptions``.
+
+    Returns:
+        The :class:`DistPlan` of this rank.
+
+    Raises:
+        PlanError: on every rank when a rank captured a different graph, the plan does not fit
+            the capture, the ranks disagree on schedule or micro-batches, or another rank failed.
+        CaptureError, InfeasibleError: on the rank where capture or planning failed.
+    """
+    reference = _from_rank0(rank, lambda: reference_spec(device))
+    meta_inputs = pytree.tree_map(
+        lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, inputs
+    )
+    front, failure = _try(
+        lambda: front_end(meta_model, *meta_inputs, reference, "analytic", options)[:2]
+    )
+    own = {
+        "schedule": schedule,
+        "microbatches": microbatches,
+        "error": _error(failure),
+        "digest": graph_digest(front[0].gm) if front is not None else "",
+    }
+    if rank == 0 and front is not None and plan is None:
+        plan, failure = _try(
+            lambda: _solve(
+                front, meta_inputs, reference, world, schedule, microbatches, solver, options
+            )
+        )
+    notes = {**own, "error": _error(failure), "plan": plan.to_dict() if plan is not None else None}
+    payload = _from_rank0(rank, lambda: notes)
+    chosen = Plan.from_dict(payload["plan"]) if payload["plan"] is not None else None
+    verdicts: list[Any] = [None] * world
+    dist.all_gather_object(
+        verdicts, _verdict(payload, own, chosen, front[1] if front is not None else None)
+    )
+    _raise_if_any(verdicts, failure)
+    if chosen is None or front is None:
+        raise InternalError("every rank accepted a plan that is missing (a bug in fxsplit)")
+    log.info(
+        "rank %d: rank 0's plan (%d stages, costed on %s) fits this capture",
+        rank,
+        chosen.num_stages,
+        reference.name,
+    )
+    return DistPlan(front[0], chosen, reference)
