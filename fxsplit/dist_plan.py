@@ -88,7 +88,8 @@ def graph_digest(gm: torch.fx.GraphModule) -> str:
 def check_plan(plan: Plan, condensed: Any) -> list[str]:
     """Faults of ``plan`` on this rank's condensed graph: blocks in no stage, in two stages, or
     unknown; stages that are not contiguous (a prefix that is not a downset)."""
-    graph, faults, seen = condensed.graph, [], {}
+    graph, faults = condensed.graph, []
+    seen: dict[int, int] = {}
     for s, st in enumerate(plan.stages):
         for b in st.blocks:
             if b in seen:
@@ -213,8 +214,9 @@ def plan_on_rank0(
     meta_inputs = pytree.tree_map(
         lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, inputs
     )
+    args, kwargs = meta_inputs
     front, failure = _try(
-        lambda: front_end(meta_model, *meta_inputs, reference, "analytic", options)[:2]
+        lambda: front_end(meta_model, args, kwargs, reference, "analytic", options)[:2]
     )
     own = {
         "schedule": schedule,
@@ -228,7 +230,11 @@ def plan_on_rank0(
                 front, meta_inputs, reference, world, schedule, microbatches, solver, options
             )
         )
-    notes = {**own, "error": _error(failure), "plan": plan.to_dict() if plan is not None else None}
+    notes: dict[str, Any] = {
+        **own,
+        "error": _error(failure),
+        "plan": plan.to_dict() if plan is not None else None,
+    }
     payload = _from_rank0(rank, lambda: notes)
     chosen = Plan.from_dict(payload["plan"]) if payload["plan"] is not None else None
     verdicts: list[Any] = [None] * world

@@ -148,3 +148,37 @@ def test_a_tensor_nothing_can_initialise_is_a_config_error_naming_it():
     meta, gm, state = _one_stage(_Custom, (torch.randn(2, 8),))
     with pytest.raises(ConfigError, match=r"'scale'.*state_dict=.*init_fn="):
         materialise(gm, state, torch.device("cpu"), state_dict=None, init_fn=None, meta_model=meta, model_fn=None)
+
+
+def test_wire_shapes_match_what_the_stages_send_at_any_micro_batch_size():
+    """The metadata PipelineStage is given (instead of inferring it by running stages on
+    placeholders) equals, tensor for tensor, what stage 0 really sends; the batch size crossing
+    as a 0-d int64 tensor carries the micro-batch's size."""
+    import dist_workers as w
+
+    from fxsplit.api import CompileOptions
+    from fxsplit.codegen import split_graph
+    from fxsplit.compiler import front_end
+    from fxsplit.ir import DeviceSpec
+    from fxsplit.runtime.dist_shapes import WireShapes
+    from fxsplit.runtime.dist_stage import StageModule
+
+    model, (x,), _ = w._toy("size_relay", 8)
+    spec = DeviceSpec("cpu", peak_flops=50e9, memory_bandwidth_bytes_per_s=20e9, memory_bytes=2**34, torch_device="cpu")
+    captured, condensed, flat = front_end(model, (x,), {}, spec, "analytic", CompileOptions())
+    half = condensed.num_blocks // 2
+    program = split_graph(captured.gm, {b: int(b >= half) for b in range(condensed.num_blocks)}, ["cpu", "cpu"])
+    first, second = (StageModule(st.gm, first=i == 0, last=i == 1, batched=[True]) for i, st in enumerate(program.stages))
+    assert "scalar" in [layout.kind for layout in second.in_layouts], "the split must send the batch size"
+    for size in (3, 5):
+        shapes = [WireShapes(captured.gm, flat, [True], inputs=st.inputs, outputs=st.outputs, in_layouts=mod.in_layouts,
+                             out_layouts=mod.out_layouts, first=st.index == 0, last=st.index == 1, index=st.index)
+                  for st, mod in zip(program.stages, (first, second), strict=True)]
+        sent = first(x[:size])  # stage 0's real wire at this micro-batch size
+        ins, outs = shapes[1].example_args(size, train=True)
+        described = [(t.shape, t.dtype, t.stride(), t.requires_grad) for t in sent]
+        assert described == [(t.shape, t.dtype, t.stride(), t.requires_grad) for t in shapes[0].example_args(size, True)[1]]
+        assert described == [(t.shape, t.dtype, t.stride(), t.requires_grad) for t in ins]
+        assert size in [int(t) for t in sent if t.dim() == 0 and t.dtype == torch.int64]
+        assert outs[0].shape == (size, 4, 16)
+        assert not any(t.requires_grad for t in shapes[1].example_args(size, train=False)[0])

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -58,7 +58,9 @@ def swapped_in(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterato
     try:
         for name, tensor in tensors.items():
             owner, leaf = _owner(model, name)
-            slots = owner._parameters if leaf in owner._parameters else owner._buffers
+            slots = cast(
+                dict[str, Any], owner._parameters if leaf in owner._parameters else owner._buffers
+            )
             saved.append((slots, leaf, slots[leaf]))
             slots[leaf] = tensor
         yield

@@ -39,7 +39,8 @@ class _Recorder(torch.fx.Interpreter):
 
     def __init__(self, gm: torch.fx.GraphModule, names: set[str]) -> None:
         super().__init__(gm)
-        self.names, self.values = names, {}
+        self.names = names
+        self.values: dict[str, Any] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
         result = super().run_node(n)
@@ -49,30 +50,49 @@ class _Recorder(torch.fx.Interpreter):
 
 
 def boundary_values(
-    gm: torch.fx.GraphModule, flat_inputs: Sequence[Any], names: Sequence[str]
+    gm: torch.fx.GraphModule,
+    flat_inputs: Sequence[Any],
+    names: Sequence[str],
+    *,
+    batch: int | None = None,
+    batched: Sequence[bool] = (),
 ) -> tuple[dict[str, Any], tuple[Any, ...]]:
     """Run ``gm`` under ``FakeTensorMode`` and keep the values of the nodes in ``names``.
 
     Gradient mode is on, so a fake's ``requires_grad`` says whether the real value needs a
-    gradient. The state of ``gm`` (real or meta) is swapped for fakes and never touched.
+    gradient. The state of ``gm`` (real or meta) is swapped for fakes and never touched, and no
+    input is allocated.
 
     Args:
         gm: A flat captured graph (placeholders in flat input order).
         flat_inputs: Its inputs (real, meta or fake tensors, or other values).
         names: Node names whose values to keep.
+        batch: Run at this batch size: the inputs flagged in ``batched`` get it on dim 0.
+        batched: Which flat inputs carry the batch (``[num_inputs]``; used with ``batch``).
 
     Returns:
         ``({name: value}, flat outputs)``; tensors are fakes, sizes plain ``int``.
     """
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [
-        mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
-        for x in flat_inputs
-    ]
+    flags = list(batched) if batch is not None else [False] * len(flat_inputs)
     recorder = _Recorder(gm, set(names))
     with fake_state(gm, mode), mode, torch.enable_grad():
+        fakes = [
+            _fake_input(mode, x, batch if b else None)
+            for x, b in zip(flat_inputs, flags, strict=True)
+        ]
         out = recorder.run(*fakes)
     return recorder.values, tuple(out)
+
+
+def _fake_input(mode: FakeTensorMode, x: Any, batch: int | None) -> Any:
+    """``x`` as a fake (inside ``mode``), with ``batch`` samples on dim 0 when given."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if batch is None:
+        return mode.from_tensor(x, static_shapes=True)
+    shape = (batch, *x.shape[1:])
+    return torch.empty(shape, dtype=x.dtype, device=x.device, requires_grad=x.requires_grad)
 
 
 def _meta_like(value: Any, requires_grad: bool, what: str) -> torch.Tensor:
@@ -160,19 +180,10 @@ class WireShapes:
 
     def _at(self, size: int) -> tuple[dict[str, Any], tuple[Any, ...]]:
         if size not in self._values:
-            flat = [
-                torch.empty(
-                    (size, *x.shape[1:]),
-                    dtype=x.dtype,
-                    device="meta",
-                    requires_grad=x.requires_grad,
-                )
-                if b
-                else x
-                for x, b in zip(self.flat_inputs, self.batched, strict=True)
-            ]
             names = ([] if self.first else self.inputs) + ([] if self.last else self.outputs)
-            self._values[size] = boundary_values(self.gm, flat, names)
+            self._values[size] = boundary_values(
+                self.gm, self.flat_inputs, names, batch=size, batched=self.batched
+            )
             log.debug("stage %d: wire shapes at micro-batch size %d computed", self.index, size)
         return self._values[size]
 
