@@ -34,7 +34,7 @@ from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState, materialise
 from fxsplit.runtime.distributed import PLAN_FILE, SCHEDULES, DistributedPipeline, TiedGroup
-from fxsplit.runtime.microbatch import batch_size_of
+from fxsplit.runtime.microbatch import batch_size_of, microbatch_sizes
 
 __all__ = ["compile", "load", "DistributedPipeline", "init_process_group"]
 
@@ -141,6 +141,9 @@ def _pipeline(stage: Any, captured: Any, inputs: tuple[tuple, dict], rank: int, 
         in_layouts=module.in_layouts, out_layouts=module.out_layouts, first=rank == 0, last=rank == world - 1,
         index=rank,
     )
+    batch = batch_size_of([x for x, b in zip(flat, batched, strict=True) if b] or flat)
+    for size in sorted({s for s in microbatch_sizes(batch, m) if s > 0}):
+        shapes.example_args(size, train=True)  # a boundary shape the data decides fails here, on every rank
     return DistributedPipeline(
         module, state=state, stage_index=rank, num_stages=world, device=device, schedule_kind=schedule,
         microbatches=m, in_spec=captured.in_spec, out_spec=captured.out_spec, tied=tied,

@@ -25,7 +25,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxsplit.errors import PlanError
+from fxsplit.errors import InternalError, PlanError
 from fxsplit.passes.shapes import fake_state
 from fxsplit.runtime.dist_stage import SCALAR_DTYPES, Layout
 
@@ -97,7 +97,7 @@ def _fake_input(mode: FakeTensorMode, x: Any, batch: int | None) -> Any:
 
 def _meta_like(value: Any, requires_grad: bool, what: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise PlanError(
+        raise InternalError(
             f"{what} is a {type(value).__name__} where the stage's layout expects a tensor (a bug in fxsplit)"
         )
     shape = []
@@ -181,9 +181,16 @@ class WireShapes:
     def _at(self, size: int) -> tuple[dict[str, Any], tuple[Any, ...]]:
         if size not in self._values:
             names = ([] if self.first else self.inputs) + ([] if self.last else self.outputs)
-            self._values[size] = boundary_values(
-                self.gm, self.flat_inputs, names, batch=size, batched=self.batched
-            )
+            try:
+                self._values[size] = boundary_values(
+                    self.gm, self.flat_inputs, names, batch=size, batched=self.batched
+                )
+            except Exception as exc:
+                raise PlanError(
+                    f"the shapes stage {self.index} sends and receives at micro-batch size {size} could not "
+                    f"be computed ({type(exc).__name__}: {exc}); a pipeline boundary needs shapes the "
+                    "micro-batch size fixes: move the split point (plan=) so that the value stays inside one stage"
+                ) from exc
             log.debug("stage %d: wire shapes at micro-batch size %d computed", self.index, size)
         return self._values[size]
 
