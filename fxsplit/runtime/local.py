@@ -16,6 +16,7 @@ References:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,10 +28,16 @@ from torch import nn
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, ExecutionError
 from fxsplit.passes.capture import flatten_to_spec
-from fxsplit.runtime.microbatch import batch_size_of, merge_outputs, split_microbatches
+from fxsplit.runtime.microbatch import (
+    batch_size_of,
+    loss_weights,
+    merge_outputs,
+    split_microbatches,
+    split_target,
+)
 from fxsplit.runtime.state import ParameterAPI, StateMap
 from fxsplit.runtime.threads import run_threaded
-from fxsplit.runtime.trace import TraceRecorder, span
+from fxsplit.runtime.trace import TraceRecorder
 from fxsplit.schedule import Action, Schedule, make, simulate
 
 __all__ = ["Pipeline", "execution_order"]
@@ -50,12 +57,13 @@ def execution_order(schedule: Schedule) -> list[Action]:
 
 
 def _to_stage(value: Any, device: torch.device, leaf: bool) -> Any:
-    """Move a received value to ``device``; with ``leaf``, detach it into a new autograd leaf."""
+    """Move a received value to ``device`` (no call when it is there); with ``leaf``, detach it
+    into a new autograd leaf."""
     if isinstance(value, torch.Tensor):
-        moved = value.to(device)
+        moved = value if value.device == device else value.to(device)
         if leaf:
             moved = moved.detach().requires_grad_(value.requires_grad)
-        if moved.is_cuda and moved is not value:
+        if moved is not value and moved.is_cuda:
             # made on another worker's stream: keep the allocator from reusing it too early
             moved.record_stream(torch.cuda.current_stream(device))
         return moved
@@ -65,16 +73,39 @@ def _to_stage(value: Any, device: torch.device, leaf: bool) -> Any:
 
 
 def _tensor_leaves(values: Sequence[Any]) -> list[torch.Tensor | None]:
+    """The leaves of ``values``, ``None`` for each leaf that is not a tensor."""
+    if all(isinstance(v, torch.Tensor) for v in values):  # the common case: no pytree walk
+        return list(values)
     return [v if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(list(values))]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Slot:
     """What one (stage, micro-batch) keeps between its forward and its backward."""
 
-    inputs: list[Any] = field(default_factory=list)
-    outputs: tuple[Any, ...] = ()
-    loss: torch.Tensor | None = None
+    inputs: Sequence[Any]
+    outputs: tuple[Any, ...]
+
+
+@dataclass(slots=True)
+class _Step:
+    """One training step: the micro-batches, their targets and loss weights, and what the
+    actions hand each other (slots from forward to backward, input gradients, losses)."""
+
+    inputs: list[list[Any]]
+    targets: list[Any]
+    weights: list[float]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    slots: dict[tuple[int, int], _Slot] = field(default_factory=dict)
+    grads: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
+    losses: list[torch.Tensor | None] = field(default_factory=list)
+
+    def total_loss(self) -> torch.Tensor:
+        """The batch loss (detached): the sum of the weighted micro-batch losses."""
+        losses = [loss for loss in self.losses if loss is not None]
+        if len(losses) == 1:
+            return losses[0].detach()
+        return torch.stack([loss.detach().to(losses[0].device) for loss in losses]).sum()
 
 
 class Pipeline(ParameterAPI):
@@ -113,10 +144,11 @@ class Pipeline(ParameterAPI):
         self.report = dict(report or {})
         self.microbatches = microbatches
         self.schedule_kind = schedule_kind
-        self._schedules: dict[int, Schedule] = {}
-        self._orders: dict[int, list[Action]] = {}
+        # Schedules and their global action orders, per (kind, micro-batches): made once.
+        self._schedules: dict[tuple[str, int], tuple[Schedule, list[Action]]] = {}
         self.schedule = self._schedule_for(microbatches)
         self.executor = _choose_executor(executor, [st.device for st in program.stages])
+        self._devices = [torch.device(st.device) for st in program.stages]
         # Deferred BatchNorm (fxsplit.codegen.batchnorm): running statistics updated once per
         # step with the whole batch's statistics, as in the unsplit model.
         self.bn_tracker = bn_tracker
@@ -136,10 +168,15 @@ class Pipeline(ParameterAPI):
         return self.program.num_stages
 
     def _schedule_for(self, m: int) -> Schedule:
-        if m not in self._schedules:
-            self._schedules[m] = make(self.schedule_kind, self.num_stages, m)
-            self._orders[m] = execution_order(self._schedules[m])
-        return self._schedules[m]
+        return self._schedule_and_order(m)[0]
+
+    def _schedule_and_order(self, m: int) -> tuple[Schedule, list[Action]]:
+        """The schedule of ``m`` micro-batches and a valid global order of its actions (cached)."""
+        key = (self.schedule_kind, m)
+        if key not in self._schedules:
+            schedule = make(self.schedule_kind, self.num_stages, m)
+            self._schedules[key] = (schedule, execution_order(schedule))
+        return self._schedules[key]
 
     def _flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
         return flatten_to_spec(args, kwargs, self.in_spec)
@@ -170,8 +207,8 @@ class Pipeline(ParameterAPI):
         outs = []
         self._begin_step()
         for i, values in enumerate(mbs):
-            for s, stage in enumerate(self.program.stages):
-                values = list(self._run_stage(s, i, _to_stage(values, torch.device(stage.device), leaf=False)))
+            for s in range(self.num_stages):
+                values = list(self._run_stage(s, i, _to_stage(values, self._devices[s], leaf=False)))
             outs.append(values)
         self._end_step()
         return self._unflatten(merge_outputs(outs, sizes, self.batched_outputs))
@@ -215,72 +252,72 @@ class Pipeline(ParameterAPI):
         m = self.microbatches
         mbs, sizes = split_microbatches(flat, m, batched=self.batched_inputs)
         # Target leaves are split with the inputs' batch size; leaves without it go whole.
-        targets: list[list[Any]] = (
-            split_microbatches(pytree.tree_leaves(target), m, batch=sum(sizes))[0] if target is not None else [[]] * m
-        )
-        tspec = pytree.tree_structure(target)
-        slots = {(s, i): _Slot() for s in range(self.num_stages) for i in range(m)}
-        grads: dict[tuple[int, int], list[Any]] = {}
-        total = sum(sizes)
-
-        def run(action: Action) -> None:
-            s, i = action.stage, action.microbatch
-            if action.kind == "F":
-                t = pytree.tree_unflatten(targets[i], tspec) if target is not None else None
-                with span(self.recorder, s, "F", i):  # runtime trace
-                    self._forward(s, i, mbs[i], slots, t, sizes[i] / total, loss_fn)
-            else:
-                with span(self.recorder, s, "B", i):  # runtime trace
-                    self._backward(s, i, slots, grads)
-
-        schedule = self._schedule_for(m)
+        step = _Step(mbs, split_target(target, m, sum(sizes)), loss_weights(sizes), loss_fn, losses=[None] * m)
+        schedule, order = self._schedule_and_order(m)
         self._begin_step()
         if self.executor == "threads":
-            run_threaded(schedule, run, [st.device for st in self.program.stages])
+            run_threaded(schedule, lambda action: self._run_action(action, step), [st.device for st in self.program.stages])
         else:
-            for action in self._orders[m]:
-                run(action)
+            for action in order:
+                self._run_action(action, step)
         self._sync_tied()
         self._end_step()
-        losses = [loss for i in range(m) if (loss := slots[(self.num_stages - 1, i)].loss) is not None]
-        return torch.stack([loss.detach().to(losses[0].device) for loss in losses]).sum()
+        return step.total_loss()
 
-    def _forward(self, s: int, i: int, inputs: list[Any], slots: dict, target: Any, weight: float, loss_fn: Callable) -> None:
-        device = torch.device(self.program.stages[s].device)
-        received = inputs if s == 0 else list(slots[(s - 1, i)].outputs)
-        values = _to_stage(received, device, leaf=s > 0)
-        slot = slots[(s, i)]
-        slot.inputs = values
-        slot.outputs = self._run_stage(s, i, values)
+    def _run_action(self, action: Action, step: _Step) -> None:
+        """Run one F or B action; the recorder (runtime trace) gets its start and end times."""
+        s, kind, i = action.stage, action.kind, action.microbatch
+        start = time.perf_counter()
+        if kind == "F":
+            self._forward(s, i, step)
+        else:
+            self._backward(s, i, step)
+        if self.recorder is not None:
+            self.recorder.add(s, kind, i, start, time.perf_counter())
+
+    def _forward(self, s: int, i: int, step: _Step) -> None:
+        received = step.inputs[i] if s == 0 else step.slots[(s - 1, i)].outputs
+        values = _to_stage(received, self._devices[s], leaf=s > 0)
+        outputs = self._run_stage(s, i, values)
+        step.slots[(s, i)] = _Slot(values, outputs)
         if s == self.num_stages - 1:
             try:
-                loss = loss_fn(self._unflatten(slot.outputs), target)
+                loss = step.loss_fn(self._unflatten(outputs), step.targets[i])
             except Exception as exc:
                 raise ExecutionError(f"loss_fn failed on micro-batch {i}: {type(exc).__name__}: {exc}", stage=s, microbatch=i) from exc
-            slot.loss = loss * weight
+            weight = step.weights[i]
+            step.losses[i] = loss if weight == 1.0 else loss * weight  # x * 1.0 == x: skip the op
 
-    def _backward(self, s: int, i: int, slots: dict, grads: dict) -> None:
-        slot = slots[(s, i)]
-        stage = self.program.stages[s]
+    def _backward(self, s: int, i: int, step: _Step) -> None:
+        slot = step.slots.pop((s, i))
         try:
             if s == self.num_stages - 1:
-                if slot.loss is not None and slot.loss.requires_grad:
-                    slot.loss.backward()
+                loss = step.losses[i]
+                if loss is not None and loss.requires_grad:
+                    loss.backward()
             else:
-                pairs = [
-                    (o, g) for o, g in zip(_tensor_leaves(slot.outputs), grads.pop((s, i)), strict=True)
-                    if o is not None and g is not None and o.requires_grad
-                ]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g.to(o.device) for o, g in pairs])
+                self._backward_from(slot.outputs, step.grads.pop((s, i)))
         except Exception as exc:
+            device = self.program.stages[s].device
             raise ExecutionError(
-                f"backward of stage {s} failed on micro-batch {i} on {stage.device}: {type(exc).__name__}: {exc}",
-                stage=s, microbatch=i, device=stage.device,
+                f"backward of stage {s} failed on micro-batch {i} on {device}: {type(exc).__name__}: {exc}",
+                stage=s, microbatch=i, device=device,
             ) from exc
         if s > 0:
-            grads[(s - 1, i)] = [t.grad if t is not None and t.requires_grad else None for t in _tensor_leaves(slot.inputs)]
-        slot.inputs, slot.outputs, slot.loss = [], (), slot.loss.detach() if slot.loss is not None else None
+            step.grads[(s - 1, i)] = [t.grad if t is not None and t.requires_grad else None for t in _tensor_leaves(slot.inputs)]
+        if s == self.num_stages - 1 and (loss := step.losses[i]) is not None:
+            step.losses[i] = loss.detach()  # frees the graph's reference to the loss
+
+    @staticmethod
+    def _backward_from(outputs: Sequence[Any], grads: Sequence[Any]) -> None:
+        """One ``torch.autograd.backward`` over every output that has a gradient."""
+        roots, root_grads = [], []
+        for o, g in zip(_tensor_leaves(outputs), grads, strict=True):
+            if o is not None and g is not None and o.requires_grad:
+                roots.append(o)
+                root_grads.append(g if g.device == o.device else g.to(o.device))
+        if roots:
+            torch.autograd.backward(roots, root_grads)
 
     def _sync_tied(self) -> None:
         for name, holders in self.program.tied.items():

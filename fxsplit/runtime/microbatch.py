@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from fxsplit.errors import ConfigError
 
-__all__ = ["batch_size_of", "split_microbatches", "merge_outputs", "microbatch_sizes"]
+__all__ = ["batch_size_of", "split_microbatches", "split_target", "loss_weights", "merge_outputs", "microbatch_sizes"]
 
 
 def batch_size_of(flat: Sequence[Any]) -> int:
@@ -67,6 +68,8 @@ def split_microbatches(
         raise ConfigError(
             f"batch of {batch} samples cannot be split into {m} micro-batches; use microbatches <= {batch}"
         )
+    if m == 1:  # the batch is the micro-batch: no views to make
+        return [list(flat)], [batch]
     columns = []
     flags = batched if batched is not None else [_looks_batched(x, batch) for x in flat]
     for x, split in zip(flat, flags, strict=True):
@@ -75,6 +78,33 @@ def split_microbatches(
         else:
             columns.append([x] * m)
     return [list(row) for row in zip(*columns, strict=True)], microbatch_sizes(batch, m)
+
+
+def split_target(target: Any, m: int, batch: int) -> list[Any]:
+    """``[m]`` targets: the leaves of ``target`` that carry the batch split like the inputs.
+
+    Args:
+        target: Any pytree (a tensor ``[batch, ...]``, a dict of them, None).
+        m: Number of micro-batches.
+        batch: The inputs' batch size: leaves whose dim 0 is ``batch`` are split.
+
+    Example:
+        >>> [t.tolist() for t in split_target(torch.arange(4), 2, 4)]
+        [[0, 1], [2, 3]]
+    """
+    if m == 1 or target is None:
+        return [target] * m
+    leaves, spec = pytree.tree_flatten(target)
+    if not leaves:
+        return [target] * m
+    rows, _ = split_microbatches(leaves, m, batch=batch)
+    return [pytree.tree_unflatten(row, spec) for row in rows]
+
+
+def loss_weights(sizes: Sequence[int]) -> list[float]:
+    """Each micro-batch's share of the batch, the weight of its (mean-reduced) loss."""
+    total = sum(sizes)
+    return [n / total for n in sizes]
 
 
 def _looks_batched(x: Any, batch: int) -> bool:
@@ -88,6 +118,8 @@ def merge_outputs(per_mb: Sequence[Sequence[Any]], sizes: Sequence[int], batched
     concatenated; 0-d tensors (a mean loss) are averaged, weighted by micro-batch size; anything
     else is taken from the first micro-batch.
     """
+    if len(per_mb) == 1:  # one micro-batch: its outputs are the batch's
+        return list(per_mb[0])
     total = sum(sizes)
     merged = []
     for j in range(len(per_mb[0])):

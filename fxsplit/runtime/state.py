@@ -51,6 +51,9 @@ class StateMap:
                 held = self.copies.setdefault(name, [])
                 if all(t is not other for _, other in held):
                     held.append((st.index, t))
+        # named_parameters() walks names, aliases and copies; its answer never changes (loading
+        # copies values in place), so it is worked out once, e.g. for zero_grad() every step.
+        self._named: list[tuple[str, nn.Parameter]] | None = None
 
     def tensor(self, stage: int, name: str) -> torch.Tensor:
         """The tensor stage ``stage`` uses for graph state ``name``."""
@@ -69,6 +72,11 @@ class StateMap:
         the extra copies: ``parameters()`` (for an optimizer) sees every copy, while
         ``dict(named_parameters())`` keeps one per name.
         """
+        if self._named is None:
+            self._named = list(self._walk_parameters())
+        return iter(self._named)
+
+    def _walk_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
         last_name: dict[int, str] = {}
         for name in self.param_order:

@@ -73,18 +73,32 @@ class TraceRecorder:
     """Collects the :class:`TraceEvent` s of the latest training step.
 
     A step begins when ``0F0`` starts (every schedule starts with it), which drops the previous
-    step's events; so the recorder's memory stays one step's worth of small records.
+    step's events; so the recorder's memory stays one step's worth of small records. Recording
+    keeps two ``perf_counter`` readings per action; the :class:`TraceEvent` s are made when
+    :attr:`events` is first read after a step.
     """
 
     def __init__(self) -> None:
-        self.events: list[TraceEvent] = []
+        self._raw: list[tuple[int, str, int, float, float]] = []
+        self._events: list[TraceEvent] | None = []
         self._t0 = 0.0
 
     def add(self, stage: int, kind: str, microbatch: int, start: float, end: float) -> None:
         """Record an action that ran from ``start`` to ``end`` (``time.perf_counter()`` values)."""
         if stage == 0 and kind == "F" and microbatch == 0:
-            self.events, self._t0 = [], start
-        self.events.append(TraceEvent(stage, kind, microbatch, start - self._t0, max(0.0, end - start)))
+            self._raw, self._t0 = [], start
+        self._raw.append((stage, kind, microbatch, start, end))
+        self._events = None
+
+    @property
+    def events(self) -> list[TraceEvent]:
+        """The latest step's actions in the order they were recorded."""
+        events = self._events
+        if events is None:
+            t0 = self._t0
+            events = [TraceEvent(s, k, i, a - t0, max(0.0, b - a)) for s, k, i, a, b in list(self._raw)]
+            self._events = events
+        return events
 
     @property
     def step_s(self) -> float:
