@@ -11,7 +11,9 @@ optimizer step):
   executor (one thread, actions one after another);
 - ``eager, m=4``: the eager model on the same 4 micro-batches (``torch.tensor_split``), each loss
   weighted by its share of the batch and back-propagated in turn (gradient accumulation): what
-  micro-batching itself costs, without any pipeline.
+  micro-batching itself costs, without any pipeline;
+- ``eager, another copy``: eager again on a second copy of the model, the noise floor (two
+  identical steps whose tensors lie elsewhere in memory).
 
 Each variant gets its own copy of the model (``compile`` takes the parameters over), all copies of
 the same weights. The variants are interleaved round-robin (the order rotated every repetition),
@@ -54,13 +56,17 @@ VARIANTS: tuple[tuple[str, int, int, float], ...] = (
     ("2 stages, m=4", 2, 4, 1.10),
 )
 BATCH = {"mlp": 64, "gpt": 8, "resnet": 16}
+# A second eager copy of the same model: how far two identical steps differ here (where their
+# tensors lie in memory, cache effects), the noise floor of every ratio in the table.
+CONTROL = "eager, another copy"
 
 
 def build_steps(name: str, batch: int, schedule: str) -> dict[str, Callable[[], Any]]:
     """One ``step()`` per variant on model ``name``, each on its own copy of the same weights."""
     case = zoo.get(name, size="small", batch_size=batch, seed=0)
     x, y = case.make_batch(batch, 1)
-    steps: dict[str, Callable[[], Any]] = {"eager": _eager_step(copy.deepcopy(case.model), x, y, case.loss_fn, 1)}
+    steps: dict[str, Callable[[], Any]] = {"eager": _eager_step(copy.deepcopy(case.model), x, y, case.loss_fn, 1),
+                                           CONTROL: _eager_step(copy.deepcopy(case.model), x, y, case.loss_fn, 1)}
     for m in sorted({m for _, _, m, _ in VARIANTS if m > 1}):
         steps[f"eager, m={m}"] = _eager_step(copy.deepcopy(case.model), x, y, case.loss_fn, m)
     for label, p, m, _ in VARIANTS:

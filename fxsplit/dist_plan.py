@@ -18,11 +18,13 @@ stage out of, but only rank 0 plans:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -31,11 +33,20 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit.compiler import front_end, plan_pipeline
-from fxsplit.errors import InternalError, PlanError
-from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem
+from fxsplit.errors import ConfigError, InternalError, PlanError
+from fxsplit.ir import CondensedGraph, DeviceSpec, LinkSpec, Plan, Problem
+from fxsplit.passes.profile import (
+    ProfileCache,
+    default_cache_dir,
+    device_name,
+    profile_node_times,
+    profile_sizes,
+)
+from fxsplit.runtime.links import probe_pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
 
-__all__ = ["DistPlan", "graph_digest", "plan_on_rank0", "reference_spec", "check_plan"]
+__all__ = ["DistPlan", "graph_digest", "plan_on_rank0", "reference_spec", "check_plan", "profiled_blocks",
+           "fits_device"]
 
 log = logging.getLogger(__name__)
 
@@ -158,23 +169,52 @@ def _error(exc: BaseException | None) -> str:
 
 
 def _solve(
-    front: tuple[Any, Any],
-    inputs: tuple[tuple, dict],
+    graph: CondensedGraph,
+    batch: int,
     reference: DeviceSpec,
+    links: tuple[tuple[int, int, LinkSpec], ...],
     world: int,
     schedule: str,
     microbatches: int,
     solver: str,
     options: Any,
 ) -> Plan:
-    """Rank 0's plan: ``world`` stages on copies of ``reference``."""
-    captured, condensed = front
-    flat = captured.flatten_inputs(*inputs)
-    flags = captured.batched_inputs or [True] * len(flat)
-    batch = batch_size_of([x for x, b in zip(flat, flags, strict=True) if b] or flat)
+    """Rank 0's plan: ``world`` stages on copies of ``reference``, over the measured links."""
     specs = tuple(reference.with_(name=f"rank{i}") for i in range(world))
-    problem = Problem(condensed.graph, specs, LinkSpec(), allow_idle_devices=False).check()
+    link = getattr(options, "link", None)
+    default = link if isinstance(link, LinkSpec) else LinkSpec()
+    problem = Problem(graph, specs, default, links=links, allow_idle_devices=False).check()
     return plan_pipeline(problem, batch, microbatches, schedule, solver, options).plan
+
+
+def _batch(captured: Any, inputs: tuple[tuple, dict]) -> tuple[list[Any], tuple[bool, ...], int]:
+    """Flat inputs, which of them carry the batch, and the batch size."""
+    flat = captured.flatten_inputs(*inputs)
+    flags = tuple(captured.batched_inputs or [True] * len(flat))
+    return flat, flags, batch_size_of([x for x, b in zip(flat, flags, strict=True) if b] or flat)
+
+
+def _planning_graph(front: tuple[Any, Any], inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
+                    microbatches: int, options: Any) -> tuple[CondensedGraph, int, str]:
+    """Rank 0's graph to plan on: the analytic one, or with ``cost_model`` ``"profiled"`` (or
+    ``"auto"`` when the model fits this device) the same blocks with profiled times."""
+    captured, condensed = front
+    flat, flags, batch = _batch(captured, inputs)
+    real = all(not t.is_meta for t in pytree.tree_leaves(flat) if isinstance(t, torch.Tensor))
+    if cost_model == "analytic" or not real or (cost_model == "auto" and not fits_device(captured.gm, device)):
+        return condensed.graph, batch, "analytic"
+    graph = profiled_blocks(captured.gm, condensed.graph, flat, flags, device, microbatches, options)
+    return graph, batch, "profiled"
+
+
+def _plan(front: tuple[Any, Any], inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
+          links: tuple[tuple[int, int, LinkSpec], ...], reference: DeviceSpec, world: int, schedule: str,
+          microbatches: int, solver: str, options: Any) -> Plan:
+    """Rank 0: the graph with the chosen cost model, solved; the plan records the cost model."""
+    graph, batch, used = _planning_graph(front, inputs, device, cost_model, microbatches, options)
+    plan = _solve(graph, batch, reference, links, world, schedule, microbatches, solver, options)
+    log.info("rank 0 planned with the %s cost model", used)
+    return plan.with_(stats={**plan.stats, "cost_model": used})
 
 
 def plan_on_rank0(
@@ -189,6 +229,7 @@ def plan_on_rank0(
     solver: str,
     plan: Plan | None,
     options: Any,
+    cost_model: str = "auto",
 ) -> DistPlan:
     """Capture on every rank, plan on rank 0, check the plan on every rank; collective.
 
@@ -201,6 +242,12 @@ def plan_on_rank0(
         solver: The solver rank 0 runs.
         plan: A plan to use instead of solving (rank 0's copy is the one used).
         options: ``CompileOptions``.
+        cost_model: ``"analytic"`` (the roofline of rank 0's device), ``"profiled"`` (rank 0
+            materialises the graph on its device and times every node at the micro-batch size,
+            :func:`profiled_blocks`), or ``"auto"``: profiled when the inputs are real and the
+            model fits rank 0's device (:func:`fits_device`). Links between neighbouring ranks
+            are measured (:func:`~fxsplit.runtime.links.probe_pipeline_links`) unless
+            ``options.link`` is a ``LinkSpec``.
 
     Returns:
         The :class:`DistPlan` of this rank.
@@ -224,11 +271,11 @@ def plan_on_rank0(
         "error": _error(failure),
         "digest": graph_digest(front[0].gm) if front is not None else "",
     }
+    links = _links(options, device, world)
     if rank == 0 and front is not None and plan is None:
         plan, failure = _try(
-            lambda: _solve(
-                front, meta_inputs, reference, world, schedule, microbatches, solver, options
-            )
+            lambda: _plan(front, inputs, device, cost_model, links, reference, world, schedule, microbatches,
+                          solver, options)
         )
     notes: dict[str, Any] = {
         **own,
@@ -251,3 +298,74 @@ def plan_on_rank0(
         reference.name,
     )
     return DistPlan(front[0], chosen, reference)
+
+
+def _links(options: Any, device: torch.device, world: int) -> tuple[tuple[int, int, LinkSpec], ...]:
+    """The links between neighbouring ranks: measured (collective, every rank takes part) unless
+    ``options.link`` is a ``LinkSpec``, which then holds for every pair."""
+    link = getattr(options, "link", "auto")
+    if isinstance(link, LinkSpec) or world == 1:
+        return ()
+    if link not in ("auto", "probe"):
+        raise ConfigError(f"CompileOptions.link={link!r}; give a LinkSpec, 'probe' or 'auto'")
+    return probe_pipeline_links(str(device))
+
+
+def fits_device(gm: torch.fx.GraphModule, device: torch.device, factor: float = 4.0) -> bool:
+    """Whether ``factor x`` the graph's parameters and buffers fit the free memory of ``device``
+    (the whole model is materialised there to be profiled: weights, gradients, activations)."""
+    state_bytes = sum(t.numel() * t.element_size() for t in [*gm.parameters(), *gm.buffers()])
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return False
+    return factor * state_bytes < free
+
+
+def _materialised(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
+    """A copy of ``gm`` with real tensors on ``device``: floats drawn N(0, 0.02), the rest zero
+    (timing does not depend on the values; uninitialised memory could hold NaNs that take slow
+    paths), and tensors the graph creates made on ``device`` instead of meta."""
+    work = copy.deepcopy(gm).to_empty(device=device)
+    for node in work.graph.nodes:  # factory ops captured on meta (arange, full, ...) carry device=meta
+        dev = node.kwargs.get("device")
+        if isinstance(dev, torch.device) and dev.type == "meta":
+            node.kwargs = {**node.kwargs, "device": device}
+    work.recompile()
+    with torch.no_grad():
+        for t in [*work.parameters(), *work.buffers()]:
+            if t.is_floating_point():
+                t.normal_(0.0, 0.02)
+            else:
+                t.zero_()
+    return work
+
+
+def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[Any], batched: tuple[bool, ...],
+                    device: torch.device, microbatches: int, options: Any) -> CondensedGraph:
+    """``graph`` (the analytic blocks every rank also made) with block times profiled on
+    ``device`` at the micro-batch size: the graph is materialised there with stand-in values,
+    every node timed in context (:func:`fxsplit.passes.profile.profile_node_times`, cached as
+    ``fxsplit.compile`` caches), and each block's times summed over its nodes. The blocks stay the
+    ones every rank has, so the plan fits every rank's capture.
+    """
+    work = _materialised(gm, device)
+    inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
+    batch = batch_size_of([x for x, b in zip(inputs, batched, strict=True) if b] or inputs)
+    cache_dir = getattr(options, "profile_cache_dir", None)
+    cache = None if cache_dir is False else ProfileCache(cache_dir or default_cache_dir(),
+                                                         device_name(DeviceSpec("rank0", torch_device=str(device))))
+    profile_node_times(work, inputs, batched, profile_sizes(batch, microbatches), str(device), cache=cache)
+    if cache is not None:
+        cache.save()
+    costs = {n.name: n.meta["fxsplit.cost"] for n in work.graph.nodes if n.op != "output"}
+    blocks = []
+    for b in graph.blocks:
+        parts = [costs[n] for n in b.nodes if n in costs]
+        blocks.append(replace(b, fwd_s=sum(c.fwd_s for c in parts), bwd_s=sum(c.bwd_s for c in parts),
+                              fwd_fixed_s=sum(c.fwd_fixed_s for c in parts),
+                              bwd_fixed_s=sum(c.bwd_fixed_s for c in parts)))
+    return CondensedGraph(tuple(blocks), graph.edges, graph.name)

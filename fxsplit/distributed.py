@@ -174,6 +174,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     timeout_s: float = 60.0,
     watchdog: bool = True,
     options: CompileOptions | None = None,
+    cost_model: str = "auto",
 ) -> DistributedPipeline:
     """Build this rank's stage of a pipeline over all ranks; call on every rank.
 
@@ -202,6 +203,11 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         timeout_s: Seconds a rank waits for a peer before raising ``ExecutionError``.
         watchdog: End a process stuck past ``timeout_s`` + 5 s where no timeout reaches.
         options: :class:`~fxsplit.api.CompileOptions` (capture method, ideal budget).
+        cost_model: How rank 0 costs the plan: ``"auto"`` (profiled when the example inputs are
+            real and the model fits rank 0's device, else analytic), ``"profiled"`` (rank 0
+            materialises the graph on its device with stand-in weights and times every node at
+            the micro-batch size) or ``"analytic"``. The links between neighbouring ranks are
+            measured in every case (a send/recv ping-pong, collective).
 
     Returns:
         The :class:`DistributedPipeline` of this rank.
@@ -219,6 +225,8 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         >>> # pipe = fxsplit.distributed.compile(lambda: GPT(cfg), (tokens,), microbatches=4)
         >>> # loss = pipe.train_step(tokens, target=labels, loss_fn=F.cross_entropy)
     """
+    if cost_model not in ("auto", "profiled", "analytic"):
+        raise ConfigError(f"cost_model={cost_model!r}; choose 'auto', 'profiled' or 'analytic'")
     rank, world, device = init_process_group(backend, timeout_s)
     m = microbatches if microbatches is not None else world
     _check_args(schedule, m, world, None)
@@ -229,7 +237,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     with torch.device("meta"):
         meta_model = model_fn()
     planned = plan_on_rank0(meta_model, (args, kwargs), rank=rank, world=world, device=device, schedule=schedule,
-                            microbatches=m, solver=solver, plan=plan, options=options)
+                            microbatches=m, solver=solver, plan=plan, options=options, cost_model=cost_model)
     captured, plan = planned.captured, planned.plan
     _check_args(schedule, m, world, plan.num_stages)
     program = split_graph(captured.gm, plan.stage_of_block(), [str(device)] * world)

@@ -15,6 +15,8 @@ import torch
 
 import fxsplit.distributed as fxd
 import fxsplit.models as zoo
+from fxsplit.api import CompileOptions
+from fxsplit.ir import LinkSpec
 
 
 def _case(name: str, batch: int) -> Any:
@@ -55,8 +57,11 @@ def train_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, str, 
         case = _case(name, batch)
         inputs, target = case.make_batch(batch, 11)
         ref_loss, ref_grads = reference(case, inputs, target)
+        # The analytic cost model and a fixed link keep the plan (tied embedding and LM head on
+        # different ranks) independent of timing noise; the other workers use the measured defaults.
         pipe = fxd.compile(_model_fn(name, batch), case.example_inputs, schedule=schedule, microbatches=m,
-                           state_dict=case.model.state_dict(), timeout_s=30)
+                           state_dict=case.model.state_dict(), timeout_s=30, cost_model="analytic",
+                           options=CompileOptions(link=LinkSpec()))
         loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
         out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
         out[tag]["broadcast"] = float(loss)
@@ -347,10 +352,11 @@ def planned_on_rank0(rank: int, world: int, out_dir: str) -> dict[str, Any]:
         def forbidden(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError(f"rank {rank} planned")
 
-        dp.reference_spec = dp._solve = forbidden  # type: ignore[assignment]
+        dp.reference_spec = dp._solve = dp.profiled_blocks = forbidden  # type: ignore[assignment]
     batch = 2 * world
     case = _case("gpt", batch)
     pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="gpipe", microbatches=2,
                        state_dict=case.model.state_dict(), timeout_s=30)
     pipe.close()
-    return {"reference": pipe.meta["reference"], "stages": [s["blocks"] for s in pipe.meta["plan"]["stages"]]}
+    return {"reference": pipe.meta["reference"], "stages": [s["blocks"] for s in pipe.meta["plan"]["stages"]],
+            "cost_model": pipe.meta["plan"].get("stats", {}).get("cost_model")}

@@ -188,4 +188,6 @@ def test_rank_0_plans_once_on_its_measured_device_and_the_others_follow(tmp_path
     refs = [r["result"]["reference"] for r in results.values()]
     assert refs[0] == refs[1] and [r["result"]["stages"] for r in results.values()].count(results[0]["result"]["stages"]) == 2
     assert refs[0]["kind"] == "cpu" and refs[0]["peak_flops"] != 50e9, "the old fixed REFERENCE_CPU"
+    # Real example inputs and a model that fits: rank 0 profiled (the other ranks may not).
+    assert [r["result"]["cost_model"] for r in results.values()] == ["profiled", "profiled"]
     assert refs[0]["memory_bytes"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "measured on this machine"

@@ -83,3 +83,21 @@ def test_compile_on_cpu_devices_plans_hand_overs_not_transfers() -> None:
     pipe = fxsplit.compile(model, ["cpu", "cpu"], (torch.randn(4, 8),), microbatches=2, cost_model="profiled")
     assert pipe.plan.num_stages == 2
     assert all(st.comm_s == 0.0 for st in pipe.plan.stages)
+
+
+def test_distributed_planning_takes_a_given_link_without_probing(monkeypatch) -> None:
+    """``CompileOptions(link=LinkSpec(...))`` holds for every pair of ranks: nothing is probed
+    (a probe would need a process group); an unknown ``link`` is a ConfigError."""
+    import torch
+
+    import fxsplit.dist_plan as dp
+    from fxsplit.api import CompileOptions
+    from fxsplit.ir import LinkSpec
+
+    def no_probe(device: str) -> None:
+        raise AssertionError("probed although a LinkSpec was given")
+
+    monkeypatch.setattr(dp, "probe_pipeline_links", no_probe)
+    assert dp._links(CompileOptions(link=LinkSpec(bytes_per_s=1e9)), torch.device("cpu"), 4) == ()
+    with pytest.raises(ConfigError, match="CompileOptions.link='fast'"):
+        dp._links(CompileOptions(link="fast"), torch.device("cpu"), 2)

@@ -41,38 +41,42 @@ _ADD_ = torch.ops.aten.add_.Tensor
 
 @dataclass
 class _Sums:
+    """One BatchNorm's statistics during a step: ``(count, mean, unbiased var)`` per micro-batch."""
+
     running_mean: torch.Tensor
     running_var: torch.Tensor
     momentum: float
-    total: torch.Tensor | None = None
-    squares: torch.Tensor | None = None
-    count: int = 0
+    parts: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
 class BatchNormTracker:
-    """Per-channel sums of every deferred BatchNorm during one step; :meth:`commit` applies them."""
+    """Per-channel statistics of every deferred BatchNorm during one step; :meth:`commit`
+    pools them and applies them.
+
+    References:
+        Chan, Golub and LeVeque, "Updating formulae and a pairwise algorithm for computing sample
+        variances", 1979 (pooling the variances of parts).
+    """
 
     sums: dict[str, _Sums] = field(default_factory=dict)
     counters: dict[str, torch.Tensor] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, key: str, x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float) -> None:
-        dims = [d for d in range(x.dim()) if d != 1]
-        with torch.no_grad(), self.lock:
+    def add(self, key: str, count: int, mean: torch.Tensor, var: torch.Tensor, running_mean: torch.Tensor,
+            running_var: torch.Tensor, momentum: float) -> None:
+        """Record a micro-batch's per-channel ``mean`` and unbiased ``var`` over ``count`` values
+        per channel (``[channels]`` each)."""
+        with self.lock:
             s = self.sums.setdefault(key, _Sums(running_mean, running_var, momentum))
-            xf = x.detach().float()
-            total, squares = xf.sum(dims), (xf * xf).sum(dims)
-            s.total = total if s.total is None else s.total + total
-            s.squares = squares if s.squares is None else s.squares + squares
-            s.count += x.numel() // x.shape[1]
+            s.parts.append((count, mean, var))
 
     def count_batch(self, key: str, counter: torch.Tensor) -> None:
         with self.lock:
             self.counters[key] = counter
 
     def reset(self) -> None:
-        """Forget the sums of a step that did not finish."""
+        """Forget the statistics of a step that did not finish."""
         with self.lock:
             self.sums.clear()
             self.counters.clear()
@@ -82,17 +86,27 @@ class BatchNormTracker:
         unbiased variance, as ``nn.BatchNorm`` does) and count one batch; then reset."""
         with torch.no_grad(), self.lock:
             for s in self.sums.values():
-                if s.total is None or s.squares is None or s.count == 0:
+                if not s.parts:
                     continue
-                mean = s.total / s.count
-                var = (s.squares / s.count - mean * mean).clamp_min(0)
-                unbiased = var * s.count / max(s.count - 1, 1)
+                mean, unbiased = _pooled(s.parts)
                 s.running_mean.mul_(1 - s.momentum).add_(mean.to(s.running_mean.dtype), alpha=s.momentum)
                 s.running_var.mul_(1 - s.momentum).add_(unbiased.to(s.running_var.dtype), alpha=s.momentum)
             for counter in self.counters.values():
                 counter.add_(1)
             self.sums.clear()
             self.counters.clear()
+
+
+def _pooled(parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance of the union of parts ``(n_i, mean_i, unbiased var_i)``:
+    ``M = sum n_i m_i / N``, ``var = sum((n_i - 1) v_i + n_i (m_i - M)^2) / (N - 1)``."""
+    n = sum(c for c, _, _ in parts)
+    means = torch.stack([m for _, m, _ in parts]).float()  # [parts, channels]
+    counts = torch.tensor([c for c, _, _ in parts], dtype=means.dtype, device=means.device).unsqueeze(1)
+    variances = torch.stack([v for _, _, v in parts]).float()
+    mean = (counts * means).sum(0) / n
+    scatter = ((counts - 1) * variances + counts * (means - mean).square()).sum(0)
+    return mean, scatter / max(n - 1, 1)
 
 
 class DeferredBatchNorm(nn.Module):
@@ -103,8 +117,12 @@ class DeferredBatchNorm(nn.Module):
         self.tracker, self.key, self.momentum, self.eps = tracker, key, momentum, eps
 
     def forward(self, x: torch.Tensor, weight: Any, bias: Any, running_mean: torch.Tensor, running_var: torch.Tensor) -> torch.Tensor:
-        self.tracker.add(self.key, x, running_mean, running_var, self.momentum)
-        return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
+        # With momentum 1 the kernel writes this micro-batch's mean and unbiased variance, which it
+        # computes anyway to normalise, into zeroed scratch buffers: no second pass over x.
+        mean, var = torch.zeros_like(running_mean), torch.zeros_like(running_var)
+        out = torch.nn.functional.batch_norm(x, mean, var, weight, bias, True, 1.0, self.eps)
+        self.tracker.add(self.key, x.numel() // x.shape[1], mean, var, running_mean, running_var, self.momentum)
+        return out
 
 
 class DeferredCount(nn.Module):
