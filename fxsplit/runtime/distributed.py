@@ -4,7 +4,9 @@ Global rank ``i`` runs stage ``i``. Communication is torch's, not ours:
 
 * activations and their gradients travel through ``PipelineStage`` (built from
   :class:`~fxsplit.runtime.dist_stage.StageModule`, which puts lists, scalars and ``None`` crossing
-  a boundary into tensors) under ``ScheduleGPipe`` or ``Schedule1F1B``; the shapes on the wire
+  a boundary into tensors) under the very action lists the local pipeline runs and the explorer
+  simulated (:func:`fxsplit.schedule.make`), lowered onto torch's ``_PipelineScheduleRuntime``
+  (:mod:`fxsplit.runtime.dist_schedule`); the shapes on the wire
   are given to ``PipelineStage`` up front (:class:`~fxsplit.runtime.dist_shapes.WireShapes`), so
   no stage runs on placeholder buffers;
 * the loss is weighted by each micro-batch's share of the batch inside the loss function given
@@ -38,22 +40,24 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from fxsplit.errors import ConfigError, ExecutionError
 from fxsplit.passes.capture import flatten_to_spec
 from fxsplit.runtime.dist_faults import Progress, Watchdog
+from fxsplit.runtime.dist_schedule import lowered_schedule
 from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState
 from fxsplit.runtime.microbatch import batch_size_of, merge_outputs, microbatch_sizes
 from fxsplit.runtime.state import ParameterAPI
+from fxsplit.schedule import available, make
 
 __all__ = ["DistributedPipeline", "TiedGroup", "SCHEDULES", "shard_name", "PLAN_FILE"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = available()
 PLAN_FILE = "plan.json"
 
 
@@ -149,17 +153,23 @@ class DistributedPipeline(ParameterAPI):
         """A ``PipelineStage`` and schedule for ``count`` micro-batches of ``size`` samples.
 
         ``PipelineStage`` sizes its receive buffers from the first micro-batch it sees, so each
-        micro-batch size gets its own stage object (over the same module); 1F1B needs at least as
-        many micro-batches as stages, so a shorter group runs GPipe. Inference runs a schedule
-        without a loss (torch's schedules compute the loss whenever they have one).
+        micro-batch size gets its own stage object (over the same module). The schedule is
+        fxsplit's own (:func:`fxsplit.schedule.make`, the actions the local pipeline runs and the
+        explorer simulated) on torch's runtime. Inference runs ``ScheduleGPipe`` without a loss:
+        every schedule's forward actions come in micro-batch order on each rank, which is GPipe's
+        forward (torch's runtime refuses an action list without backwards).
         """
         key = (size, count, train)
         if key not in self._runners:
             ins, outs = self.shapes.example_args(size, train) if self.shapes is not None else (None, None)
             stage = PipelineStage(self.module, self.stage_index, self.num_stages, self.device,
                                   input_args=ins, output_args=outs)
-            kind = self.schedule_kind if count >= self.num_stages or self.schedule_kind == "gpipe" else "gpipe"
-            schedule = SCHEDULES[kind](stage, count, loss_fn=self._loss if train else None, scale_grads=False)
+            schedule: Any
+            if train:
+                actions = make(self.schedule_kind, self.num_stages, count)
+                schedule = lowered_schedule([stage], actions, self._loss, scale_grads=False)
+            else:
+                schedule = ScheduleGPipe(stage, count, loss_fn=None, scale_grads=False)
             self._instrument(stage)
             self._runners[key] = (stage, schedule)
         return self._runners[key]
