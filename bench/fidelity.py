@@ -10,7 +10,16 @@ mean forward and backward time of each stage per micro-batch) against the plan's
 The local pipeline runs every action in turn (one process), so its step should take
 ``m x sum of stage times``: that is the step prediction compared here.
 
-Run: ``python bench/fidelity.py [--quick] [--steps 5] [--cost-model profiled|measured|analytic]``.
+``--ranks 2``: the same models on ``fxsplit.distributed`` (2 processes, gloo on 127.0.0.1, 1
+thread each, rank 0 profiles and plans over the measured link): per stage the plan's forward and
+backward time per micro-batch against the runtime trace of every rank
+(``pipe.stage_times_s()``, medians over the timed steps), and the plan's simulated step
+(``makespan_s``: schedule, bubble and link) against the wall time of ``train_step``. "replay" is
+the same simulation on the *measured* stage times: its error is what lies outside the stages'
+compute (the loss, waiting on sends and receives, the runtime, the tied-weight all-reduce).
+
+Run: ``python bench/fidelity.py [--quick] [--steps 5] [--cost-model profiled|measured|analytic]
+[--ranks 2]``.
 """
 
 from __future__ import annotations
@@ -67,12 +76,89 @@ def run_case(name: str, model: str, size: str, overrides: dict, p: int, m: int, 
             "gains": report.predicted_gains, "replanned": report.replanned}
 
 
+def _dist_worker(rank: int, port: int, queue: Any, case_args: tuple, steps: int, schedule: str,
+                 cost_model: str) -> None:
+    """One rank of the 2-rank fidelity run: compile, warm up, time ``steps`` train steps."""
+    import torch.distributed as dist
+
+    import fxsplit.distributed as fxd
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        name, model, size, overrides, p, m, batch = case_args
+        case = zoo.get(model, size=size, batch_size=batch, **overrides)
+        start = time.perf_counter()
+        pipe = fxd.compile(lambda: zoo.get(model, size=size, batch_size=batch, **overrides).model, case.example_inputs, case.example_kwargs or None, schedule=schedule,
+                           microbatches=m, state_dict=case.model.state_dict(), cost_model=cost_model,
+                           timeout_s=300.0, options=CompileOptions(profile_cache_dir=False))
+        compile_s = time.perf_counter() - start
+        x, y = case.make_batch(batch, 1)
+        kwargs = case.example_kwargs or {}
+        step_s, per_step = [], []
+        for i in range(steps + 1):  # the first step warms up (buffers, allocator)
+            dist.barrier()
+            t = time.perf_counter()
+            pipe.train_step(*x, target=y, loss_fn=case.loss_fn, **kwargs)
+            dist.barrier()
+            if i:
+                step_s.append(time.perf_counter() - t)
+                per_step.append(pipe.stage_times_s())
+        if rank == 0:
+            plan = pipe.meta["plan"]
+            stages = [{"stage": s, "pred_fwd_s": st["fwd_s"], "pred_bwd_s": st["bwd_s"],
+                       "meas_fwd_s": statistics.median(r[s]["fwd_s"] for r in per_step),
+                       "meas_bwd_s": statistics.median(r[s]["bwd_s"] for r in per_step)}
+                      for s, st in enumerate(plan["stages"])]
+            from fxsplit.schedule import make, simulate
+
+            replay = simulate(make(schedule, p, m), [r["meas_fwd_s"] for r in stages], [r["meas_bwd_s"] for r in stages],
+                              stage_comm_s=[st["comm_s"] for st in plan["stages"]]).makespan_s
+            queue.put({"name": name, "cost_model": plan.get("stats", {}).get("cost_model", cost_model),
+                       "stages": p, "microbatches": m, "batch": batch, "schedule": schedule, "compile_s": compile_s,
+                       "before": stages, "step": (plan["makespan_s"], statistics.median(step_s)), "replay_s": replay})
+        pipe.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_case_distributed(case_args: tuple, steps: int, schedule: str, cost_model: str) -> dict[str, Any]:
+    """Spawn 2 gloo ranks for one case (its stage count is taken as 2)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    queue = mp.get_context("spawn").SimpleQueue()
+    case_args = (*case_args[:4], 2, *case_args[5:])
+    mp.spawn(_dist_worker, args=(port, queue, case_args, steps, schedule, cost_model), nprocs=2, join=True)
+    return queue.get()
+
+
+def dist_step_table(rows: list[dict[str, Any]]) -> Table:
+    t = Table(title="step time, 2 ranks (gloo): plan's simulated step vs measured train_step, "
+                    "error = predicted / measured - 1")
+    for col in ("model", "p x m", "cost model", "pred ms", "meas ms", "error", "median |stage err|",
+                "replay ms", "replay error"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for r in rows:
+        pred, meas = r["step"]
+        t.add_row(r["name"], f"{r['stages']} x {r['microbatches']}", r["cost_model"], f"{pred * 1e3:.2f}",
+                  f"{meas * 1e3:.2f}", f"{_err(pred, meas):+.1%}", f"{_median_stage_err(r['before']):.1%}",
+                  f"{r['replay_s'] * 1e3:.2f}", f"{_err(r['replay_s'], meas):+.1%}")
+    return t
+
+
 def _err(pred: float, meas: float) -> float:
     return pred / meas - 1 if meas > 0 else float("nan")
 
 
-def stage_table(rows: list[dict[str, Any]], when: str) -> Table:
-    t = Table(title=f"per stage, per micro-batch, {when} calibration: predicted vs measured (runtime trace), ms")
+def stage_table(rows: list[dict[str, Any]], when: str, title: str | None = None) -> Table:
+    t = Table(title=title or f"per stage, per micro-batch, {when} calibration: predicted vs measured (runtime trace), ms")
     for col in ("model", "p x m", "stage", "pred F", "meas F", "F err", "pred B", "meas B", "B err",
                 "pred F+B", "meas F+B", "F+B err"):
         t.add_column(col, justify="left" if col == "model" else "right")
@@ -111,6 +197,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     parser.add_argument("--cost-model", choices=("profiled", "measured", "analytic"), default="profiled")
+    parser.add_argument("--ranks", type=int, choices=(1, 2), default=1,
+                        help="1: the local pipeline and calibrate; 2: fxsplit.distributed on 2 gloo ranks")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -118,17 +206,30 @@ def main() -> None:
     out = console()
     load_before = os.getloadavg()
     rows = []
-    for name, model, size, overrides, p, m, batch in QUICK if args.quick else CASES:
-        with out.status(f"{name}: {p} stages, {m} micro-batches ..."):
-            rows.append(run_case(name, model, size, overrides, p, m, batch, 2 if args.quick else args.steps,
-                                 args.schedule, args.cost_model))
+    cases = QUICK if args.quick else CASES
+    if args.ranks == 2:  # one row per model (the stage count is the world size)
+        cases = list({c[0]: c for c in reversed(cases)}.values())[::-1]
+    for name, model, size, overrides, p, m, batch in cases:
+        steps = 2 if args.quick else args.steps
+        with out.status(f"{name}: {p if args.ranks == 1 else 2} stages, {m} micro-batches ..."):
+            if args.ranks == 2:
+                rows.append(run_case_distributed((name, model, size, overrides, p, m, batch), steps, args.schedule,
+                                                 args.cost_model))
+            else:
+                rows.append(run_case(name, model, size, overrides, p, m, batch, steps, args.schedule,
+                                     args.cost_model))
     load_after = os.getloadavg()
-    show(stage_table(rows, "before"), out, args.markdown)
-    show(stage_table(rows, "after"), out, args.markdown)
-    show(step_table(rows), out, args.markdown)
+    if args.ranks == 2:
+        show(stage_table(rows, "before", "per stage, per micro-batch, 2 ranks (gloo): plan vs every rank's runtime "
+                                         "trace (median over steps), ms"), out, args.markdown)
+        show(dist_step_table(rows), out, args.markdown)
+    else:
+        show(stage_table(rows, "before"), out, args.markdown)
+        show(stage_table(rows, "after"), out, args.markdown)
+        show(step_table(rows), out, args.markdown)
     out.print(f"cost model {args.cost_model}, 1 thread, {os.cpu_count()} cores; load average (1, 5, 15 min) "
               f"before {tuple(round(v, 2) for v in load_before)}, after {tuple(round(v, 2) for v in load_after)}")
-    path = write_json(args.out, "fidelity", {"env": environment(), "threads": 1, "load": [load_before, load_after],
+    path = write_json(args.out, "fidelity" if args.ranks == 1 else "fidelity-2ranks", {"env": environment(), "threads": 1, "load": [load_before, load_after],
                                              "rows": rows})
     out.print(f"wrote {path}")
 

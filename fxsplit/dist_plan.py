@@ -42,6 +42,7 @@ from fxsplit.passes.profile import (
     profile_node_times,
     profile_sizes,
 )
+from fxsplit.runtime.dist_state import retarget_meta_devices
 from fxsplit.runtime.links import probe_pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
 
@@ -328,15 +329,22 @@ def fits_device(gm: torch.fx.GraphModule, device: torch.device, factor: float = 
 def _materialised(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
     """A copy of ``gm`` with real tensors on ``device``: floats drawn N(0, 0.02), the rest zero
     (timing does not depend on the values; uninitialised memory could hold NaNs that take slow
-    paths), and tensors the graph creates made on ``device`` instead of meta."""
+    paths), plain tensor attributes (export's lifted constants) too, and every ``device=meta``
+    argument of the graph (``arange``, ``full``, ``to``; keyword or positional) made ``device``."""
     work = copy.deepcopy(gm).to_empty(device=device)
-    for node in work.graph.nodes:  # factory ops captured on meta (arange, full, ...) carry device=meta
-        dev = node.kwargs.get("device")
-        if isinstance(dev, torch.device) and dev.type == "meta":
-            node.kwargs = {**node.kwargs, "device": device}
+    made = []
+    retarget_meta_devices(work, device)  # ops captured on meta (arange, full, to) carry device=meta
+    for node in work.graph.nodes:
+        if node.op == "get_attr":  # plain tensor attributes (export's lifted constants): not moved by to_empty
+            owner_path, _, attr = str(node.target).rpartition(".")
+            owner = work.get_submodule(owner_path)
+            value = getattr(owner, attr, None)
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                setattr(owner, attr, torch.empty_like(value, device=device))
+                made.append(getattr(owner, attr))
     work.recompile()
     with torch.no_grad():
-        for t in [*work.parameters(), *work.buffers()]:
+        for t in [*work.parameters(), *work.buffers(), *made]:
             if t.is_floating_point():
                 t.normal_(0.0, 0.02)
             else:

@@ -66,6 +66,9 @@ def train_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, str, 
         out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
         out[tag]["broadcast"] = float(loss)
         out[tag]["tied"] = [t.name for t in pipe.tied]
+        out[tag]["stage_times_s"] = pipe.stage_times_s()
+        out[tag]["trace"] = [(e.stage, e.kind, e.microbatch, e.start_s, e.end_s) for e in pipe.gather_trace()]
+        pipe.trace(os.path.join(out_dir, f"trace-{schedule}-{m}-{batch}.json"))
         pipe.close()
     return out
 

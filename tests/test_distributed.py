@@ -142,6 +142,36 @@ def test_uneven_micro_batches_train_like_the_unsplit_model(tmp_path, world, micr
     for tag in results[0]["result"]:
         losses = {r["result"][tag]["broadcast"] for r in results.values()}
         assert len(losses) == 1, f"{tag}: {losses}"
+        _check_gathered_trace(results, tag, world, microbatches)
+    for schedule in ("gpipe", "1f1b"):
+        from fxsplit.runtime.trace import load_chrome_trace
+
+        written = load_chrome_trace(tmp_path / f"trace-{schedule}-{microbatches}-{batch}.json")
+        assert len(written) == 2 * world * microbatches, written
+
+
+def _check_gathered_trace(results, tag, world, microbatches):
+    """Issue 9: per-stage times of a distributed step come from every rank's runtime trace.
+    Every rank gets the same gathered trace: each stage ran F and B of every micro-batch of the
+    batch once (micro-batch ids continue across the groups of unequal sizes), on one time axis
+    where a stage's forward of micro-batch i starts after the previous stage's ended and its
+    backward ends before the previous stage's backward starts (it sends that gradient)."""
+    traces = [r["result"][tag]["trace"] for r in results.values()]
+    assert all(t == traces[0] for t in traces), f"{tag}: ranks gathered different traces"
+    span = {(s, k, i): (a, b) for s, k, i, a, b in traces[0]}
+    expected = {(s, k, i) for s in range(world) for k in "FB" for i in range(microbatches)}
+    assert len(traces[0]) == len(span) and set(span) == expected, f"{tag}: {sorted(span)}"
+    slack_s = 1e-3
+    for s in range(1, world):
+        for i in range(microbatches):
+            assert span[(s, "F", i)][0] >= span[(s - 1, "F", i)][1] - slack_s, f"{tag}: {s}F{i} before {s - 1}F{i} ended"
+            assert span[(s - 1, "B", i)][0] >= span[(s, "B", i)][1] - slack_s, f"{tag}: {s - 1}B{i} before {s}B{i} ended"
+    times = [r["result"][tag]["stage_times_s"] for r in results.values()]
+    assert all(t == times[0] for t in times) and len(times[0]) == world
+    for s, row in enumerate(times[0]):
+        fwd = [b - a for (st, k, _), (a, b) in span.items() if st == s and k == "F"]
+        assert row["fwd_s"] > 0 and row["bwd_s"] > 0, f"{tag}: stage {s}: {row}"
+        assert abs(row["fwd_s"] - sum(fwd) / len(fwd)) < 1e-6, f"{tag}: stage {s}: {row} vs the trace"
 
 
 @pytest.mark.parametrize("batch", [4, 5])

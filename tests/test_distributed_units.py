@@ -182,3 +182,31 @@ def test_wire_shapes_match_what_the_stages_send_at_any_micro_batch_size():
         assert size in [int(t) for t in sent if t.dim() == 0 and t.dtype == torch.int64]
         assert outs[0].shape == (size, 4, 16)
         assert not any(t.requires_grad for t in shapes[1].example_args(size, train=False)[0])
+
+
+def test_rank0_profiles_a_meta_capture_of_a_hugging_face_bert():
+    """Regression (issue 9): rank 0's profiling of the meta capture of a Hugging Face BERT failed
+    with "Cannot copy out of meta tensor": ``attention_mask.to(meta)`` (a *positional* device
+    argument of ``aten.to.device``) was left on meta by the materialisation, which only rewrote
+    ``device=`` keywords. Every node now runs, and every block gets a positive profiled time."""
+    import torch.utils._pytree as pytree
+
+    import fxsplit.models as zoo
+    from fxsplit.api import CompileOptions
+    from fxsplit.compiler import front_end
+    from fxsplit.dist_plan import _batch, profiled_blocks, reference_spec
+
+    config = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 128,
+              "vocab_size": 128, "seq_len": 16}
+    case = zoo.get("hf:bert", size="tiny", batch_size=4, **config)
+    with torch.device("meta"):
+        meta_model = zoo.get("hf:bert", size="tiny", batch_size=4, **config).model
+    args = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, tuple(case.example_inputs))
+    kwargs = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, case.example_kwargs or {})
+    options = CompileOptions(profile_cache_dir=False)
+    captured, condensed = front_end(meta_model, args, kwargs, reference_spec(torch.device("cpu")), "analytic", options)[:2]
+    assert "device(type='meta')" in captured.gm.code, "the capture has no meta device argument; proves nothing"
+    flat, flags, _ = _batch(captured, (tuple(case.example_inputs), case.example_kwargs or {}))
+    graph = profiled_blocks(captured.gm, condensed.graph, flat, flags, torch.device("cpu"), 2, options)
+    assert len(graph.blocks) == len(condensed.graph.blocks)
+    assert sum(b.fwd_s for b in graph.blocks) > 0 and sum(b.bwd_s for b in graph.blocks) > 0

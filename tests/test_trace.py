@@ -59,3 +59,16 @@ def test_span_without_recorder_is_a_no_op() -> None:
 def test_trace_before_any_step_says_what_to_do(tmp_path) -> None:
     with pytest.raises(ConfigError, match="train_step"):
         TraceRecorder().write(tmp_path / "t.json")
+
+
+def test_a_rank_recorder_steps_only_at_begin() -> None:
+    """One rank of a distributed pipeline records its own stage only; a step starts at begin()
+    (with auto_step, 0F0 would start one and a later stage's recorder would never reset)."""
+    rec = TraceRecorder(auto_step=False)
+    for t0 in (10.0, 20.0):
+        rec.begin(t0)
+        rec.add(0, "F", 0, t0 + 1.0, t0 + 1.5)
+        rec.add(0, "F", 1, t0 + 2.0, t0 + 2.25)
+    assert [(e.name, e.start_s, e.duration_s) for e in rec.events] == [("0F0", 1.0, 0.5), ("0F1", 2.0, 0.25)]
+    copy = TraceRecorder.from_events(rec.events)
+    assert copy.events == rec.events and copy.per_stage_s(1) == [{"fwd_s": 0.375, "bwd_s": 0.0}]

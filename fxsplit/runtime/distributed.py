@@ -51,6 +51,7 @@ from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState
 from fxsplit.runtime.microbatch import batch_size_of, merge_outputs, microbatch_sizes
 from fxsplit.runtime.state import ParameterAPI
+from fxsplit.runtime.trace import TraceEvent, TraceRecorder
 from fxsplit.schedule import available, make
 
 __all__ = ["DistributedPipeline", "TiedGroup", "SCHEDULES", "shard_name", "PLAN_FILE"]
@@ -139,6 +140,11 @@ class DistributedPipeline(ParameterAPI):
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._weight = 1.0 / microbatches
         self._runners: dict[tuple[int, int, bool], tuple[PipelineStage, Any]] = {}  # built at first use
+        # runtime trace of this rank's stage in the latest train_step (None: not recorded)
+        self.recorder: TraceRecorder | None = TraceRecorder(auto_step=False)
+        self._recording = False
+        self._mb_offset = 0  # index of the current group's first micro-batch in the batch
+        self._wall_t0 = 0.0  # time.time() at the start of the latest recorded step
 
     # -- structure ---------------------------------------------------------------------------
     @property
@@ -193,7 +199,20 @@ class DistributedPipeline(ParameterAPI):
         return [v[start:stop] if b else v for v, b in zip(flat, flags, strict=True)]
 
     def _instrument(self, stage: PipelineStage) -> None:
-        """Record the action in flight, so a failure names its micro-batch (see Progress)."""
+        """Record the action in flight, so a failure names its micro-batch (see Progress), and
+        time every forward and backward of a training step into :attr:`recorder`."""
+        for attr, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
+            compute = getattr(stage, attr)
+
+            def timed(chunk: int, *args: Any, _m: Any = compute, _k: str = kind, **kwargs: Any) -> Any:
+                if not self._recording or self.recorder is None:
+                    return _m(chunk, *args, **kwargs)
+                start = time.perf_counter()
+                out = _m(chunk, *args, **kwargs)
+                self.recorder.add(self.stage_index, _k, chunk + self._mb_offset, start, time.perf_counter())
+                return out
+
+            setattr(stage, attr, timed)
         for attr, action in (
             ("get_fwd_recv_ops", "receiving activations for"), ("forward_one_chunk", "running the forward of"),
             ("get_fwd_send_ops", "sending activations of"), ("get_bwd_recv_ops", "receiving gradients for"),
@@ -277,20 +296,93 @@ class DistributedPipeline(ParameterAPI):
             raise ConfigError(f"target must be a tensor with the batch on dim 0, got {type(target).__name__}")
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []
-        for start, size, count in self._groups(batch):  # one run per micro-batch size
-            stop = start + size * count
-            _, schedule = self._runner(size, count)
-            self._weight = size / batch  # each micro-batch loss times its share of the batch
-            step_args = self._step_args(self._slice_inputs(flat, start, stop))
-            group: list[torch.Tensor] = []  # the schedule clears the list it is given
-            extra = {"target": target[start:stop].to(self.device), "losses": group} if self.is_last else {}
-            self._run("train_step", functools.partial(schedule.step, *step_args, return_outputs=False, **extra))
-            losses += group
+        if self.recorder is not None:
+            self._wall_t0 = time.time()
+            self.recorder.begin(time.perf_counter())
+        self._recording, self._mb_offset = True, 0
+        try:
+            for start, size, count in self._groups(batch):  # one run per micro-batch size
+                losses += self._train_group(flat, target, start, size, count, batch)
+                self._mb_offset += count
+        finally:
+            self._recording = False
         self._run("the tied-weight all-reduce", self._sync_tied)
         loss = torch.stack([x.detach() for x in losses]).sum() if self.is_last else None
         if broadcast_loss:
             loss = self._run("the loss broadcast", lambda: self._broadcast(loss))
         return loss
+
+    def _train_group(self, flat: Sequence[Any], target: Any, start: int, size: int, count: int,
+                     batch: int) -> list[torch.Tensor]:
+        """Run ``count`` micro-batches of ``size`` samples from sample ``start``; their losses
+        (last rank) or ``[]``."""
+        stop = start + size * count
+        _, schedule = self._runner(size, count)
+        self._weight = size / batch  # each micro-batch loss times its share of the batch
+        step_args = self._step_args(self._slice_inputs(flat, start, stop))
+        group: list[torch.Tensor] = []  # the schedule clears the list it is given
+        extra = {"target": target[start:stop].to(self.device), "losses": group} if self.is_last else {}
+        self._run("train_step", functools.partial(schedule.step, *step_args, return_outputs=False, **extra))
+        return group
+
+    # -- runtime trace -----------------------------------------------------------------------
+    def stage_times_s(self) -> list[dict[str, float]]:
+        """Per-stage mean forward and backward seconds per micro-batch in the latest
+        ``train_step``, from every rank's trace; collective (one ``all_gather_object``).
+
+        Returns:
+            ``[num_stages]`` dicts ``{"fwd_s", "bwd_s"}`` on every rank, the local pipeline's
+            :meth:`TraceRecorder.per_stage_s` layout (what ``calibrate`` and the fidelity bench
+            read). The times are the stage's ``forward_one_chunk`` / ``backward_one_chunk``
+            (compute, the loss excluded; sends and receives are separate actions).
+
+        Raises:
+            ConfigError: when ``recorder`` is None.
+        """
+        mine = self._recorder_or_raise().per_stage_s(self.stage_index + 1)[self.stage_index]
+        rows: list[Any] = [None] * self.num_stages
+        dist.all_gather_object(rows, (self.stage_index, mine))
+        out = [{"fwd_s": 0.0, "bwd_s": 0.0} for _ in range(self.num_stages)]
+        for stage, row in rows:
+            out[stage] = row
+        return out
+
+    def gather_trace(self) -> list[TraceEvent]:
+        """Every stage's actions of the latest ``train_step``, on one time axis; collective.
+
+        Ranks align on wall-clock time (``time.time()`` at their step start), exact on one host
+        and as good as the hosts' clock sync (NTP, ~ms) across hosts. Time 0 is the earliest
+        rank's step start.
+
+        Raises:
+            ConfigError: when ``recorder`` is None.
+        """
+        events = self._recorder_or_raise().events
+        parts: list[Any] = [None] * self.num_stages
+        dist.all_gather_object(parts, (self._wall_t0, events))
+        t0 = min(w for w, _ in parts)
+        out = [TraceEvent(e.stage, e.kind, e.microbatch, e.start_s + w - t0, e.duration_s) for w, evs in parts for e in evs]
+        return sorted(out, key=lambda e: (e.start_s, e.stage))
+
+    def trace(self, path: str | os.PathLike[str]) -> None:
+        """Write the Chrome trace of every stage's latest ``train_step`` to ``path`` on rank 0
+        (one row per stage; open in https://ui.perfetto.dev); collective.
+
+        Raises:
+            ConfigError: when ``recorder`` is None or no step has been trained.
+        """
+        events = self.gather_trace()
+        if not events:
+            raise ConfigError("no training step recorded yet; call pipe.train_step(...) before pipe.trace(path)")
+        if dist.get_rank() == 0:
+            view = TraceRecorder.from_events(events)
+            view.write(os.fspath(path), [f"stage {s} (rank {s})" for s in range(self.num_stages)])
+
+    def _recorder_or_raise(self) -> TraceRecorder:
+        if self.recorder is None:
+            raise ConfigError("this pipeline records no trace (pipe.recorder is None); "
+                              "set pipe.recorder = TraceRecorder(auto_step=False) on every rank")
+        return self.recorder
 
     def _broadcast(self, loss: torch.Tensor | None) -> torch.Tensor:
         buf = loss.clone() if loss is not None else torch.zeros((), device=self.device)

@@ -73,19 +73,33 @@ class TraceRecorder:
     """Collects the :class:`TraceEvent` s of the latest training step.
 
     A step begins when ``0F0`` starts (every schedule starts with it), which drops the previous
-    step's events; so the recorder's memory stays one step's worth of small records. Recording
-    keeps two ``perf_counter`` readings per action; the :class:`TraceEvent` s are made when
-    :attr:`events` is first read after a step.
+    step's events; so the recorder's memory stays one step's worth of small records. With
+    ``auto_step=False`` (one rank of a distributed pipeline, which may never see stage 0) a step
+    begins only at :meth:`begin`. Recording keeps two ``perf_counter`` readings per action; the
+    :class:`TraceEvent` s are made when :attr:`events` is first read after a step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, auto_step: bool = True) -> None:
         self._raw: list[tuple[int, str, int, float, float]] = []
         self._events: list[TraceEvent] | None = []
         self._t0 = 0.0
+        self.auto_step = auto_step
+
+    @classmethod
+    def from_events(cls, events: Sequence[TraceEvent]) -> TraceRecorder:
+        """A recorder holding ``events`` (e.g. gathered from every rank) as its latest step."""
+        rec = cls(auto_step=False)
+        rec._raw = [(e.stage, e.kind, e.microbatch, e.start_s, e.end_s) for e in events]
+        rec._events = None
+        return rec
+
+    def begin(self, t0: float) -> None:
+        """Start a new step at ``t0`` (``time.perf_counter()``): drop the previous step's events."""
+        self._raw, self._t0, self._events = [], t0, None
 
     def add(self, stage: int, kind: str, microbatch: int, start: float, end: float) -> None:
         """Record an action that ran from ``start`` to ``end`` (``time.perf_counter()`` values)."""
-        if stage == 0 and kind == "F" and microbatch == 0:
+        if self.auto_step and stage == 0 and kind == "F" and microbatch == 0:
             self._raw, self._t0 = [], start
         self._raw.append((stage, kind, microbatch, start, end))
         self._events = None
