@@ -80,27 +80,65 @@ class _Clock:
 
 
 class _ContextInterpreter(torch.fx.Interpreter):
-    """One forward of the whole graph, each compute node's call timed where it stands."""
+    """One forward of the whole graph, each compute node's call timed where it stands.
+
+    A view node (``view``, ``permute``, ``split``, ``expand``, ``getitem``) has no cost of its own
+    in the cost model, but its call and its backward are real work (``split``'s backward is a
+    ``cat``, ``expand``'s a sum): both are timed and charged to its *owner*, the compute node
+    whose output it views (or, for a view of a weight or an input, the first compute node that
+    uses it), so the block that holds the owner pays them.
+    """
 
     def __init__(self, gm: torch.fx.GraphModule, clock: _Clock) -> None:
         super().__init__(gm)
         self.clock = clock
-        self.marks: dict[str, tuple[Any, Any]] = {}
+        self.marks: dict[str, list[tuple[Any, Any]]] = {}
         self.grad_fns: dict[Any, str] = {}
+        self.owner: dict[str, str | None] = {}
+
+    def _owner_of_view(self, n: torch.fx.Node) -> str | None:
+        for a in n.all_input_nodes:
+            if self.owner.get(a.name):
+                return self.owner[a.name]
+        todo, seen = list(n.users), set()
+        while todo:  # a view of a weight or an input: its first compute user
+            u = todo.pop(0)
+            if u.name in seen or u.op == "output":
+                continue
+            seen.add(u.name)
+            cost = u.meta.get("fxsplit.cost")
+            if cost is not None and not cost.is_view:
+                return u.name
+            todo.extend(u.users)
+        return None
 
     def run_node(self, n: torch.fx.Node) -> Any:
         cost = require_meta(n, "fxsplit.cost", "annotate_costs") if n.op != "output" else None
-        if cost is None or cost.is_view:
+        if cost is None or n.op in ("placeholder", "get_attr"):
+            return super().run_node(n)
+        owner = n.name if not cost.is_view else self._owner_of_view(n)
+        self.owner[n.name] = owner
+        if owner is None:
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         start = self.clock.mark()
         result = getattr(self, n.op)(n.target, args, kwargs)
-        self.marks[n.name] = (start, self.clock.mark())
-        if cost.bwd_s > 0:
-            for t in _float_tensors(result):
-                if t.grad_fn is not None and t.grad_fn not in self.grad_fns:
-                    self.grad_fns[t.grad_fn] = n.name
+        self.marks.setdefault(owner, []).append((start, self.clock.mark()))
+        if cost.bwd_s > 0 or cost.is_view:
+            self._own_new_grad_fns([t.grad_fn for t in _float_tensors(result)], owner)
         return result
+
+    def _own_new_grad_fns(self, roots: list[Any], owner: str) -> None:
+        """Charge to ``owner`` every autograd node its call made: from the outputs' ``grad_fn``
+        back to the nodes earlier calls made (an aten op can record several: ``linear`` on a 3-d
+        input is ``view``, ``mm``, ``_unsafe_view``, and only the last is the output's)."""
+        todo = [fn for fn in roots if fn is not None]
+        while todo:
+            fn = todo.pop()
+            if fn in self.grad_fns or type(fn).__name__ == "AccumulateGrad":
+                continue
+            self.grad_fns[fn] = owner
+            todo.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
 
 
 def _backward_marks(grad_fns: dict[Any, str], clock: _Clock) -> tuple[dict[str, list[tuple[Any, Any]]], list[Any]]:
@@ -129,7 +167,7 @@ def _one_step(gm: torch.fx.GraphModule, inputs: Sequence[Any], clock: _Clock) ->
     finally:
         for h in handles:
             h.remove()
-    fwd = {name: clock.seconds(a, b) for name, (a, b) in interp.marks.items()}
+    fwd = {name: sum(clock.seconds(a, b) for a, b in pairs) for name, pairs in interp.marks.items()}
     bwd = {name: sum(clock.seconds(a, b) for a, b in pairs) for name, pairs in marks.items()}
     return fwd, bwd
 
@@ -172,14 +210,14 @@ def time_nodes_in_context(
     PipeDream's profiler times layers: each node runs after the nodes before it, with the caches
     and allocator in the state a real step leaves them.
 
-    Forward: each node's call, in graph order. Backward: the autograd nodes each graph node made,
-    timed by pre- and post-hooks. Every other timed step also runs the graph's own code (no
+    Forward: each node's call, in graph order, with the calls of the view nodes it owns (see
+    :class:`_ContextInterpreter`). Backward: the autograd nodes each graph node (and its views)
+    made, timed by pre- and post-hooks. Every other timed step also runs the graph's own code (no
     interpreter, no hooks), and the node times are made to add up to those walls: the forward's
-    rest (untimed view ops, ``getitem``, Python glue: 2-8 % of a Hugging Face forward at small
-    micro-batches) and the backward's rest (entering the engine, gradient accumulation into
+    rest (Python glue) and the backward's rest (entering the engine, gradient accumulation into
     parameters, autograd nodes no hook sees) are shared equally among the nodes that have a
     forward / backward, as a per-operator cost; where the hooks cost more than the rest, their
-    cost is taken off every backward node alike.
+    cost is taken off every node alike.
 
     Args:
         gm: Annotated graph (every node has ``"fxsplit.cost"``); its weights must be real. Not
