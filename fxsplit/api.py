@@ -254,7 +254,7 @@ def _device_specs(devices: Any, memory_limit_bytes: int | None) -> list[DeviceSp
         if isinstance(d, DeviceSpec):
             spec = d
         elif isinstance(d, str | torch.device):
-            dev = torch.device(d)
+            dev = _runnable_device(i, d)
             if dev.type == "cuda":
                 spec = _cuda_spec(dev)
             else:
@@ -267,6 +267,29 @@ def _device_specs(devices: Any, memory_limit_bytes: int | None) -> list[DeviceSp
             spec = spec.with_(memory_bytes=int(memory_limit_bytes))
         specs.append(spec.check())
     return specs
+
+
+def _runnable_device(i: int, d: str | torch.device) -> torch.device:
+    """``devices[i]`` as a torch device the pipeline can run on (``cpu`` or ``cuda``).
+
+    Raises:
+        ConfigError: for a string torch does not know (``"tpu"``), for ``meta`` (no data: the
+            outputs would be empty shells) and for device types fxsplit has no cost model or
+            runtime for.
+    """
+    try:
+        dev = torch.device(d)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"devices[{i}]={d!r} is not a torch device ({exc}); use 'cpu', 'cuda' or 'cuda:N'") from exc
+    if dev.type == "meta":
+        raise ConfigError(
+            f"devices[{i}]={d!r}: a meta device holds no data, so the pipeline would return empty outputs; "
+            "run on 'cpu' or 'cuda:N'; to plan for devices you do not have, capture with "
+            "fxsplit.inspect(model, inputs, device=DeviceSpec.preset('a100')) and solve its blocks (fxsplit solve)"
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"devices[{i}]={d!r}: fxsplit runs stages on 'cpu' and 'cuda' devices only, not {dev.type!r}")
+    return dev
 
 
 def _cuda_spec(dev: torch.device) -> DeviceSpec:

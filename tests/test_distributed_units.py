@@ -141,6 +141,19 @@ def test_without_a_state_dict_each_tensor_gets_the_constructors_kind_of_value():
     assert {p.device.type for p in meta.parameters()} == {"meta"}, "the meta model is left as it was"
 
 
+def test_a_mis_shaped_state_dict_value_is_refused_before_any_write():
+    """Issue 10: ``fxsplit.distributed.compile(state_dict=...)`` broadcast a mis-shaped value into
+    the stage's tensor; it is now refused, naming key and both shapes."""
+    from fxsplit.errors import ConfigError
+    from fxsplit.runtime.dist_state import materialise
+
+    meta, gm, state = _one_stage(_Custom, (torch.randn(2, 8),))
+    sd = _Custom().state_dict()
+    sd["lin.weight"] = torch.zeros(8)
+    with pytest.raises(ConfigError, match=r"lin\.weight: shape \[8\] in the state dict, \[8, 8\] in the model"):
+        materialise(gm, state, torch.device("cpu"), state_dict=sd, init_fn=None, meta_model=meta, model_fn=_Custom)
+
+
 def test_a_tensor_nothing_can_initialise_is_a_config_error_naming_it():
     from fxsplit.errors import ConfigError
     from fxsplit.runtime.dist_state import materialise

@@ -49,6 +49,10 @@ def test_auto_schedule_records_why(gpt):
         ({"microbatches": 0}, "microbatches=0"),
         ({"cost_model": "guess"}, "cost_model='guess'"),
         ({"example_kwargs": {"labels": 1}}, "example inputs do not match MLP.forward"),
+        # issue 10: meta compiled and returned data-less outputs; 'tpu' was a raw RuntimeError
+        ({"devices": ["meta", "meta"]}, r"devices\[0\]='meta': a meta device holds no data"),
+        ({"devices": ["cpu", "tpu"]}, r"devices\[1\]='tpu' is not a torch device"),
+        ({"devices": ["cpu", "mps"]}, r"devices\[1\]='mps': fxsplit runs stages on 'cpu' and 'cuda'"),
     ],
 )
 def test_bad_arguments_fail_before_any_work(kwargs, match):
@@ -105,6 +109,22 @@ def test_load_state_dict_round_trips_into_every_copy(gpt):
     with pytest.raises(ConfigError, match="missing keys"):
         pipe.load_state_dict({"tok_emb.weight": fresh.tok_emb.weight})
     pipe.load_state_dict(gpt.reference.state_dict())
+
+
+def test_a_mis_shaped_state_dict_loads_nothing(gpt):
+    """Issue 10: ``load_state_dict`` broadcast a ``[d]`` or 0-d value into a ``[vocab, d]`` weight
+    without a word, and a bad key raised after earlier keys were already written. Every value is
+    now checked first; nothing is written unless all fit."""
+    pipe = gpt.pipeline(2, "1f1b", 2)
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    sd = {k: v + 1.0 if v.is_floating_point() else v for k, v in gpt.reference.state_dict().items()}
+    last = list(sd)[-1]
+    sd["tok_emb.weight"] = sd["tok_emb.weight"][0]  # [d] into [vocab, d]: copy_ would broadcast it
+    sd[last] = torch.tensor(0.0) if sd[last].dim() else torch.zeros(2)
+    with pytest.raises(ConfigError, match=r"nothing was loaded.*tok_emb\.weight: shape \[\d+\] in the state dict, \[\d+, \d+\]"):
+        pipe.load_state_dict(sd)
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} was written by a load that failed"
 
 
 def test_a_failing_stage_names_stage_microbatch_and_device(gpt):

@@ -25,6 +25,7 @@ from torch import nn
 
 from fxsplit.errors import ConfigError
 from fxsplit.runtime.dist_init import Pending, default_init, parameters_on_meta
+from fxsplit.runtime.state import check_loadable
 
 __all__ = ["StageState", "materialise", "parameters_on_meta", "retarget_meta_devices"]
 
@@ -140,9 +141,12 @@ def materialise(
     source = _load_source(state_dict)
     origin: dict[str, str] = {}
     todo: Pending = {}
+    keys = {name: next((k for k in state.originals[g] if k in source), None) for g, name, _t in state.items(module)}
+    check_loadable([(key, source[key], t) for _g, name, t in state.items(module) if (key := keys[name]) is not None],
+                   "this rank's stage")
     with torch.no_grad():
         for g, name, tensor in state.items(module):
-            key = next((k for k in state.originals[g] if k in source), None)
+            key = keys[name]
             if key is not None:
                 tensor.copy_(source[key].to(tensor.dtype))
                 origin[name] = "state_dict"

@@ -50,7 +50,7 @@ from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState
 from fxsplit.runtime.microbatch import batch_size_of, merge_outputs, microbatch_sizes
-from fxsplit.runtime.state import ParameterAPI
+from fxsplit.runtime.state import ParameterAPI, check_loadable
 from fxsplit.runtime.trace import TraceEvent, TraceRecorder
 from fxsplit.schedule import available, make
 
@@ -439,17 +439,22 @@ class DistributedPipeline(ParameterAPI):
         """Copy this stage's keys from an original-model state dict (other keys are ignored).
 
         Raises:
-            ConfigError: with ``strict``, naming this stage's keys the dict lacks.
+            ConfigError: with ``strict``, naming this stage's keys the dict lacks; for any value
+                that is not a tensor of its target's shape, before any write (all or nothing).
         """
         mine = self.state_dict()
         missing = [k for k in mine if k not in state_dict]
         if strict and missing:
             raise ConfigError(f"state dict lacks {len(missing)} key(s) of stage {self.stage_index}: {missing[:8]}")
+        writes = []
+        for g, _n, t in self.state.items(self.module.gm):
+            key = next((o for o in self.state.originals[g] if o in state_dict), None)
+            if key is not None:
+                writes.append((key, state_dict[key], t))
+        check_loadable(writes, f"stage {self.stage_index}")
         with torch.no_grad():
-            for g, _n, t in self.state.items(self.module.gm):
-                key = next((o for o in self.state.originals[g] if o in state_dict), None)
-                if key is not None:
-                    t.copy_(state_dict[key].to(t.device, t.dtype))
+            for _key, value, t in writes:
+                t.copy_(value.to(t.device, t.dtype))
 
     def train(self, mode: bool = True) -> DistributedPipeline:
         self.module.train(mode)

@@ -17,7 +17,29 @@ from fxsplit.codegen.place import get_state
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError
 
-__all__ = ["StateMap", "ParameterAPI"]
+__all__ = ["StateMap", "ParameterAPI", "check_loadable"]
+
+
+def check_loadable(pairs: Sequence[tuple[str, object, torch.Tensor]], where: str = "the pipeline") -> None:
+    """Check every ``(key, value, target)`` before any is written, as ``nn.Module.load_state_dict``
+    does: the value must be a tensor of the target's shape (``copy_`` would broadcast a ``[8]``
+    or 0-d value into an ``[8, 8]`` weight without a word).
+
+    Raises:
+        ConfigError: listing every key whose value is not a tensor or has another shape, with
+            both shapes.
+    """
+    bad = []
+    for key, value, target in pairs:
+        if not isinstance(value, torch.Tensor):
+            bad.append(f"{key}: a {type(value).__name__}, not a tensor")
+        elif tuple(value.shape) != tuple(target.shape):
+            bad.append(f"{key}: shape {list(value.shape)} in the state dict, {list(target.shape)} in the model")
+    if bad:
+        raise ConfigError(
+            f"cannot load {len(bad)} key(s) into {where}, nothing was loaded: " + "; ".join(bad[:8])
+            + ("; ..." if len(bad) > 8 else "") + "; give each key a tensor of the model's shape"
+        )
 
 
 class StateMap:
@@ -104,10 +126,11 @@ class StateMap:
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Copy values into every stage tensor (and tied copy) they name.
+        """Copy values into every stage tensor (and tied copy) they name; all or nothing.
 
         Raises:
-            ConfigError: with ``strict``, listing missing and unexpected keys.
+            ConfigError: with ``strict``, listing missing and unexpected keys; for any value that
+                is not a tensor of its target's shape (:func:`check_loadable`), before any write.
         """
         expected = set(self.state_order)
         missing = sorted(expected - set(state_dict))
@@ -117,10 +140,11 @@ class StateMap:
                 f"state dict does not match the model: missing keys {missing[:8]}, unexpected keys "
                 f"{unexpected[:8]}; pass strict=False to load a subset"
             )
+        writes = [(name, value, t) for name, value in state_dict.items() for t in self._copies_of(name)]
+        check_loadable(writes)
         with torch.no_grad():
-            for name, value in state_dict.items():
-                for t in self._copies_of(name):
-                    t.copy_(value.to(t.device))
+            for _name, value, t in writes:
+                t.copy_(value.to(t.device))
 
 
 class ParameterAPI:
