@@ -251,11 +251,15 @@ def _toy(name: str, batch: int) -> tuple[Any, tuple[torch.Tensor, ...], torch.Te
     return FixedMix(), (torch.randn(batch, 8), torch.randn(8, 8)), torch.randn(batch, 8)
 
 
-def toy_train_equal(rank: int, world: int, out_dir: str, name: str, runs: list[tuple[str, int]], batch: int) -> dict[str, Any]:
+def toy_train_equal(rank: int, world: int, out_dir: str, name: str, runs: list[tuple[str, int]], batch: int,
+                    reduction: str = "mean") -> dict[str, Any]:
     """A toy model (see :func:`_toy`): one train step per ``(schedule, microbatches)`` equals the
-    unsplit model's; reports the layouts this rank receives."""
+    unsplit model's (MSE with ``reduction``); reports the layouts this rank receives."""
     model, inputs, target = _toy(name, batch)
-    loss_fn = torch.nn.functional.mse_loss
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(output, target, reduction=reduction)
+
     ref = loss_fn(model(*inputs), target)
     ref.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -207,6 +207,14 @@ def test_an_input_with_the_batch_size_on_dim_0_is_not_split_unless_batched(tmp_p
     assert results[0]["result"]["fixed_mix/1f1b/m=2"]["batched"] == [True, False]
 
 
+def test_a_sum_reduced_loss_trains_like_the_unsplit_model(tmp_path):
+    """Issue 10: ``reduction="sum"`` gave 1/m of the loss and gradients across processes too;
+    the last rank now finds the reduction on the first micro-batch."""
+    results = launch(w.toy_train_equal, 2, tmp_path, "fixed_mix", [("1f1b", 4), ("gpipe", 2)], 8, "sum", deadline_s=90)
+    check_ok(results)
+    assert len(results[1]["result"]) == 2
+
+
 def test_rank_0_plans_once_on_its_measured_device_and_the_others_follow(tmp_path):
     """Issue 9: every rank planned on a fixed reference CPU (never the device it ran on) and the
     ranks compared digests. Now rank 0 alone measures its device and solves; the others, whose

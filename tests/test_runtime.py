@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pipeline_utils import Compiled, devices
 from typer.testing import CliRunner
 
@@ -259,3 +261,52 @@ def test_batch_dimension_comes_from_export_not_from_shape_coincidence():
         ours, theirs = pipe(x, mixer), model(x, mixer)
     torch.testing.assert_close(ours[0], theirs[0])
     torch.testing.assert_close(ours[1], theirs[1])
+
+
+def _sum_loss(output, target):
+    return torch.nn.functional.cross_entropy(output.flatten(0, -2), target.flatten(), reduction="sum")
+
+
+@pytest.mark.parametrize(("schedule", "m"), [("gpipe", 4), ("1f1b", 3)])
+def test_a_sum_reduced_loss_trains_like_the_unsplit_model(gpt, schedule, m):
+    """Issue 10: ``loss_fn`` with ``reduction="sum"`` silently gave 1/m of the loss and of every
+    gradient (the micro-batch losses were weighted by their share, the rule for a mean). The
+    reduction is now found on the first micro-batch and a sum is added unweighted."""
+    from pipeline_utils import reference_grads
+
+    pipe = gpt.pipeline(2, schedule, m)
+    inputs, target = gpt.case.make_batch(gpt.batch, seed=3)
+    case = type("SumCase", (), {"loss_fn": staticmethod(_sum_loss)})
+    ref_loss, ref_grads = reference_grads(gpt.reference, case, inputs, target)
+    loss = pipe.train_step(*inputs, target=target, loss_fn=_sum_loss)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=lambda msg, n=name: f"{n}: {msg}")
+
+
+def test_a_loss_that_mixes_samples_is_refused_before_any_backward(gpt):
+    """Issue 10: a loss over the whole batch (here a log-sum-exp across samples) is neither a
+    mean nor a sum of per-sample terms, so micro-batching changes it; refused, not run wrong."""
+    pipe = gpt.pipeline(2, "1f1b", 2)
+    pipe.zero_grad()
+    inputs, target = gpt.case.make_batch(gpt.batch, seed=3)
+
+    def batch_lse(output, target):
+        return torch.logsumexp(output.mean(dim=(1, 2)), dim=0)
+
+    with pytest.raises(ConfigError, match="neither a mean nor a sum over the batch"):
+        pipe.train_step(*inputs, target=target, loss_fn=batch_lse)
+    assert all(p.grad is None for p in pipe.parameters()), "a backward ran before the refusal"
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 5), seed=st.integers(0, 2**16), reduction=st.sampled_from(["mean", "sum"]))
+def test_loss_reduction_tells_mean_from_sum(rows, cols, seed, reduction):
+    from fxsplit.runtime.microbatch import loss_reduction
+
+    g = torch.Generator().manual_seed(seed)
+    out, tgt = torch.randn(rows, cols, generator=g), torch.randn(rows, cols, generator=g)
+    loss = lambda o, t: torch.nn.functional.mse_loss(o["y"], t, reduction=reduction)  # noqa: E731
+    found = loss_reduction(loss, [out], None, lambda flat: {"y": flat[0]}, tgt, rows)
+    assert found in (reduction, "unknown")
+    assert found == reduction or float(loss({"y": out}, tgt)) == 0.0

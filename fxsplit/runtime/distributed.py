@@ -49,7 +49,12 @@ from fxsplit.runtime.dist_schedule import lowered_schedule
 from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState
-from fxsplit.runtime.microbatch import batch_size_of, merge_outputs, microbatch_sizes
+from fxsplit.runtime.microbatch import (
+    LossReductions,
+    batch_size_of,
+    merge_outputs,
+    microbatch_sizes,
+)
 from fxsplit.runtime.state import ParameterAPI, check_loadable
 from fxsplit.runtime.trace import TraceEvent, TraceRecorder
 from fxsplit.schedule import available, make
@@ -139,6 +144,9 @@ class DistributedPipeline(ParameterAPI):
         self.watchdog = Watchdog(self.progress, timeout_s) if watchdog else None
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._weight = 1.0 / microbatches
+        self._loss_reductions = LossReductions()
+        self._reduction: str | None = None  # the step's loss_fn: "mean" | "sum" | "unknown"; None: not yet found
+        self._mb_size = 0
         self._runners: dict[tuple[int, int, bool], tuple[PipelineStage, Any]] = {}  # built at first use
         # runtime trace of this rank's stage in the latest train_step (None: not recorded)
         self.recorder: TraceRecorder | None = TraceRecorder(auto_step=False)
@@ -239,11 +247,17 @@ class DistributedPipeline(ParameterAPI):
 
     # -- running -----------------------------------------------------------------------------
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        """The schedule's loss: the user's loss of one micro-batch times its batch share."""
+        """The schedule's loss: the user's loss of one micro-batch times its batch share (a mean
+        over the batch), or unweighted (a sum; found on the step's first micro-batch)."""
         if self._loss_fn is None:
             raise ConfigError("train_step needs loss_fn")
         outs = list(output) if isinstance(output, tuple | list) else [output]
-        return self._loss_fn(pytree.tree_unflatten(outs, self.out_spec), target) * self._weight
+        if self._reduction is None:
+            self._reduction = self._loss_reductions.of(
+                self._loss_fn, outs, self.batched_outputs, lambda o: pytree.tree_unflatten(list(o), self.out_spec),
+                target, self._mb_size)
+        weight = 1.0 if self._reduction == "sum" else self._weight
+        return self._loss_fn(pytree.tree_unflatten(outs, self.out_spec), target) * weight
 
     def _run(self, what: str, call: Callable[[], Any]) -> Any:
         self.progress.started_s = time.monotonic()
@@ -276,7 +290,8 @@ class DistributedPipeline(ParameterAPI):
             args, kwargs: The model's inputs for the whole batch, batch on dim 0 (read on the
                 first rank; the others only check the batch size).
             target: The loss target, a tensor with the batch on dim 0 (read on the last rank).
-            loss_fn: ``loss_fn(output, target) -> scalar``, mean-reduced over the batch.
+            loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch (the contract)
+                or a sum (found on the first micro-batch; then the losses add unweighted).
             broadcast_loss: Return the loss on every rank (one broadcast), not only the last.
 
         Returns:
@@ -295,6 +310,7 @@ class DistributedPipeline(ParameterAPI):
         if self.is_last and not isinstance(target, torch.Tensor):
             raise ConfigError(f"target must be a tensor with the batch on dim 0, got {type(target).__name__}")
         self._loss_fn = loss_fn
+        self._reduction = "mean" if self.microbatches == 1 else None
         losses: list[torch.Tensor] = []
         if self.recorder is not None:
             self._wall_t0 = time.time()
@@ -318,7 +334,7 @@ class DistributedPipeline(ParameterAPI):
         (last rank) or ``[]``."""
         stop = start + size * count
         _, schedule = self._runner(size, count)
-        self._weight = size / batch  # each micro-batch loss times its share of the batch
+        self._weight, self._mb_size = size / batch, size  # each micro-batch loss times its share of the batch
         step_args = self._step_args(self._slice_inputs(flat, start, stop))
         group: list[torch.Tensor] = []  # the schedule clears the list it is given
         extra = {"target": target[start:stop].to(self.device), "losses": group} if self.is_last else {}

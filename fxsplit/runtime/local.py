@@ -29,6 +29,7 @@ from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, ExecutionError
 from fxsplit.passes.capture import flatten_to_spec
 from fxsplit.runtime.microbatch import (
+    LossReductions,
     batch_size_of,
     loss_weights,
     merge_outputs,
@@ -99,6 +100,8 @@ class _Step:
     slots: dict[tuple[int, int], _Slot] = field(default_factory=dict)
     grads: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
     losses: list[torch.Tensor | None] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    reduction_checked: bool = False
 
     def total_loss(self) -> torch.Tensor:
         """The batch loss (detached): the sum of the weighted micro-batch losses."""
@@ -157,6 +160,7 @@ class Pipeline(ParameterAPI):
         # Runtime trace (fxsplit.runtime.trace): times every F/B action of train_step for
         # pipe.trace(path); set to None to record nothing.
         self.recorder: TraceRecorder | None = TraceRecorder()
+        self._loss_reductions = LossReductions()
 
     # -- structure ---------------------------------------------------------------------------
     @property
@@ -236,7 +240,9 @@ class Pipeline(ParameterAPI):
             args, kwargs: The model's inputs for the whole batch (batch on dim 0).
             target: Passed to ``loss_fn``; tensors with the batch on dim 0 are split with the
                 inputs.
-            loss_fn: ``loss_fn(output, target) -> scalar``, mean-reduced over the batch.
+            loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch (the contract)
+                or a sum (``reduction="sum"``: found on the first micro-batch, then the
+                micro-batch losses are added unweighted).
 
         Returns:
             The loss of the whole batch (detached, 0-d), as ``loss_fn(model(*args), target)``.
@@ -244,15 +250,17 @@ class Pipeline(ParameterAPI):
             original model.
 
         Raises:
-            ConfigError: for inputs of the wrong structure or a batch smaller than the number of
-                micro-batches.
+            ConfigError: for inputs of the wrong structure, a batch smaller than the number of
+                micro-batches, or a ``loss_fn`` that is neither a mean nor a sum over the batch
+                (it mixes samples, so micro-batching would change it; raised before any backward).
             ExecutionError: when a stage fails (names the stage, micro-batch and device).
         """
         flat = self._flatten(args, kwargs)
         m = self.microbatches
         mbs, sizes = split_microbatches(flat, m, batched=self.batched_inputs)
         # Target leaves are split with the inputs' batch size; leaves without it go whole.
-        step = _Step(mbs, split_target(target, m, sum(sizes)), loss_weights(sizes), loss_fn, losses=[None] * m)
+        step = _Step(mbs, split_target(target, m, sum(sizes)), loss_weights(sizes), loss_fn, losses=[None] * m,
+                     sizes=sizes, reduction_checked=m == 1)
         schedule, order = self._schedule_and_order(m)
         self._begin_step()
         if self.executor == "threads":
@@ -281,6 +289,12 @@ class Pipeline(ParameterAPI):
         outputs = self._run_stage(s, i, values)
         step.slots[(s, i)] = _Slot(values, outputs)
         if s == self.num_stages - 1:
+            if not step.reduction_checked:  # the first micro-batch of a step that has several
+                step.reduction_checked = True
+                kind = self._loss_reductions.of(step.loss_fn, outputs, self.batched_outputs, self._unflatten,
+                                                step.targets[i], step.sizes[i])
+                if kind == "sum":  # a sum over the batch is the plain sum of the micro-batches' sums
+                    step.weights = [1.0] * len(step.weights)
             try:
                 loss = step.loss_fn(self._unflatten(outputs), step.targets[i])
             except Exception as exc:

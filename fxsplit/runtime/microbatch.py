@@ -7,6 +7,8 @@ without the batch dimension) is given whole to every micro-batch.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +17,8 @@ import torch.utils._pytree as pytree
 
 from fxsplit.errors import ConfigError
 
-__all__ = ["batch_size_of", "split_microbatches", "split_target", "loss_weights", "merge_outputs", "microbatch_sizes"]
+__all__ = ["batch_size_of", "split_microbatches", "split_target", "loss_weights", "merge_outputs", "microbatch_sizes",
+           "loss_reduction", "LossReductions"]
 
 
 def batch_size_of(flat: Sequence[Any]) -> int:
@@ -105,6 +108,80 @@ def loss_weights(sizes: Sequence[int]) -> list[float]:
     """Each micro-batch's share of the batch, the weight of its (mean-reduced) loss."""
     total = sum(sizes)
     return [n / total for n in sizes]
+
+
+def loss_reduction(
+    loss_fn: Any, flat_outputs: Sequence[Any], batched: Sequence[bool] | None, unflatten: Any, target: Any, size: int
+) -> str:
+    """How ``loss_fn`` reduces over the batch, tried on one micro-batch of ``size`` samples.
+
+    A pipeline adds the micro-batches' losses with weights: each micro-batch's share of the
+    batch for a mean (the contract), 1 for a sum. The loss of the micro-batch is compared with
+    the loss of the micro-batch given twice (every batched output and target leaf concatenated
+    with itself): equal for a mean, twice for a sum; anything else is a loss that mixes samples
+    (a contrastive or batch-normalised loss), which micro-batching changes.
+
+    Args:
+        loss_fn: ``loss_fn(output, target) -> scalar``.
+        flat_outputs: The model's flat outputs on the micro-batch (detached here).
+        batched: Which flat outputs carry the batch (None: those whose dim 0 is ``size``).
+        unflatten: Flat outputs -> the output structure ``loss_fn`` takes.
+        target: The micro-batch's target (leaves with dim 0 ``size`` carry the batch).
+        size: The micro-batch's size.
+
+    Returns:
+        ``"mean"``, ``"sum"``, or ``"unknown"`` when the loss is 0 (nothing to tell apart; run
+        as a mean, the contract).
+
+    Raises:
+        ConfigError: for a loss that is neither, naming both values.
+    """
+    flags = list(batched) if batched is not None else [_looks_batched(x, size) for x in flat_outputs]
+
+    def twice(x: Any, carries: bool) -> Any:
+        return torch.cat([x, x]) if carries and isinstance(x, torch.Tensor) else x
+
+    with torch.no_grad():
+        outs = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat_outputs]
+        one = loss_fn(unflatten(outs), target)
+        doubled_target = pytree.tree_map(lambda t: twice(t, _looks_batched(t, size)), target)
+        two = loss_fn(unflatten([twice(x, b) for x, b in zip(outs, flags, strict=True)]), doubled_target)
+    one_f, two_f = float(one), float(two)
+    tol = 1e-4 * abs(one_f) + 1e-12
+    if one_f == 0.0:
+        return "unknown"
+    if abs(two_f - one_f) <= tol:
+        return "mean"
+    if abs(two_f - 2 * one_f) <= 2 * tol:
+        return "sum"
+    raise ConfigError(
+        f"loss_fn is neither a mean nor a sum over the batch: on a micro-batch of {size} samples it gives {one_f:.6g}, "
+        f"on the same samples twice {two_f:.6g} (a mean gives the same, a sum twice); a loss that mixes samples "
+        "changes when the batch is split: use microbatches=1, or make the loss a per-sample mean"
+    )
+
+
+class LossReductions:
+    """:func:`loss_reduction` of each ``loss_fn`` a pipeline was given, found once per function
+    (kept by weak reference; a callable that cannot be weakly referenced is tried every step).
+    Raises as :func:`loss_reduction` does."""
+
+    def __init__(self) -> None:
+        self._known: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+    def of(self, loss_fn: Any, flat_outputs: Sequence[Any], batched: Sequence[bool] | None, unflatten: Any,
+           target: Any, size: int) -> str:
+        try:
+            known = self._known.get(loss_fn)
+        except TypeError:
+            known = None
+        if known is not None:
+            return known
+        kind = loss_reduction(loss_fn, flat_outputs, batched, unflatten, target, size)
+        if kind != "unknown":
+            with contextlib.suppress(TypeError):
+                self._known[loss_fn] = kind
+        return kind
 
 
 def _looks_batched(x: Any, batch: int) -> bool:
