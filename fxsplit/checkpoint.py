@@ -1,10 +1,18 @@
-"""Merge the per-stage shards of a distributed checkpoint into one ordinary state dict.
+"""Distributed checkpoints: an atomic on-disk layout, and one ordinary state dict from the shards.
 
-A directory written by :meth:`fxsplit.runtime.distributed.DistributedPipeline.save` holds
-``plan.json`` (the plan, the original ``state_dict`` key order, and which shard holds which
-keys) and one ``stage{i:03d}.pt`` per stage with original keys. :func:`consolidate` returns the
-state dict the unsplit model loads with ``model.load_state_dict(sd)``; a tied tensor saved by
-several stages is taken from the first and checked equal in the others.
+:meth:`fxsplit.runtime.distributed.DistributedPipeline.save` writes each save into a fresh folder
+``ckpt-NNNNNN`` of the checkpoint directory: ``plan.json`` (the plan, the original ``state_dict``
+key order, and which shard holds which keys) and one ``stage{i:03d}.pt`` per stage with original
+keys, every file written to a temporary name, flushed to disk (``fsync``) and renamed. Once every
+rank's shard is on disk, rank 0 writes the folder's ``COMPLETE`` marker and then points
+``LATEST`` at it (again temporary name, fsync, rename), so a save interrupted at any point (a
+killed rank, a full disk) leaves the previous checkpoint whole and loadable: loading
+(:func:`resolve`) takes the folder ``LATEST`` names when it is complete, else the newest complete
+one, and logs which. A folder with ``plan.json`` at the top (the layout before this one) still
+loads. :func:`consolidate` returns the state dict the unsplit model loads with
+``model.load_state_dict(sd)``; a tied tensor saved by several stages is taken from the first and
+checked equal in the others. Shard names read from ``plan.json`` must be plain
+``stage{i:03d}.pt`` names in that folder.
 
 Command line::
 
@@ -18,23 +26,124 @@ import argparse
 import json
 import logging
 import os
-from typing import Any
+import re
+import shutil
+from collections.abc import Callable
+from typing import IO, Any
 
 import torch
 
 from fxsplit.errors import ConfigError
 
-__all__ = ["consolidate", "main"]
+__all__ = ["consolidate", "main", "resolve", "next_version", "write_atomic", "commit", "shard_path",
+           "LATEST_FILE", "COMPLETE_FILE"]
 
 log = logging.getLogger(__name__)
 
+LATEST_FILE = "LATEST"
+COMPLETE_FILE = "COMPLETE"
+_VERSION = re.compile(r"^ckpt-(\d{6})$")
+_SHARD = re.compile(r"^stage\d{3}\.pt$")
 
-def _read_index(directory: str) -> dict[str, Any]:
-    path = os.path.join(directory, "plan.json")
-    if not os.path.exists(path):
-        raise ConfigError(f"{path} not found: pass a directory written by pipe.save(dir)")
-    with open(path) as f:
-        return json.load(f)
+
+def _versions(directory: str) -> list[str]:
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(n for n in names if _VERSION.match(n) and os.path.isdir(os.path.join(directory, n)))
+
+
+def next_version(directory: str | os.PathLike[str]) -> str:
+    """The folder name of the next save under ``directory`` (``ckpt-000001`` for the first)."""
+    versions = _versions(str(directory))
+    last = int(_VERSION.match(versions[-1]).group(1)) if versions else 0  # type: ignore[union-attr]
+    return f"ckpt-{last + 1:06d}"
+
+
+def resolve(directory: str | os.PathLike[str]) -> tuple[str, str]:
+    """The folder of the checkpoint to load under ``directory``, and a line saying which.
+
+    ``LATEST``'s folder when it is complete; else the newest complete ``ckpt-*`` folder (an
+    interrupted save); else ``directory`` itself when it holds ``plan.json`` (older layout).
+
+    Raises:
+        ConfigError: when ``directory`` holds no complete checkpoint.
+    """
+    directory = str(directory)
+    complete = [v for v in _versions(directory) if os.path.exists(os.path.join(directory, v, COMPLETE_FILE))]
+    latest_path = os.path.join(directory, LATEST_FILE)
+    latest = open(latest_path).read().strip() if os.path.exists(latest_path) else None
+    if latest is not None and latest in complete:
+        return os.path.join(directory, latest), f"checkpoint {latest} (LATEST)"
+    if complete:
+        note = f"LATEST names {latest!r}, which is not complete (an interrupted save)" if latest else "no LATEST marker"
+        log.warning("%s in %s; loading the newest complete checkpoint, %s", note, directory, complete[-1])
+        return os.path.join(directory, complete[-1]), f"checkpoint {complete[-1]} (newest complete; {note})"
+    own = os.path.basename(os.path.normpath(directory))
+    if os.path.exists(os.path.join(directory, COMPLETE_FILE)):  # a complete save folder given itself
+        return directory, f"checkpoint {own}"
+    if os.path.exists(os.path.join(directory, "plan.json")) and not _VERSION.match(own):
+        return directory, f"checkpoint {directory} (single-folder layout)"
+    found = _versions(directory)
+    raise ConfigError(
+        f"{directory} holds no complete checkpoint ({len(found)} unfinished save folder(s): {found[:4]}; "
+        "no plan.json): pass a directory written by pipe.save(dir) whose save finished on every rank"
+    )
+
+
+def shard_path(folder: str, shard: str) -> str:
+    """``folder/shard`` for a shard name read from ``plan.json``.
+
+    Raises:
+        ConfigError: for a name other than ``stage{i:03d}.pt`` (``../outside/x.pt`` would read
+            a file outside the checkpoint).
+    """
+    if not isinstance(shard, str) or not _SHARD.match(shard):
+        raise ConfigError(f"plan.json in {folder} names shard {shard!r}; shards are 'stage000.pt', 'stage001.pt', ... "
+                          "in the checkpoint folder: the file was edited or is not an fxsplit checkpoint")
+    return os.path.join(folder, shard)
+
+
+def write_atomic(path: str, write: Callable[[IO[bytes]], Any]) -> None:
+    """Write ``path`` all or nothing: ``write(f)`` into a temporary file beside it, ``fsync``,
+    rename over ``path``, ``fsync`` the folder. A crash leaves the old file or the new one."""
+    folder = os.path.dirname(path) or "."
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(directory: str, version: str, keep: int = 2) -> None:
+    """Rank 0, once every shard of ``version`` is on disk: mark it complete, point ``LATEST`` at
+    it, and remove the complete checkpoints older than the newest ``keep``."""
+    folder = os.path.join(directory, version)
+    write_atomic(os.path.join(folder, COMPLETE_FILE), lambda f: f.write(b"ok\n"))
+    write_atomic(os.path.join(directory, LATEST_FILE), lambda f: f.write(version.encode() + b"\n"))
+    complete = [v for v in _versions(directory) if os.path.exists(os.path.join(directory, v, COMPLETE_FILE))]
+    for old in complete[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+    log.info("checkpoint %s committed in %s", version, directory)
+
+
+def _read_index(directory: str) -> tuple[str, dict[str, Any]]:
+    folder, which = resolve(directory)
+    log.info("reading %s", which)
+    with open(os.path.join(folder, "plan.json")) as f:
+        return folder, json.load(f)
 
 
 def consolidate(directory: str | os.PathLike[str], *, check_tied: bool = True) -> dict[str, torch.Tensor]:
@@ -48,16 +157,20 @@ def consolidate(directory: str | os.PathLike[str], *, check_tied: bool = True) -
         ``{original key: CPU tensor}`` in the original model's ``state_dict`` order.
 
     Raises:
-        ConfigError: for a missing ``plan.json`` or shard, or tied copies that differ.
+        ConfigError: for a directory without a complete checkpoint, a missing, unreadable or
+            misnamed shard, or tied copies that differ.
     """
-    directory = str(directory)
-    index = _read_index(directory)
+    folder, index = _read_index(str(directory))
     merged: dict[str, torch.Tensor] = {}
     for shard, keys in index["shards"].items():
-        path = os.path.join(directory, shard)
+        path = shard_path(folder, shard)
         if not os.path.exists(path):
             raise ConfigError(f"shard {path} listed in plan.json is missing; was every rank's save() finished?")
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # truncated, not a torch file, unpicklable content
+            raise ConfigError(f"shard {path} cannot be read ({type(exc).__name__}: {str(exc)[:200]}); "
+                              "the checkpoint is damaged: load an earlier one") from exc
         for key in keys:
             if key in merged:
                 if check_tied and not torch.equal(merged[key], sd[key]):

@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit.api import CompileOptions
+from fxsplit.checkpoint import resolve, shard_path
 from fxsplit.codegen import split_graph
 from fxsplit.codegen.place import get_state
 from fxsplit.dist_plan import plan_on_rank0
@@ -266,19 +267,25 @@ class ShardedStateDict(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
-        path = os.path.join(directory, PLAN_FILE)
-        if not os.path.exists(path):
-            raise ConfigError(f"{path} not found: pass a directory written by pipe.save(dir)")
-        with open(path) as f:
+        folder, which = resolve(directory)
+        log.info("loading %s", which)
+        with open(os.path.join(folder, PLAN_FILE)) as f:
             self.meta = json.load(f)
-        self.directory = str(directory)
+        self.directory, self.which = folder, which
+        for shard in self.meta["shards"]:
+            shard_path(folder, shard)  # a name that leaves the folder is refused here
         self._where = {k: shard for shard, keys in self.meta["shards"].items() for k in keys}
         self._open: dict[str, Mapping[str, torch.Tensor]] = {}
 
     def __getitem__(self, key: str) -> torch.Tensor:
         shard = self._where[key]
         if shard not in self._open:
-            self._open[shard] = torch.load(os.path.join(self.directory, shard), map_location="cpu", mmap=True, weights_only=True)
+            path = shard_path(self.directory, shard)
+            try:
+                self._open[shard] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as exc:  # missing, truncated or not a torch file
+                raise ConfigError(f"shard {path} of {self.which} cannot be read ({type(exc).__name__}: "
+                                  f"{str(exc)[:200]}): the checkpoint is damaged; load an earlier one") from exc
         return self._open[shard][key]
 
     def __iter__(self) -> Any:

@@ -143,20 +143,24 @@ def raises_in_loss(rank: int, world: int, out_dir: str, timeout_s: float) -> dic
     pipe = fxd.compile(_model_fn("unet", batch), case.example_inputs, schedule="gpipe", microbatches=2,
                        state_dict=case.model.state_dict(), timeout_s=timeout_s)
     inputs, target = case.make_batch(batch, 3)
+    pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)  # gradients to keep
+    before = {n: p.grad.clone() for n, p in pipe.named_parameters()}
     calls = {"n": 0}
 
     def bad_loss(out: Any, tgt: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 2:  # micro-batch 1 (shapes are given up front: torch infers none)
-            raise ValueError("loss exploded")
+        if out.requires_grad:  # not the reduction check, which runs on detached outputs
+            calls["n"] += 1
+            if calls["n"] == 2:  # micro-batch 1 (shapes are given up front: torch infers none)
+                raise ValueError("loss exploded")
         return case.loss_fn(out, tgt)
 
     start = time.monotonic()
     try:
         pipe.train_step(*inputs, target=target, loss_fn=bad_loss)
     finally:
+        kept = all(torch.equal(p.grad, before[n]) for n, p in pipe.named_parameters())
         with open(os.path.join(out_dir, f"elapsed{rank}.txt"), "w") as f:
-            f.write(str(time.monotonic() - start))
+            f.write(f"{time.monotonic() - start} {kept}")
     return {"finished": True}
 
 
@@ -367,3 +371,33 @@ def planned_on_rank0(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     pipe.close()
     return {"reference": pipe.meta["reference"], "stages": [s["blocks"] for s in pipe.meta["plan"]["stages"]],
             "cost_model": pipe.meta["plan"].get("stats", {}).get("cost_model")}
+
+
+def killed_mid_save(rank: int, world: int, out_dir: str, ckpt: str, timeout_s: float) -> dict[str, Any]:
+    """Save, train a step, save again; rank 1 dies (os._exit) half-way through writing its
+    second shard. Each rank writes what the first checkpoint holds of its stage to out_dir."""
+    batch = 4
+    case = _case("gpt", batch)
+    pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="1f1b", microbatches=2,
+                       state_dict=case.model.state_dict(), timeout_s=timeout_s)
+    pipe.save(ckpt)
+    torch.save(pipe.state_dict(), os.path.join(out_dir, f"first{rank}.pt"))
+    inputs, target = case.make_batch(batch, 3)
+    opt = torch.optim.SGD(list(pipe.parameters()), lr=0.5)
+    pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
+    opt.step()
+    if rank == 1:
+        real_save = torch.save
+
+        def half_then_die(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            import io
+
+            buf = io.BytesIO()
+            real_save(obj, buf)
+            f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+            f.flush()
+            os._exit(13)
+
+        torch.save = half_then_die  # type: ignore[assignment]
+    pipe.save(ckpt)
+    return {"finished": True}

@@ -58,6 +58,27 @@ def test_killed_rank_stops_the_others_within_the_timeout(tmp_path):
     # launch() fails when a process is still alive at its deadline: none is left behind.
 
 
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    """Issue 10: an interrupted distributed save truncated the previous shard to 0 bytes and
+    mixed two steps in one folder. Now each save writes a new folder and commits it last; the
+    survivor gets an ExecutionError, and the checkpoint directory still loads the first save."""
+    from fxsplit.checkpoint import consolidate, resolve
+
+    ckpt = tmp_path / "ckpt"
+    results = launch(w.killed_mid_save, 2, tmp_path, str(ckpt), 5.0, deadline_s=60)
+    assert results[1]["code"] == 13, "the victim exits with its own status"
+    assert results[0]["code"] == 1 and results[0]["result"]["error"] == "ExecutionError", results[0]
+    assert "checkpoint" in results[0]["result"]["message"] or "shard" in results[0]["result"]["message"]
+    folder, which = resolve(ckpt)
+    assert folder.endswith("ckpt-000001") and "LATEST" in which
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["ckpt-000001", "ckpt-000002"]
+    merged = consolidate(ckpt)
+    first = {**torch.load(tmp_path / "first0.pt"), **torch.load(tmp_path / "first1.pt")}
+    assert merged.keys() == first.keys()
+    for key, value in first.items():
+        assert torch.equal(merged[key], value), f"{key}: not the first save's value"
+
+
 def test_rank_that_raises_stops_the_others_within_the_timeout(tmp_path):
     timeout_s = 5.0
     results = launch(w.raises_in_loss, 2, tmp_path, timeout_s, deadline_s=60)
@@ -66,8 +87,10 @@ def test_rank_that_raises_stops_the_others_within_the_timeout(tmp_path):
     assert last["attrs"]["microbatch"] == 1
     first = results[0]["result"]
     assert first["error"] == "ExecutionError", first
-    elapsed = float((tmp_path / "elapsed0.txt").read_text())
-    assert elapsed < timeout_s + 3, f"rank 0 needed {elapsed:.1f} s to give up"
+    elapsed, kept = (tmp_path / "elapsed0.txt").read_text().split()
+    assert float(elapsed) < timeout_s + 3, f"rank 0 needed {float(elapsed):.1f} s to give up"
+    # issue 10: the failed step leaves every rank's gradients as they were before it
+    assert kept == "True" and (tmp_path / "elapsed1.txt").read_text().split()[1] == "True"
 
 
 def _plan_for(stages: int, **model_kwargs):

@@ -73,6 +73,79 @@ def test_consolidate_merges_shards_in_original_order(tmp_path):
     assert list(sd) == ["emb.weight", "a", "head.weight"]
 
 
+def _write_checkpoint(folder, value, shard="stage000.pt", complete=True):
+    import json
+
+    folder.mkdir(parents=True)
+    torch.save({"w": value}, folder / "stage000.pt")
+    (folder / "plan.json").write_text(json.dumps({"state_order": ["w"], "shards": {shard: ["w"]}}))
+    if complete:
+        (folder / "COMPLETE").write_text("ok\n")
+
+
+def test_loading_takes_the_last_complete_checkpoint_and_says_which(tmp_path, caplog):
+    """Issue 10: loading takes LATEST's folder when it is complete, else the newest complete
+    one (a save cut short), and says which; nothing complete is a ConfigError."""
+    from fxsplit.checkpoint import consolidate, next_version, resolve
+    from fxsplit.errors import ConfigError
+
+    assert next_version(tmp_path) == "ckpt-000001"
+    _write_checkpoint(tmp_path / "ckpt-000001", torch.ones(2))
+    _write_checkpoint(tmp_path / "ckpt-000002", torch.full((2,), 2.0))
+    _write_checkpoint(tmp_path / "ckpt-000003", torch.full((2,), 3.0), complete=False)
+    assert next_version(tmp_path) == "ckpt-000004"
+    (tmp_path / "LATEST").write_text("ckpt-000001\n")
+    assert resolve(tmp_path)[0].endswith("ckpt-000001") and torch.equal(consolidate(tmp_path)["w"], torch.ones(2))
+    (tmp_path / "LATEST").write_text("ckpt-000003\n")  # a save that never completed
+    folder, which = resolve(tmp_path)
+    assert folder.endswith("ckpt-000002") and "newest complete" in which and "not complete" in caplog.text
+    assert torch.equal(consolidate(tmp_path)["w"], torch.full((2,), 2.0))
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        resolve(tmp_path / "ckpt-000003")
+
+
+def test_a_shard_name_that_leaves_the_checkpoint_is_refused(tmp_path):
+    """Issue 10: a shard named ``../outside/x.pt`` in plan.json was loaded from outside."""
+    from fxsplit.checkpoint import consolidate
+    from fxsplit.distributed import ShardedStateDict
+    from fxsplit.errors import ConfigError
+
+    _write_checkpoint(tmp_path / "ckpt-000001", torch.ones(2), shard="../outside/x.pt")
+    (tmp_path / "LATEST").write_text("ckpt-000001\n")
+    with pytest.raises(ConfigError, match=r"names shard '\.\./outside/x\.pt'"):
+        consolidate(tmp_path)
+    with pytest.raises(ConfigError, match=r"names shard '\.\./outside/x\.pt'"):
+        ShardedStateDict(tmp_path)
+
+
+def test_a_damaged_shard_is_a_config_error_naming_it(tmp_path):
+    from fxsplit.checkpoint import consolidate
+    from fxsplit.errors import ConfigError
+
+    _write_checkpoint(tmp_path / "ckpt-000001", torch.ones(2))
+    data = (tmp_path / "ckpt-000001" / "stage000.pt").read_bytes()
+    (tmp_path / "ckpt-000001" / "stage000.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match=r"stage000\.pt cannot be read.*damaged"):
+        consolidate(tmp_path)
+
+
+def test_write_atomic_keeps_the_old_file_when_writing_fails(tmp_path):
+    from fxsplit.checkpoint import write_atomic
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"old")
+
+    def fails(f):
+        f.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(str(path), fails)
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+    write_atomic(str(path), lambda f: f.write(b"new"))
+    assert path.read_bytes() == b"new"
+
+
 def test_watchdog_ends_a_stuck_process():
     import subprocess
     import sys

@@ -310,3 +310,40 @@ def test_loss_reduction_tells_mean_from_sum(rows, cols, seed, reduction):
     found = loss_reduction(loss, [out], None, lambda flat: {"y": flat[0]}, tgt, rows)
     assert found in (reduction, "unknown")
     assert found == reduction or float(loss({"y": out}, tgt)) == 0.0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_step_that_fails_part_way_leaves_the_gradients_as_they_were(gpt, schedule):
+    """Issue 10: a ``train_step`` that failed after some micro-batches' backwards left their
+    gradients in the parameters. Gradients accumulated before the step survive a failed step
+    unchanged, and a later good step still accumulates onto them."""
+    pipe = gpt.pipeline(2, schedule, 4)
+    pipe.zero_grad()
+    inputs, target = gpt.case.make_batch(gpt.batch, seed=5)
+    pipe.train_step(*inputs, target=target, loss_fn=gpt.case.loss_fn)
+    one = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    backwards = []
+
+    def fails_in_the_third_micro_batchs_backward(output, target):
+        if not output.requires_grad:  # the reduction check runs the loss on detached outputs
+            return gpt.case.loss_fn(output, target)
+        index = len(backwards)
+        backwards.append(None)
+
+        def hook(grad):
+            backwards[index] = "done"
+            if index == 2:
+                raise RuntimeError("boom")
+            return grad
+
+        output.register_hook(hook)
+        return gpt.case.loss_fn(output, target)
+
+    with pytest.raises(ExecutionError, match="boom"):
+        pipe.train_step(*inputs, target=target, loss_fn=fails_in_the_third_micro_batchs_backward)
+    assert backwards.count("done") >= 2, f"no other micro-batch's backward ran first; the test proves nothing: {backwards}"
+    for name, p in pipe.named_parameters():
+        assert torch.equal(p.grad, one[name]), f"{name}: the failed step changed its gradient"
+    pipe.train_step(*inputs, target=target, loss_fn=gpt.case.loss_fn)
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * one[name], msg=lambda m, n=name: f"{n}: {m}")

@@ -42,6 +42,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
+from fxsplit.checkpoint import commit, next_version, write_atomic
 from fxsplit.errors import ConfigError, ExecutionError
 from fxsplit.passes.capture import flatten_to_spec
 from fxsplit.runtime.dist_faults import Progress, Watchdog
@@ -303,7 +304,8 @@ class DistributedPipeline(ParameterAPI):
             ConfigError: for inputs of the wrong structure or a batch that does not split into
                 equal micro-batches (on every rank, before any communication).
             ExecutionError: when this stage fails, or a peer dies or stops answering for
-                ``timeout_s`` (names rank, stage, micro-batch and action).
+                ``timeout_s`` (names rank, stage, micro-batch and action). This rank's gradients
+                are then left as they were before the step.
         """
         flat = self._flatten(args, kwargs)
         batch = self._check_batch(flat)
@@ -316,13 +318,18 @@ class DistributedPipeline(ParameterAPI):
             self._wall_t0 = time.time()
             self.recorder.begin(time.perf_counter())
         self._recording, self._mb_offset = True, 0
+        saved = self._stash_grads()
         try:
             for start, size, count in self._groups(batch):  # one run per micro-batch size
                 losses += self._train_group(flat, target, start, size, count, batch)
                 self._mb_offset += count
+            self._run("the tied-weight all-reduce", self._sync_tied)
+        except BaseException:
+            self._unstash_grads(saved, ok=False)  # this rank's gradients are as before the step
+            raise
         finally:
             self._recording = False
-        self._run("the tied-weight all-reduce", self._sync_tied)
+        self._unstash_grads(saved, ok=True)
         loss = torch.stack([x.detach() for x in losses]).sum() if self.is_last else None
         if broadcast_loss:
             loss = self._run("the loss broadcast", lambda: self._broadcast(loss))
@@ -479,25 +486,50 @@ class DistributedPipeline(ParameterAPI):
     def eval(self) -> DistributedPipeline:
         return self.train(False)
 
-    def save(self, directory: str | os.PathLike[str]) -> None:
-        """Write this rank's state dict (``stage{i:03d}.pt``, original keys) and, on rank 0,
-        the plan (``plan.json``); collective (ends with a barrier).
+    def save(self, directory: str | os.PathLike[str], keep: int = 2) -> None:
+        """Write this rank's state dict and, on rank 0, the plan into a new checkpoint folder of
+        ``directory``, all or nothing (see :mod:`fxsplit.checkpoint`); collective.
+
+        Each save goes to a fresh ``ckpt-NNNNNN`` folder (``stage{i:03d}.pt`` with original keys,
+        ``plan.json``), every file written to a temporary name, fsynced and renamed; when every
+        rank's shard is on disk, rank 0 marks the folder complete and points ``LATEST`` at it,
+        then removes the complete checkpoints older than the newest ``keep``. A save cut short
+        (a rank killed, a disk full) leaves the previous checkpoint as it was.
 
         A checkpoint loads with :func:`fxsplit.distributed.load` on any number of ranks, and
         ``python -m fxsplit.checkpoint DIR OUT.pt`` merges it into one ordinary state dict.
+
+        Raises:
+            ExecutionError: when writing or a collective fails on any rank (names rank and stage).
         """
-        os.makedirs(directory, exist_ok=True)
+        directory = str(directory)
+        rank = dist.get_rank()
+        if rank == 0:
+            os.makedirs(directory, exist_ok=True)
+        version = self._run("agreeing on the checkpoint folder", lambda: self._from_rank0(
+            lambda: next_version(directory)))
+        folder = os.path.join(directory, version)
+        os.makedirs(folder, exist_ok=True)
         sd = {k: v.cpu() for k, v in self.state_dict().items()}
-        torch.save(sd, os.path.join(directory, shard_name(self.stage_index)))
-        keys = [None] * self.num_stages
-        dist.all_gather_object(keys, list(sd))
-        if dist.get_rank() == 0:
+        self._run("writing this stage's shard", lambda: write_atomic(
+            os.path.join(folder, shard_name(self.stage_index)), lambda f: torch.save(sd, f)))
+        keys: list[Any] = [None] * self.num_stages
+        self._run("gathering the shard index", lambda: dist.all_gather_object(keys, list(sd)))
+        if rank == 0:
             index = {shard_name(s): k for s, k in enumerate(keys)}
             doc = {**self.meta, "num_stages": self.num_stages, "state_order": self.state_order, "shards": index}
-            with open(os.path.join(directory, PLAN_FILE), "w") as f:
-                json.dump(doc, f, indent=1)
-        dist.barrier()
-        log.info("rank %d saved stage %d (%d tensors) to %s", dist.get_rank(), self.stage_index, len(sd), directory)
+            write_atomic(os.path.join(folder, PLAN_FILE), lambda f: f.write(json.dumps(doc, indent=1).encode()))
+        self._run("waiting for every rank's shard", dist.barrier)
+        if rank == 0:
+            commit(directory, version, keep)
+        self._run("waiting for the checkpoint to be committed", dist.barrier)
+        log.info("rank %d saved stage %d (%d tensors) to %s", rank, self.stage_index, len(sd), folder)
+
+    @staticmethod
+    def _from_rank0(make: Callable[[], Any]) -> Any:
+        box = [make() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def close(self) -> None:
         """Stop the watchdog (the process group is the caller's to destroy)."""

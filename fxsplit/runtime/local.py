@@ -254,6 +254,7 @@ class Pipeline(ParameterAPI):
                 micro-batches, or a ``loss_fn`` that is neither a mean nor a sum over the batch
                 (it mixes samples, so micro-batching would change it; raised before any backward).
             ExecutionError: when a stage fails (names the stage, micro-batch and device).
+                Whatever fails, every gradient is left as it was before the step.
         """
         flat = self._flatten(args, kwargs)
         m = self.microbatches
@@ -263,12 +264,19 @@ class Pipeline(ParameterAPI):
                      sizes=sizes, reduction_checked=m == 1)
         schedule, order = self._schedule_and_order(m)
         self._begin_step()
-        if self.executor == "threads":
-            run_threaded(schedule, lambda action: self._run_action(action, step), [st.device for st in self.program.stages])
-        else:
-            for action in order:
-                self._run_action(action, step)
-        self._sync_tied()
+        saved = self._stash_grads()
+        try:
+            if self.executor == "threads":
+                run_threaded(schedule, lambda action: self._run_action(action, step),
+                             [st.device for st in self.program.stages])
+            else:
+                for action in order:
+                    self._run_action(action, step)
+            self._sync_tied()
+        except BaseException:
+            self._unstash_grads(saved, ok=False)  # the gradients are as before the step
+            raise
+        self._unstash_grads(saved, ok=True)
         self._end_step()
         return step.total_loss()
 

@@ -158,6 +158,30 @@ class ParameterAPI:
         for _, p in self.named_parameters():
             yield p
 
+    def _stash_grads(self) -> list[tuple[nn.Parameter, torch.Tensor | None]]:
+        """Take every parameter's gradient away (``.grad = None``) for a step: the step's
+        gradients then land in fresh tensors, so a step that fails part-way can be undone
+        exactly by :meth:`_unstash_grads` (no copy of the gradients is made)."""
+        saved, seen = [], set()
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                saved.append((p, p.grad))
+                p.grad = None
+        return saved
+
+    @staticmethod
+    def _unstash_grads(saved: list[tuple[nn.Parameter, torch.Tensor | None]], ok: bool) -> None:
+        """After a step: add its gradients to the ones stashed (``ok``), or put the stashed ones
+        back as they were (the step failed: no micro-batch's gradient is kept)."""
+        for p, before in saved:
+            if not ok:
+                p.grad = before
+            elif before is not None:
+                if p.grad is not None:
+                    before.add_(p.grad.to(before.device))
+                p.grad = before
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.parameters():
             if set_to_none:
