@@ -36,7 +36,7 @@ from fxsplit.ir.formats import load_pipedream
 from fxsplit.solvers import solve
 
 ROOT = Path(__file__).resolve().parents[1]
-PIPEDREAM = ROOT / ".." / "shared" / "data" / "pipedream"
+PIPEDREAM = ROOT / "tests" / "data" / "pipedream"  # PipeDream's profiled graphs (MIT, see LICENSE.txt there)
 GRAPHS = ["alexnet", "vgg16", "resnet18", "resnet50", "densenet121", "gnmt"]
 BASELINES = ["uniform", "params", "blockpartition", "greedy"]
 

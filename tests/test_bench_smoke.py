@@ -10,14 +10,13 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PIPEDREAM = ROOT.parent / "shared" / "data" / "pipedream"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("bench", "extra"),
     [
-        ("plan_quality", ["--part", "models"] if not PIPEDREAM.is_dir() else []),
+        ("plan_quality", []),
         ("plan_speed", []),
         ("fidelity", []),
         ("planning_memory", []),
@@ -25,8 +24,6 @@ PIPEDREAM = ROOT.parent / "shared" / "data" / "pipedream"
     ],
 )
 def test_bench_quick_mode_runs(bench: str, extra: list[str], tmp_path: pathlib.Path) -> None:
-    if bench == "plan_speed" and not PIPEDREAM.is_dir():
-        pytest.skip(f"PipeDream graphs not found at {PIPEDREAM}")
     if bench == "planning_memory":
         pytest.importorskip("transformers")
     cmd = [sys.executable, str(ROOT / "bench" / f"{bench}.py"), "--quick", "--out", str(tmp_path), *extra]

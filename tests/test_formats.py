@@ -11,8 +11,7 @@ from fxsplit.errors import ConfigError
 from fxsplit.ir import CondensedGraph, DeviceSpec, Problem
 from fxsplit.ir.formats import load_graph_or_problem, load_pipedream, load_tarnawski
 
-PIPEDREAM = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "pipedream"
-needs_pipedream = pytest.mark.skipif(not PIPEDREAM.is_dir(), reason=f"PipeDream graphs not found at {PIPEDREAM}")
+PIPEDREAM = Path(__file__).resolve().parent / "data" / "pipedream"  # PipeDream's profiles (MIT, see LICENSE.txt there)
 
 SMALL = """node2 -- Conv2d(3, 64) -- forward_compute_time=2.000, backward_compute_time=4.000, activation_size=100.0, parameter_size=50.000
 \tnode2 -- node3
@@ -41,7 +40,6 @@ def test_pipedream_bad_line(tmp_path: Path) -> None:
         load_pipedream(path)
 
 
-@needs_pipedream
 @pytest.mark.parametrize("name,nodes", [("alexnet", 23), ("vgg16", 41), ("resnet18", 71), ("resnet50", 177),
                                         ("densenet121", 429), ("gnmt", 48)])
 def test_pipedream_shared_graphs(name: str, nodes: int) -> None:
