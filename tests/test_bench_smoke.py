@@ -21,6 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
         ("fidelity", []),
         ("planning_memory", []),
         ("runtime", []),
+        ("soak", []),
     ],
 )
 def test_bench_quick_mode_runs(bench: str, extra: list[str], tmp_path: pathlib.Path) -> None:

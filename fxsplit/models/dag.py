@@ -33,11 +33,16 @@ OPS: dict[str, int] = {
     "add": 2,
     "mul": 2,
     "concat_linear": 2,
+    "tied_linear": 1,
+    "inplace_relu": 1,
 }
 """Op kind -> number of inputs. ``concat_linear`` concatenates its two inputs on the last dim and
-projects ``[batch, 2 * width] -> [batch, width]``; ``mul`` is the elementwise product."""
+projects ``[batch, 2 * width] -> [batch, width]``; ``mul`` is the elementwise product;
+``tied_linear`` is one ``Linear`` shared by every such node (tied parameters, registered under
+each node's name); ``inplace_relu`` applies ``relu_`` in place to a fresh copy of its input
+(an in-place op on an activation, as ``nn.ReLU(inplace=True)`` does)."""
 
-_PARAMETRIC = ("linear", "layernorm", "concat_linear")
+_PARAMETRIC = ("linear", "layernorm", "concat_linear", "tied_linear")
 
 
 @dataclass(frozen=True)
@@ -128,8 +133,12 @@ class DagModule(nn.Module):
         self.spec = spec
         self.width = width
         self.layers = nn.ModuleDict()
+        shared: nn.Linear | None = None
         for i, node in enumerate(spec.nodes):
-            if node.op == "linear":
+            if node.op == "tied_linear":
+                shared = shared or nn.Linear(width, width)
+                self.layers[f"n{i}"] = shared
+            elif node.op == "linear":
                 self.layers[f"n{i}"] = nn.Linear(width, width)
             elif node.op == "layernorm":
                 self.layers[f"n{i}"] = nn.LayerNorm(width)
@@ -147,6 +156,9 @@ class DagModule(nn.Module):
                 values.append(self.layers[f"n{i}"](args[0]))
             elif node.op == "relu":
                 values.append(torch.relu(args[0]))
+            elif node.op == "inplace_relu":
+                fresh = args[0] * 1.0
+                values.append(fresh.relu_())
             elif node.op == "add":
                 values.append(args[0] + args[1])
             else:  # "mul", the only op left after validate()
