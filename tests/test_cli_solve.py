@@ -65,9 +65,33 @@ def test_infeasible_exit_code_and_message(graph_file: Path) -> None:
 
 def test_config_errors(graph_file: Path) -> None:
     res = runner.invoke(app, ["solve", str(graph_file)])
-    assert res.exit_code == 1 and "--devices" in res.output
+    assert res.exit_code == 2 and "--devices" in res.output
     res = runner.invoke(app, ["solve", str(graph_file), "--devices", "2", "--solver", "magic"])
-    assert res.exit_code == 1 and "unknown solver" in res.output
+    assert res.exit_code == 2 and "unknown solver" in res.output
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b'{"blocks": [', "not valid JSON: Expecting value at line 1"),
+        (bytes(range(128, 256)), "not a text file"),
+        (b"[1, 2]", "an object at the top level, not a list"),
+        (b'{"blocks": [{"id": 0, "name": "a", "fwd_s": "x"}]}', "not a valid fxsplit file"),
+        (b'{"maxSizePerFPGA": 10, "maxFPGAs": 2, "nodes": [{"fpgaLatency": 1}], "edges": []}',
+         "not a valid tarnawski file: KeyError: 'id'"),
+        (b'{"maxSizePerFPGA": 10, "maxFPGAs": 2, "nodes": [{"id": 0, "fpgaLatency": 1}], '
+         b'"edges": [{"sourceId": 0, "destId": 7, "cost": 1}]}', "not a valid tarnawski file: KeyError: 7"),
+    ],
+)
+def test_a_broken_graph_file_is_an_error_not_a_traceback(tmp_path: Path, content: bytes, match: str) -> None:
+    """Issue 10: truncated JSON, binary files, a list at top level, a string number, Tarnawski
+    nodes without id or edges to unknown nodes gave raw tracebacks; now exit 2 with the file."""
+    path = tmp_path / "broken.json"
+    path.write_bytes(content)
+    res = runner.invoke(app, ["solve", str(path), "--devices", "2"])
+    assert res.exit_code == 2, res.output
+    assert "broken.json" in res.output and match in " ".join(res.output.split()), res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
 
 
 def test_problem_file_keeps_its_devices(tmp_path: Path) -> None:

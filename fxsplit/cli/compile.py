@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
@@ -112,7 +113,7 @@ def register(app: typer.Typer) -> None:
                 run_distributed(model, steps=steps, microbatches=microbatches, schedule=schedule, size=size,
                                 batch_size=batch_size, lr=lr, backend=backend, timeout_s=timeout_s)
             except FxsplitError as exc:
-                console.print(f"[red]error:[/red] {exc}")
+                console.print(f"[red]error:[/red] {escape(str(exc))}")
                 raise typer.Exit(2) from exc
             return
         try:
@@ -141,7 +142,7 @@ def register(app: typer.Typer) -> None:
             with Progress(console=console, transient=False) as progress:
                 result = train_and_compare(pipe, case, reference, steps, lr, batch_size, progress)
         except FxsplitError as exc:
-            console.print(f"[red]error:[/red] {exc}")
+            console.print(f"[red]error:[/red] {escape(str(exc))}")
             raise typer.Exit(2) from exc
         console.print(_summary(pipe, result))
         if pipe.bn_tracker is not None:

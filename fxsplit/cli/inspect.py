@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fxsplit.report import human_bytes, human_seconds
@@ -66,7 +67,7 @@ def register(app: typer.Typer) -> None:
             with console.status(f"capturing and annotating {model} ..."):
                 ins = inspect(model, size=size, method=method, cost_model=cost_model, dump_dir=dump, max_ideals=max_ideals)
         except FxsplitError as exc:
-            console.print(f"[red]error:[/red] {exc}")
+            console.print(f"[red]error:[/red] {escape(str(exc))}")
             raise typer.Exit(2) from exc
         console.print(node_table(ins, limit))
         console.print(block_table(ins.condensed))

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fxsplit.report import human_bytes, human_seconds
@@ -108,7 +109,7 @@ def plan_command(
         console.print(f"schedule: {choice.reason}")
         _outputs(console, choice, plan_problem, [s.name for s in specs], draw, gantt, as_json)
     except FxsplitError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from exc
 
 

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fxsplit.errors import ConfigError, FxsplitError, InfeasibleError
@@ -146,10 +147,12 @@ def solve_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Split GRAPH into pipeline stages and print the plan."""
-    from fxsplit.solvers import solve
+    from fxsplit.solvers import available_solvers, solve
 
     err = Console(stderr=True)
     try:
+        if solver not in available_solvers():
+            raise ConfigError(f"unknown solver {solver!r}; available: {', '.join(available_solvers())}")
         problem = build_problem(
             load_graph_or_problem(graph, format), devices=devices, devices_file=devices_file,
             objective=objective, microbatches=microbatches, schedule=schedule, no_comm=no_comm,
@@ -158,10 +161,13 @@ def solve_command(
         with err.status(f"solving {problem.graph.name} with {solver}…"):
             plan = solve(problem, solver, time_limit_s=time_limit)
     except InfeasibleError as exc:
-        err.print(f"[red]infeasible:[/red] {exc}", highlight=False)
+        err.print(f"[red]infeasible:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from exc
+    except ConfigError as exc:  # bad input: exit 2, as for a usage error
+        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from exc
     except FxsplitError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(1) from exc
     if as_json:
         sys.stdout.write(json.dumps(plan_json(plan, problem), indent=1) + "\n")

@@ -113,7 +113,7 @@ def load_pipedream(path: str | Path, *, time_unit_s: float = 1e-3, name: str | N
     path = Path(path)
     blocks: dict[str, dict[str, Any]] = {}
     raw_edges: list[tuple[str, str]] = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         if line.startswith("\t"):
@@ -186,7 +186,9 @@ def load_tarnawski(
         ConfigError: when a field is missing, or the merged blocks form a cycle.
     """
     path = Path(path)
-    data = json.loads(path.read_text())
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a Tarnawski instance is a JSON object, not a {type(data).__name__}")
     for key in ("maxSizePerFPGA", "maxFPGAs", "nodes", "edges"):
         if key not in data:
             raise ConfigError(f"{path}: Tarnawski JSON needs field {key!r}; found {sorted(data)}")
@@ -208,13 +210,30 @@ def load_tarnawski(
                    optimizer_state_factor=0.0, grad_factor=0.0).check()
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file ({exc.reason} at byte {exc.start}); fxsplit reads PipeDream "
+                          "graph.txt, Tarnawski JSON and fxsplit JSON") from exc
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read: {exc}") from exc
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(_read_text(path))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno} "
+                          "(truncated or edited?)") from exc
+
+
 def _detect(path: Path) -> str:
-    text = path.read_text()
-    stripped = text.lstrip()
-    if not stripped.startswith("{"):
+    stripped = _read_text(path).lstrip()
+    if not stripped.startswith(("{", "[")):
         return "pipedream"
-    data = json.loads(stripped)
-    if "maxFPGAs" in data or "maxSizePerFPGA" in data:
+    data = _read_json(path)
+    if isinstance(data, dict) and ("maxFPGAs" in data or "maxSizePerFPGA" in data):
         return "tarnawski"
     return "fxsplit"
 
@@ -240,16 +259,21 @@ def load_graph_or_problem(path: str | Path, format: str = "auto") -> CondensedGr
     if not path.is_file():
         raise ConfigError(f"graph file {str(path)!r} does not exist")
     fmt = _detect(path) if format == "auto" else format
-    if fmt == "pipedream":
-        return load_pipedream(path)
-    if fmt == "tarnawski":
-        return load_tarnawski(path)
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc}); pass --format to choose a reader") from exc
-    if "devices" in data:
-        return Problem.from_dict(data).check()
-    if "blocks" in data:
-        return CondensedGraph.from_dict(data).check()
+        if fmt == "pipedream":
+            return load_pipedream(path)
+        if fmt == "tarnawski":
+            return load_tarnawski(path)
+        data = _read_json(path)
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: fxsplit JSON is an object at the top level, not a {type(data).__name__}")
+        if "devices" in data:
+            return Problem.from_dict(data).check()
+        if "blocks" in data:
+            return CondensedGraph.from_dict(data).check()
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        # a field missing or of the wrong type, an unknown field, a reference to a missing node
+        raise ConfigError(f"{path}: not a valid {fmt} file: {type(exc).__name__}: {exc}") from exc
     raise ConfigError(f"{path}: fxsplit JSON needs 'blocks' (a graph) or 'graph' and 'devices' (a problem)")
