@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit.errors import ConfigError
@@ -239,15 +240,25 @@ class CompileOptions:
     progress: Any = None
 
 
+MAX_DEVICES = 1024
+"""The most devices (pipeline stages) one plan takes: a bound, so a typo such as ``devices=10**7``
+is an error rather than out-of-memory."""
+
+
 def _device_specs(devices: Any, memory_limit_bytes: int | None) -> list[DeviceSpec]:
     """Normalise ``devices`` (an int, torch device strings or DeviceSpecs) to DeviceSpecs."""
     if isinstance(devices, int):
+        if not 1 <= devices <= MAX_DEVICES:
+            raise ConfigError(f"devices={devices}: give 1 to {MAX_DEVICES} devices (a count, or a list of device strings)")
         devices = ["cpu"] * devices
     elif isinstance(devices, str | DeviceSpec | torch.device):
         devices = [devices]
     devices = list(devices)
     if not devices:
         raise ConfigError("devices is empty; pass e.g. devices=['cpu', 'cpu'] or devices=2")
+    if len(devices) > MAX_DEVICES:
+        raise ConfigError(f"{len(devices)} devices: fxsplit plans at most {MAX_DEVICES} pipeline stages; "
+                          "pass fewer devices")
     specs: list[DeviceSpec] = []
     cpu: DeviceSpec | None = None
     for i, d in enumerate(devices):
@@ -323,6 +334,12 @@ def _check_inputs_bind(model: nn.Module, args: Sequence[Any], kwargs: Mapping[st
     """The example inputs must fit ``model.forward``'s signature (cheap, before any capture)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"compile needs an nn.Module, got {type(model).__name__}")
+    if isinstance(args, torch.Tensor):
+        raise ConfigError(f"example_inputs is a bare tensor {list(args.shape)}; wrap it in a tuple: example_inputs=(x,)")
+    batched = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs or {}))) if isinstance(x, torch.Tensor) and x.dim()]
+    if batched and all(x.shape[0] == 0 for x in batched):
+        raise ConfigError("the example batch has 0 samples (dim 0 of every input tensor is 0); give at least one sample "
+                          "per micro-batch")
     try:
         pyinspect.signature(model.forward).bind(*args, **dict(kwargs or {}))
     except TypeError as exc:
@@ -401,7 +418,7 @@ def resolve_cost_model(model: nn.Module, inputs: Any, reference: DeviceSpec) -> 
         >>> resolve_cost_model(torch.nn.Linear(2, 2, device="meta"), (), DeviceSpec("cpu"))
         'analytic'
     """
-    import torch.utils._pytree as pytree
+
     from torch._subclasses.fake_tensor import FakeTensor
 
     try:

@@ -55,6 +55,8 @@ def test_auto_schedule_records_why(gpt):
         ({"devices": ["meta", "meta"]}, r"devices\[0\]='meta': a meta device holds no data"),
         ({"devices": ["cpu", "tpu"]}, r"devices\[1\]='tpu' is not a torch device"),
         ({"devices": ["cpu", "mps"]}, r"devices\[1\]='mps': fxsplit runs stages on 'cpu' and 'cuda'"),
+        ({"devices": 10**7}, r"devices=10000000: give 1 to 1024 devices"),  # was: out of memory
+        ({"devices": ["cpu"] * 2000}, r"2000 devices: fxsplit plans at most 1024"),
     ],
 )
 def test_bad_arguments_fail_before_any_work(kwargs, match):
@@ -347,3 +349,19 @@ def test_a_step_that_fails_part_way_leaves_the_gradients_as_they_were(gpt, sched
     pipe.train_step(*inputs, target=target, loss_fn=gpt.case.loss_fn)
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, 2 * one[name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_bad_example_inputs_and_train_step_arguments_say_what_to_do():
+    """Issue 10: a bare tensor as example_inputs, an empty batch, train_step without a loss_fn
+    and a loss_fn failing for want of a target gave raw tracebacks or unclear messages."""
+    case = zoo.get("mlp", batch_size=4)
+    x = case.example_inputs[0]
+    with pytest.raises(ConfigError, match=r"bare tensor \[4, \d+\]; wrap it in a tuple"):
+        fxsplit.compile(case.model, devices(2), x)
+    with pytest.raises(ConfigError, match="0 samples"):
+        fxsplit.compile(case.model, devices(2), (x[:0],))
+    pipe = fxsplit.compile(case.model, devices(2), case.example_inputs, microbatches=2, schedule="gpipe")
+    with pytest.raises(ConfigError, match="train_step needs loss_fn"):
+        pipe.train_step(*case.example_inputs, target=None, loss_fn=None)
+    with pytest.raises(ExecutionError, match=r"loss_fn failed on micro-batch 0.*given no target"):
+        pipe.train_step(*case.example_inputs, loss_fn=case.loss_fn)

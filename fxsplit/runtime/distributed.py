@@ -307,6 +307,8 @@ class DistributedPipeline(ParameterAPI):
                 ``timeout_s`` (names rank, stage, micro-batch and action). This rank's gradients
                 are then left as they were before the step.
         """
+        if not callable(loss_fn):
+            raise ConfigError(f"train_step needs loss_fn=callable(output, target) -> scalar, got {loss_fn!r}")
         flat = self._flatten(args, kwargs)
         batch = self._check_batch(flat)
         if self.is_last and not isinstance(target, torch.Tensor):

@@ -256,6 +256,8 @@ class Pipeline(ParameterAPI):
             ExecutionError: when a stage fails (names the stage, micro-batch and device).
                 Whatever fails, every gradient is left as it was before the step.
         """
+        if not callable(loss_fn):
+            raise ConfigError(f"train_step needs loss_fn=callable(output, target) -> scalar, got {loss_fn!r}")
         flat = self._flatten(args, kwargs)
         m = self.microbatches
         mbs, sizes = split_microbatches(flat, m, batched=self.batched_inputs)
@@ -297,16 +299,20 @@ class Pipeline(ParameterAPI):
         outputs = self._run_stage(s, i, values)
         step.slots[(s, i)] = _Slot(values, outputs)
         if s == self.num_stages - 1:
-            if not step.reduction_checked:  # the first micro-batch of a step that has several
-                step.reduction_checked = True
-                kind = self._loss_reductions.of(step.loss_fn, outputs, self.batched_outputs, self._unflatten,
-                                                step.targets[i], step.sizes[i])
-                if kind == "sum":  # a sum over the batch is the plain sum of the micro-batches' sums
-                    step.weights = [1.0] * len(step.weights)
             try:
+                if not step.reduction_checked:  # the first micro-batch of a step that has several
+                    step.reduction_checked = True
+                    kind = self._loss_reductions.of(step.loss_fn, outputs, self.batched_outputs, self._unflatten,
+                                                    step.targets[i], step.sizes[i])
+                    if kind == "sum":  # a sum over the batch is the plain sum of the micro-batches' sums
+                        step.weights = [1.0] * len(step.weights)
                 loss = step.loss_fn(self._unflatten(outputs), step.targets[i])
+            except ConfigError:
+                raise
             except Exception as exc:
-                raise ExecutionError(f"loss_fn failed on micro-batch {i}: {type(exc).__name__}: {exc}", stage=s, microbatch=i) from exc
+                hint = "; train_step was given no target (pass target=...)" if step.targets[i] is None else ""
+                raise ExecutionError(f"loss_fn failed on micro-batch {i}: {type(exc).__name__}: {exc}{hint}",
+                                     stage=s, microbatch=i) from exc
             weight = step.weights[i]
             step.losses[i] = loss if weight == 1.0 else loss * weight  # x * 1.0 == x: skip the op
 
