@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -20,7 +21,7 @@ from torch import nn
 from fxsplit import solvers
 from fxsplit.calibrate import CompileContext, CompiledPipeline
 from fxsplit.codegen import defer_batch_norm, place_stages, split_graph
-from fxsplit.errors import ConfigError
+from fxsplit.errors import ConfigError, NotPerSampleWarning
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
 from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
@@ -199,6 +200,15 @@ def compile_pipeline(
     check_microbatches(microbatches, batch)  # before any work
     reference = options.reference or specs[0]
     captured, condensed, _ = front_end(model, args, kwargs, reference, cost_model, options, microbatches)
+    mixing = _not_per_sample(captured, args, kwargs)
+    if mixing and microbatches == "auto":
+        log.warning("%s is not per-sample, so one micro-batch: %s", type(model).__name__, "; ".join(map(str, mixing)))
+        microbatches = 1
+    elif mixing and microbatches != 1:
+        warnings.warn(
+            f"{type(model).__name__} is not per-sample, and with microbatches={microbatches} the pipeline computes "
+            f"something else than the model: {'; '.join(map(str, mixing))}. Use microbatches=1 (or 'auto'), or make "
+            "those ops per-sample", NotPerSampleWarning, stacklevel=3)
     t1 = time.perf_counter()
     link, links = _links(specs, options, cost_model)
     problem = Problem(
@@ -214,10 +224,26 @@ def compile_pipeline(
         "num_blocks": condensed.num_blocks, "num_ideals": condensed.num_ideals,
         "front_end_s": t1 - t0, "plan_s": t2 - t1, "codegen_s": time.perf_counter() - t2,
         "devices": [s.name for s in specs], "predicted_step_s": choice.plan.makespan_s,
+        "not_per_sample": [str(m) for m in mixing],
     }
     pipe.report.update(report)
     log.info("compiled %s into %d stages: %s", type(model).__name__, choice.plan.num_stages, choice.reason)
     return pipe
+
+
+def _not_per_sample(captured: Captured, args: tuple, kwargs: dict) -> list[Any]:
+    """:func:`~fxsplit.passes.per_sample.find_batch_mixing` on the example batch, when its
+    tensors and the model's are real (a meta or fake model cannot run: nothing is checked)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from fxsplit.passes.per_sample import find_batch_mixing, mutated_buffers
+
+    flat = captured.flatten_inputs(args, kwargs)
+    tensors = [*captured.gm.parameters(), *captured.gm.buffers(), *(x for x in flat if isinstance(x, torch.Tensor))]
+    if any(t.is_meta or isinstance(t, FakeTensor) for t in tensors):
+        return mutated_buffers(captured.gm)
+    batched = captured.batched_inputs or [isinstance(x, torch.Tensor) and x.dim() > 0 for x in flat]
+    return find_batch_mixing(captured.gm, flat, batched)
 
 
 def assemble_compiled(

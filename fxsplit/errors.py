@@ -19,6 +19,7 @@ __all__ = [
     "ExecutionError",
     "ConfigError",
     "InternalError",
+    "NotPerSampleWarning",
 ]
 
 
@@ -79,3 +80,9 @@ class ConfigError(FxsplitError, ValueError):
 
 class InternalError(FxsplitError, AssertionError):
     """An invariant of fxsplit broke: this is a bug in fxsplit, please report it."""
+
+
+class NotPerSampleWarning(UserWarning):
+    """The model mixes samples across the batch or updates a buffer in forward, and more than one
+    micro-batch was asked for: the pipeline's results differ from the unsplit model's (see
+    :mod:`fxsplit.passes.per_sample`)."""

@@ -1,0 +1,189 @@
+"""Is the model per-sample? Find what micro-batching would silently change.
+
+Pipelining splits the batch into micro-batches and runs each through the model on its own. That
+computes what the unsplit model computes only when every sample's outputs depend on that sample
+alone, and the forward changes no state. Two things break it, and this pass finds both:
+
+* **an op that mixes samples** (``h - h.mean(0)``, BatchNorm in training mode, a batch-level
+  auxiliary loss, attention over the *batch* of a sequence-first model whose dim 0 is the
+  sequence): found by running the graph on the example batch and on its first half, side by side,
+  and comparing every node's rows of the first half; the first node whose rows differ is the one
+  that mixes (random ops such as dropout take the full run's rows, so their draws match);
+* **a buffer updated in forward** (counters, moving averages): an in-place op on a buffer runs
+  once per micro-batch, ``m`` times per step. BatchNorm's running statistics are left out: the
+  runtime defers them to one exact update per step (:mod:`fxsplit.codegen.batchnorm`).
+
+References:
+    Huang et al., "GPipe", NeurIPS 2019, section 2.2 (micro-batches and batch normalisation).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+__all__ = ["BatchMixing", "find_batch_mixing", "mutated_buffers"]
+
+log = logging.getLogger(__name__)
+
+_RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial")
+_DEFERRED_BUFFERS = (".running_mean", ".running_var", ".num_batches_tracked")
+
+
+@dataclass(frozen=True)
+class BatchMixing:
+    """One reason the model is not per-sample.
+
+    Attributes:
+        node: The graph node (``print(gm.code)`` shows it).
+        kind: ``"mixes samples"`` or ``"updates a buffer"``.
+        where: The model's source line that made the node (``File ..., line N``), or ``""``.
+        detail: What was found (the largest difference, or the buffer's name).
+    """
+
+    node: str
+    kind: str
+    where: str
+    detail: str
+
+    def __str__(self) -> str:
+        at = f" at {self.where}" if self.where else ""
+        return f"node {self.node!r}{at} {self.kind}: {self.detail}"
+
+
+def _where(node: torch.fx.Node) -> str:
+    """The innermost frame of the node's stack outside torch itself (the model's own line)."""
+    lines = [ln.strip() for ln in str(node.meta.get("stack_trace") or "").strip().splitlines() if ln.strip()]
+    frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+    if not frames:
+        return ""
+    own = [i for i in frames if "/torch/" not in lines[i]]
+    i = own[-1] if own else frames[-1]
+    return f"{lines[i]}: {lines[i + 1]}" if i + 1 < len(lines) else lines[i]
+
+
+def _root_buffer(node: Any, buffers: set[str]) -> str | None:
+    """The buffer an in-place chain writes into (``add_(mul_(ema, .9), x)`` -> ``ema``)."""
+    while isinstance(node, torch.fx.Node):
+        if node.op == "get_attr":
+            return str(node.target) if str(node.target) in buffers else None
+        if node.op != "call_function" or not str(node.target).split(".")[-2].endswith("_"):
+            return None
+        node = node.args[0] if node.args else None
+    return None
+
+
+def mutated_buffers(gm: torch.fx.GraphModule) -> list[BatchMixing]:
+    """Buffers an in-place op updates in forward, BatchNorm's running statistics left out."""
+    buffers = {name for name, _ in gm.named_buffers()}
+    found: dict[str, BatchMixing] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not node.args:
+            continue
+        name = str(node.target).split(".")
+        if len(name) < 2 or not name[-2].endswith("_"):  # aten.add_.Tensor: the overload's op ends with _
+            continue
+        buf = _root_buffer(node.args[0], buffers)
+        if buf is not None and not buf.endswith(_DEFERRED_BUFFERS) and buf not in found:
+            found[buf] = BatchMixing(node.name, "updates a buffer", _where(node),
+                                     f"buffer {buf!r} changes in forward, so m micro-batches update it m times per step")
+    return list(found.values())
+
+
+def _rows(full: torch.Tensor, half: torch.Tensor, batch: int, n: int) -> torch.Tensor | None:
+    """The rows of ``full`` that belong to the first ``n`` samples, laid out as ``half``."""
+    if full.dim() != half.dim() or full.dim() == 0:
+        return None
+    for d in range(full.dim()):
+        f, h = full.shape[d], half.shape[d]
+        if f != h and f * n == h * batch and all(full.shape[k] == half.shape[k] for k in range(full.dim()) if k != d):
+            return full.narrow(d, 0, h)
+    return None
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> float | None:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return None
+    if not a.is_floating_point():
+        return None if torch.equal(a, b) else float("inf")
+    diff = float((a - b).abs().max()) if a.numel() else 0.0
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    return diff if diff > atol + rtol * scale else None
+
+
+def find_batch_mixing(
+    gm: torch.fx.GraphModule,
+    flat_inputs: Sequence[Any],
+    batched: Sequence[bool],
+    *,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+) -> list[BatchMixing]:
+    """Why micro-batching would change what ``gm`` computes; ``[]`` when it would not.
+
+    Args:
+        gm: The captured graph (real weights; run twice under ``no_grad`` on a copy of its
+            buffers, so nothing of the model changes).
+        flat_inputs: The example batch, flat; ``[batch, ...]`` for the batched ones.
+        batched: ``[len(flat_inputs)]`` which inputs carry the batch.
+        rtol, atol: Tolerance of the row comparison (a half batch may take other kernels).
+
+    Returns:
+        The first node that mixes samples (if any), then every buffer updated in forward.
+        Nothing is checked for a batch of one sample.
+    """
+    found = mutated_buffers(gm)
+    sizes = [x.shape[0] for x, b in zip(flat_inputs, batched, strict=True) if b and isinstance(x, torch.Tensor) and x.dim()]
+    if not sizes or sizes[0] < 2:
+        return found
+    batch = int(sizes[0])
+    n = batch // 2
+    half_inputs = [x[:n] if b and isinstance(x, torch.Tensor) and x.dim() else x
+                   for x, b in zip(flat_inputs, batched, strict=True)]
+    saved = {name: buf.detach().clone() for name, buf in gm.named_buffers()}
+    try:
+        mixing = _first_mixing_node(gm, list(flat_inputs), half_inputs, batch, n, rtol, atol)
+    finally:
+        with torch.no_grad():
+            for name, buf in gm.named_buffers():
+                buf.copy_(saved[name])
+    return ([mixing] if mixing is not None else []) + found
+
+
+def _first_mixing_node(gm: torch.fx.GraphModule, full_in: list[Any], half_in: list[Any], batch: int, n: int,
+                       rtol: float, atol: float) -> BatchMixing | None:
+    full_run, half_run = torch.fx.Interpreter(gm), torch.fx.Interpreter(gm)
+    full_iter, half_iter = iter(full_in), iter(half_in)
+    full_run.args_iter, half_run.args_iter = full_iter, half_iter
+    with torch.no_grad():
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                break
+            f, h = full_run.run_node(node), half_run.run_node(node)
+            if node.op == "call_function" and any(r in str(node.target) for r in _RANDOM):
+                # the same draws for the first samples: the half run takes the full run's rows
+                f_leaves, spec = pytree.tree_flatten(f)
+                h_leaves = pytree.tree_leaves(h)
+                rows = [_rows(a, b, batch, n) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else None
+                        for a, b in zip(f_leaves, h_leaves, strict=False)]
+                if len(h_leaves) == len(f_leaves):
+                    h = pytree.tree_unflatten([r if r is not None else b for r, b in zip(rows, h_leaves, strict=True)], spec)
+            full_run.env[node], half_run.env[node] = f, h
+            if node.op in ("placeholder", "get_attr"):
+                continue
+            for a, b in zip(pytree.tree_leaves(f), pytree.tree_leaves(h), strict=False):
+                if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+                    continue
+                mine = _rows(a, b, batch, n)
+                diff = _differs(mine, b, rtol, atol) if mine is not None else None
+                if diff is not None:
+                    return BatchMixing(node.name, "mixes samples", _where(node),
+                                       f"the first {n} samples' values differ by up to {diff:.3g} between the batch "
+                                       f"of {batch} and a batch of those {n} alone")
+    return None

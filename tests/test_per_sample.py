@@ -1,0 +1,86 @@
+"""Models that are not per-sample: found at compile, one micro-batch under "auto", a warning otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxsplit
+from fxsplit.errors import NotPerSampleWarning
+from fxsplit.passes.capture import capture
+from fxsplit.passes.per_sample import find_batch_mixing
+
+
+class _Net(nn.Module):
+    """Linear layers with dropout; ``mode`` adds one way of not being per-sample."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+        self.drop = nn.Dropout(0.3)
+        self.bn = nn.BatchNorm1d(32)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.a(x).relu())
+        if self.mode == "center":
+            h = h - h.mean(0)  # mixes the samples of the batch
+        elif self.mode == "batchnorm":
+            h = self.bn(h)
+        elif self.mode == "counter":
+            self.steps += 1
+        return self.c(self.b(h).relu())
+
+
+def _found(model: nn.Module, x: torch.Tensor) -> list:
+    cap = capture(model, (x,), dynamic_batch=True)
+    return find_batch_mixing(cap.gm, cap.flatten_inputs((x,), {}), cap.batched_inputs or [True])
+
+
+@pytest.mark.parametrize(("mode", "kind", "node"), [("center", "mixes samples", "sub"),
+                                                    ("batchnorm", "mixes samples", "batch_norm"),
+                                                    ("counter", "updates a buffer", "add_")])
+def test_what_is_not_per_sample_is_found_with_its_node_and_line(mode, kind, node):
+    found = _found(_Net(mode), torch.randn(8, 8))
+    assert [(f.kind, f.node) for f in found] == [(kind, node)]
+    if mode != "batchnorm":  # the model's own line (BatchNorm's is in torch)
+        assert "test_per_sample.py" in found[0].where, found[0]
+
+
+def test_per_sample_models_with_dropout_are_not_flagged():
+    assert _found(_Net("plain"), torch.randn(8, 8)) == []
+
+
+def test_a_sequence_first_transformer_is_found_mixing_its_dim_0():
+    """Issue 10: ``TransformerEncoder(batch_first=False)`` takes ``[seq, batch, d]``; cutting dim 0
+    cut the sequence, so attention saw part of it and outputs were silently wrong."""
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=False)
+    found = _found(nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval(), torch.randn(6, 4, 16))
+    assert found and found[0].kind == "mixes samples", found
+
+
+def test_compile_runs_a_model_that_mixes_samples_as_one_micro_batch():
+    """Issue 10: ``microbatches="auto"`` picked m > 1 for such a model without a word."""
+    model, x = _Net("center").train(), torch.randn(8, 8)
+    ref = _Net("center")
+    ref.load_state_dict(model.state_dict())
+    pipe = fxsplit.compile(model, ["cpu", "cpu"], (x,), options=fxsplit.CompileOptions(allow_idle_devices=False))
+    assert pipe.microbatches == 1
+    assert pipe.report["not_per_sample"] and "'sub'" in pipe.report["not_per_sample"][0]
+    torch.manual_seed(0)
+    loss = pipe.train_step(x, target=torch.zeros(8, 8), loss_fn=nn.functional.mse_loss)
+    torch.manual_seed(0)
+    torch.testing.assert_close(loss, nn.functional.mse_loss(ref(x), torch.zeros(8, 8)))
+
+
+def test_asking_for_micro_batches_of_such_a_model_warns_naming_the_node():
+    with pytest.warns(NotPerSampleWarning, match=r"microbatches=2.*node 'add_'.*buffer 'steps'"):
+        pipe = fxsplit.compile(_Net("counter"), ["cpu", "cpu"], (torch.randn(8, 8),), microbatches=2)
+    assert pipe.microbatches == 2
+
+
+def test_a_per_sample_model_keeps_its_micro_batches():
+    pipe = fxsplit.compile(_Net("plain"), ["cpu", "cpu"], (torch.randn(8, 8),), microbatches=4)
+    assert pipe.report["not_per_sample"] == [] and pipe.microbatches == 4
