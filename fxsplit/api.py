@@ -142,6 +142,7 @@ def analyze(
     name: str = "model",
 ) -> Inspection:
     """Capture ``model`` and run the front-end passes; see :func:`inspect`."""
+    _check_writable(dump_dir)
     captured = capture(model, example_inputs, example_kwargs, method=method)
     flat = captured.flatten_inputs(example_inputs, example_kwargs)
     device = device or measure_cpu_spec()
@@ -152,7 +153,7 @@ def analyze(
     )
     pm.run(captured.gm)
     condensed = pm.artifacts["condense_antichains"]
-    if dump_dir is not None:
+    if dump_dir is not None:  # (checked writable before any work)
         from fxsplit.report import write_dot
 
         write_dot(condensed, Path(dump_dir) / "condensed.dot")
@@ -196,6 +197,23 @@ def inspect(
     if example_inputs is None:
         raise ConfigError("fxsplit.inspect(module) needs example_inputs, e.g. (torch.randn(8, 16),)")
     return analyze(model, example_inputs, example_kwargs, name=type(model).__name__, **options)
+
+
+def _check_writable(folder: str | Path | None) -> None:
+    """``dump_dir`` must be a folder fxsplit can create and write.
+
+    Raises:
+        ConfigError: naming the folder and the system's reason.
+    """
+    if folder is None:
+        return
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        probe = Path(folder) / ".fxsplit-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write the dump to {str(folder)!r}: {exc.strerror or exc}; pick a folder you can write") from exc
 
 
 # -- compile -----------------------------------------------------------------------------------

@@ -70,6 +70,21 @@ def test_inspect_unknown_model_exits_nonzero_with_clear_message(app) -> None:  #
     assert "Traceback" not in result.output
 
 
+def test_inspect_dump_to_a_folder_it_cannot_write_says_so(app, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 10: ``inspect --dump`` into an unwritable place was a raw traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = CliRunner().invoke(app, ["inspect", "mlp", "--dump", str(blocker / "dump")], env=WIDE)
+    assert result.exit_code == 2 and "cannot write the dump to" in " ".join(result.output.split())
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_compile_with_zero_steps_is_a_usage_error(app) -> None:  # type: ignore[no-untyped-def]
+    """Issue 10: ``fxsplit compile --steps 0`` crashed with an IndexError in the summary."""
+    result = CliRunner().invoke(app, ["compile", "mlp", "--devices", "2", "--steps", "0"], env=WIDE)
+    assert result.exit_code == 2 and "--steps" in result.output
+
+
 def test_inspect_bad_method_exits_nonzero(app) -> None:  # type: ignore[no-untyped-def]
     result = CliRunner().invoke(app, ["inspect", "mlp", "--method", "jit"], env=WIDE)
     assert result.exit_code != 0

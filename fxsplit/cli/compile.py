@@ -85,7 +85,7 @@ def register(app: typer.Typer) -> None:
     def compile_cmd(
         model: Annotated[str, typer.Argument(help="zoo name (gpt, resnet, ...), hf:NAME, or module:function")] = "gpt",
         devices: Annotated[str, typer.Option(help="a count of CPU devices (4) or a list (cuda:0,cuda:1)")] = "4",
-        steps: Annotated[int, typer.Option(help="training steps on synthetic data")] = 5,
+        steps: Annotated[int, typer.Option(min=1, help="training steps on synthetic data")] = 5,
         microbatches: Annotated[str, typer.Option(help="micro-batches per step, or auto")] = "auto",
         schedule: Annotated[str, typer.Option(help="gpipe, 1f1b or auto")] = "auto",
         solver: Annotated[str, typer.Option(help="dp, cpsat, auto, uniform, params, blockpartition, greedy")] = "auto",
