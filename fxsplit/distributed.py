@@ -16,6 +16,7 @@ import datetime
 import json
 import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from fxsplit.checkpoint import resolve, shard_path
 from fxsplit.codegen import split_graph
 from fxsplit.codegen.place import get_state
 from fxsplit.dist_plan import plan_on_rank0
-from fxsplit.errors import ConfigError
+from fxsplit.errors import ConfigError, NotPerSampleWarning
 from fxsplit.ir import Plan
 from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import StageModule
@@ -118,6 +119,20 @@ def _broadcast_tied(gm: Any, tied: list[TiedGroup]) -> None:
     with torch.no_grad():
         for group in tied:
             dist.broadcast(get_state(gm, group.name).data, src=group.ranks[0], group=group.group)
+
+
+def _warn_if_not_per_sample(gm: torch.fx.GraphModule, m: int, rank: int) -> None:
+    """The part of the per-sample check a meta capture allows (the rows comparison needs real
+    tensors): buffers updated in forward, warned about on rank 0 when ``m > 1``."""
+    from fxsplit.passes.per_sample import mutated_buffers
+
+    found = mutated_buffers(gm) if m > 1 and rank == 0 else []
+    if found:
+        warnings.warn(
+            f"the model is not per-sample, and with microbatches={m} the pipeline computes something else than "
+            f"the model: {'; '.join(map(str, found))}. Use microbatches=1, or keep that state out of forward "
+            "(ops that mix samples are not checked here: the capture is on the meta device)",
+            NotPerSampleWarning, stacklevel=3)
 
 
 def batched_flags(captured: Any, flat: Sequence[Any]) -> list[bool]:
@@ -241,6 +256,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
                             microbatches=m, solver=solver, plan=plan, options=options, cost_model=cost_model)
     captured, plan = planned.captured, planned.plan
     _check_args(schedule, m, world, plan.num_stages)
+    _warn_if_not_per_sample(captured.gm, m, rank)
     program = split_graph(captured.gm, plan.stage_of_block(), [str(device)] * world)
     tied = _tied_groups(program, world)
     stage = program.stages[rank]

@@ -84,3 +84,21 @@ def test_asking_for_micro_batches_of_such_a_model_warns_naming_the_node():
 def test_a_per_sample_model_keeps_its_micro_batches():
     pipe = fxsplit.compile(_Net("plain"), ["cpu", "cpu"], (torch.randn(8, 8),), microbatches=4)
     assert pipe.report["not_per_sample"] == [] and pipe.microbatches == 4
+
+
+def test_the_distributed_compile_warns_about_buffers_a_meta_capture_shows():
+    """fxsplit.distributed captures on the meta device, so only the buffer part of the check
+    runs there; rank 0 warns when more than one micro-batch is asked for."""
+    import warnings
+
+    from fxsplit.distributed import _warn_if_not_per_sample
+
+    with torch.device("meta"):
+        model = _Net("counter")
+    gm = capture(model, (torch.empty(8, 8, device="meta"),), dynamic_batch=True).gm
+    with pytest.warns(NotPerSampleWarning, match=r"microbatches=4.*buffer 'steps'"):
+        _warn_if_not_per_sample(gm, 4, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_if_not_per_sample(gm, 1, 0)  # one micro-batch: nothing to warn about
+        _warn_if_not_per_sample(gm, 4, 1)  # rank 0 alone speaks
