@@ -7,6 +7,7 @@ it made; ``fxsplit.compile`` goes on to plan, split and run (the steps live in
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect as pyinspect
 import logging
@@ -241,6 +242,7 @@ class CompileOptions:
             ``~/.cache/fxsplit/profiles``); ``False`` times every node afresh and keeps nothing.
         progress: ``progress(done, total)`` called after each micro-batch size the profiled
             cost model times (the CLI draws a progress bar with it).
+        batch_dim: The batch dimension of the first input (``compile(batch_dim=...)``).
     """
 
     capture_method: str = "auto"
@@ -256,6 +258,7 @@ class CompileOptions:
     deferred_batch_norm: bool = True
     profile_cache_dir: str | Path | bool | None = None
     progress: Any = None
+    batch_dim: int = 0
 
 
 MAX_DEVICES = 1024
@@ -348,16 +351,21 @@ def _check_compile_args(solver: str, schedule: str, microbatches: Any, objective
         raise ConfigError(f"cost_model={cost_model!r} is unknown; choose 'auto' or one of {COST_MODELS}")
 
 
-def _check_inputs_bind(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> None:
+def _check_inputs_bind(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
+                       batch_dim: int = 0) -> None:
     """The example inputs must fit ``model.forward``'s signature (cheap, before any capture)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"compile needs an nn.Module, got {type(model).__name__}")
     if isinstance(args, torch.Tensor):
         raise ConfigError(f"example_inputs is a bare tensor {list(args.shape)}; wrap it in a tuple: example_inputs=(x,)")
-    batched = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs or {}))) if isinstance(x, torch.Tensor) and x.dim()]
-    if batched and all(x.shape[0] == 0 for x in batched):
-        raise ConfigError("the example batch has 0 samples (dim 0 of every input tensor is 0); give at least one sample "
-                          "per micro-batch")
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs or {})))
+    batched = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > batch_dim]
+    if batched and all(x.shape[batch_dim] == 0 for x in batched):
+        raise ConfigError(f"the example batch has 0 samples (dim {batch_dim} of every input tensor is 0); give at least "
+                          "one sample per micro-batch")
+    if batch_dim and not batched:
+        raise ConfigError(f"batch_dim={batch_dim}, but no input tensor has dimension {batch_dim} (shapes "
+                          f"{[list(x.shape) for x in leaves if isinstance(x, torch.Tensor)]}); count from 0")
     try:
         pyinspect.signature(model.forward).bind(*args, **dict(kwargs or {}))
     except TypeError as exc:
@@ -379,6 +387,7 @@ def compile(  # noqa: A001 - the public name users expect
     memory_limit_bytes: int | None = None,
     cost_model: str = "auto",
     objective: str = "makespan",
+    batch_dim: int = 0,
     options: CompileOptions | None = None,
 ) -> Any:
     """Split ``model`` across ``devices`` and return a :class:`~fxsplit.runtime.Pipeline`.
@@ -400,6 +409,13 @@ def compile(  # noqa: A001 - the public name users expect
             the micro-batch sizes that may run, cached in ``options.profile_cache_dir``),
             ``"measured"`` (timed at one size, scaled linearly) or ``"analytic"`` (roofline).
         objective: ``"makespan"`` (one training step) or ``"bottleneck"``.
+        batch_dim: The dimension of the first input that holds the samples (default 0; 1 for a
+            sequence-first model such as ``nn.TransformerEncoder(batch_first=False)`` with
+            ``src [seq, batch, d]``). The batch dimension of every other input and output is the
+            one export proves equal to it (``src_key_padding_mask [batch, seq]``); targets are
+            split on ``batch_dim`` when they have it, else on dim 0. fxsplit never guesses it:
+            a model whose dim 0 mixes samples runs one micro-batch, and the log or warning names
+            the dimension no op mixes.
         options: :class:`CompileOptions`.
 
     Returns:
@@ -407,15 +423,20 @@ def compile(  # noqa: A001 - the public name users expect
 
     Raises:
         ConfigError: for bad arguments (no devices, unknown solver, a batch smaller than the
-            micro-batches, inputs that do not fit the model), before any work.
+            micro-batches, inputs that do not fit the model, a ``batch_dim`` the inputs lack or
+            the model fixes), before any work.
         CaptureError: when the model cannot be captured.
         InfeasibleError: when no split fits the devices' memory.
     """
     from fxsplit.compiler import compile_pipeline
 
     options = options or CompileOptions()
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+        raise ConfigError(f"batch_dim={batch_dim!r}; pass the batch dimension of the first input, an int >= 0 "
+                          "(negative dimensions are not taken: count from 0)")
+    options = dataclasses.replace(options, batch_dim=batch_dim) if batch_dim != options.batch_dim else options
     _check_compile_args(solver, schedule, microbatches, objective, cost_model)
-    _check_inputs_bind(model, example_inputs, example_kwargs)
+    _check_inputs_bind(model, example_inputs, example_kwargs, options.batch_dim)
     specs = _device_specs(devices, memory_limit_bytes)
     if cost_model == "auto":
         cost_model = resolve_cost_model(model, (example_inputs, example_kwargs), options.reference or specs[0])

@@ -35,7 +35,7 @@ from fxsplit.schedule import explore
 from fxsplit.schedule.explore import default_microbatches
 from fxsplit.viz import DrawablePlan
 
-__all__ = ["compile_pipeline", "front_end", "plan_pipeline", "assemble", "assemble_compiled", "PlanChoice"]
+__all__ = ["compile_pipeline", "example_batch_size", "front_end", "plan_pipeline", "assemble", "assemble_compiled", "PlanChoice"]
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,8 @@ def front_end(
     cost model times every node at the micro-batch sizes the schedule search considers (the one
     that runs, when ``microbatches`` is fixed) and keeps the timings in the profile cache.
     """
-    captured = capture(model, args, kwargs, method=options.capture_method, dynamic_batch=options.dynamic_batch)
+    captured = capture(model, args, kwargs, method=options.capture_method, dynamic_batch=options.dynamic_batch,
+                       batch_dim=getattr(options, "batch_dim", 0))
     flat = captured.flatten_inputs(args, kwargs)
     timed, scale = tuple(flat), 1.0
     if cost_model == "measured" and isinstance(microbatches, int) and microbatches > 1:
@@ -196,19 +197,21 @@ def compile_pipeline(
 ) -> Pipeline:
     """Capture, plan, split and wrap ``model``; see :func:`fxsplit.compile`."""
     t0 = time.perf_counter()
-    batch = batch_size_of(pytree.tree_leaves((args, kwargs)))
+    batch = example_batch_size(args, kwargs, options.batch_dim)
     check_microbatches(microbatches, batch)  # before any work
     reference = options.reference or specs[0]
     captured, condensed, _ = front_end(model, args, kwargs, reference, cost_model, options, microbatches)
     mixing = _not_per_sample(captured, args, kwargs)
+    hint = _batch_dim_hint(model, args, kwargs, options, mixing) if mixing and microbatches != 1 else ""
     if mixing and microbatches == "auto":
-        log.warning("%s is not per-sample, so one micro-batch: %s", type(model).__name__, "; ".join(map(str, mixing)))
+        log.warning("%s is not per-sample, so one micro-batch: %s%s", type(model).__name__,
+                    "; ".join(map(str, mixing)), hint)
         microbatches = 1
     elif mixing and microbatches != 1:
         warnings.warn(
             f"{type(model).__name__} is not per-sample, and with microbatches={microbatches} the pipeline computes "
             f"something else than the model: {'; '.join(map(str, mixing))}. Use microbatches=1 (or 'auto'), or make "
-            "those ops per-sample", NotPerSampleWarning, stacklevel=3)
+            f"those ops per-sample{hint}", NotPerSampleWarning, stacklevel=3)
     t1 = time.perf_counter()
     link, links = _links(specs, options, cost_model)
     problem = Problem(
@@ -229,6 +232,49 @@ def compile_pipeline(
     pipe.report.update(report)
     log.info("compiled %s into %d stages: %s", type(model).__name__, choice.plan.num_stages, choice.reason)
     return pipe
+
+
+def example_batch_size(args: tuple, kwargs: dict, batch_dim: int = 0) -> int:
+    """The example batch's size: dim ``batch_dim`` of the first tensor input that has it.
+
+    Raises:
+        ConfigError: when no input tensor has dimension ``batch_dim``.
+    """
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > batch_dim]
+    if batch_dim == 0:
+        return batch_size_of(leaves)
+    if not leaves:
+        raise ConfigError(f"batch_dim={batch_dim}, but no tensor input has dimension {batch_dim}; give the batch "
+                          "dimension of the first input, counted from 0")
+    return int(leaves[0].shape[batch_dim])
+
+
+def _batch_dim_hint(model: nn.Module, args: tuple, kwargs: dict, options: Any, mixing: Sequence[Any]) -> str:
+    """When dim 0 is not the batch (a sequence-first model): the dimensions of the first input
+    that no op mixes, found by capturing with each as the batch and checking that capture as
+    :func:`_not_per_sample` does. Never applied, only said: the user decides (``batch_dim=``)."""
+    from fxsplit.passes.per_sample import find_batch_mixing
+
+    if getattr(options, "batch_dim", 0) != 0 or not any(m.kind == "mixes samples" for m in mixing):
+        return ""
+    first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() >= 1), None)
+    if first is None or first.is_meta or not options.dynamic_batch:
+        return ""
+    clean = []
+    for d in range(1, min(first.dim(), 4)):
+        if first.shape[d] < 2:
+            continue
+        try:
+            cap = capture(model, args, kwargs, method="export", dynamic_batch=True, batch_dim=d)
+            flat = cap.flatten_inputs(args, kwargs)
+            if not [m for m in find_batch_mixing(cap.gm, flat, cap.batched_inputs or []) if m.kind == "mixes samples"]:
+                clean.append(d)
+        except Exception as exc:  # noqa: BLE001 - a dimension that cannot be the batch is no candidate
+            log.debug("batch_dim=%d is no candidate: %s", d, exc)
+    if len(clean) == 1:
+        return (f". Dim {clean[0]} of the first input {list(first.shape)} is a dimension no op mixes: if it holds the "
+                f"samples (a sequence-first model), compile with batch_dim={clean[0]}")
+    return ""
 
 
 def _not_per_sample(captured: Captured, args: tuple, kwargs: dict) -> list[Any]:
@@ -290,5 +336,5 @@ def assemble(
         schedule_kind=schedule, microbatches=microbatches, plan=plan,
         report={"device_names": [specs[st.device].name for st in plan.stages], "training": model.training},
         executor=getattr(options, "executor", "auto"), bn_tracker=tracker,
-        batched_inputs=captured.batched_inputs, batched_outputs=captured.batched_outputs,
+        batched_inputs=captured.batched_inputs, batched_outputs=captured.batched_outputs, layout=captured.layout,
     )

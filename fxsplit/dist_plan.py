@@ -46,8 +46,8 @@ from fxsplit.runtime.dist_state import retarget_meta_devices
 from fxsplit.runtime.links import probe_pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
 
-__all__ = ["DistPlan", "graph_digest", "plan_on_rank0", "reference_spec", "check_plan", "profiled_blocks",
-           "fits_device"]
+__all__ = ["DistPlan", "graph_digest", "plan_on_rank0", "per_sample_on_rank0", "reference_spec", "check_plan",
+           "profiled_blocks", "fits_device"]
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,32 @@ def _plan(front: tuple[Any, Any], inputs: tuple[tuple, dict], device: torch.devi
     graph, batch, used = _planning_graph(front, inputs, device, cost_model, microbatches, options)
     plan = _solve(graph, batch, reference, links, world, schedule, microbatches, solver, options)
     log.info("rank 0 planned with the %s cost model", used)
-    return plan.with_(stats={**plan.stats, "cost_model": used})
+    stats: dict[str, Any] = {**plan.stats, "cost_model": used}
+    mixing = per_sample_on_rank0(front[0], inputs, device) if microbatches > 1 else None
+    if mixing is not None:
+        stats["not_per_sample"] = mixing
+    return plan.with_(stats=stats)
+
+
+def per_sample_on_rank0(captured: Any, inputs: tuple[tuple, dict], device: torch.device) -> list[str] | None:
+    """Rank 0's per-sample check (:func:`~fxsplit.passes.per_sample.find_batch_mixing`) on the
+    meta capture materialised on ``device`` with stand-in weights and the real example batch;
+    None when it cannot run (meta or fake inputs, a model larger than the device).
+
+    Stand-in weights (N(0, 0.02)) show an op that mixes samples as the real ones do; the check
+    compares rows with a relative tolerance, so small activations do not hide a mix.
+    """
+    from fxsplit.passes.per_sample import find_batch_mixing
+
+    flat, flags, _ = _batch(captured, inputs)
+    if any(t.is_meta for t in flat if isinstance(t, torch.Tensor)) or not fits_device(captured.gm, device):
+        return None
+    work = _materialised(captured.gm, device)
+    values = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
+    found = [str(b) for b in find_batch_mixing(work, values, flags)]
+    if found:
+        log.warning("the model is not per-sample: %s", "; ".join(found))
+    return found
 
 
 def plan_on_rank0(

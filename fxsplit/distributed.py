@@ -12,6 +12,7 @@ runs stage ``i``. See :mod:`fxsplit.runtime.distributed` for the runtime.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -121,18 +122,23 @@ def _broadcast_tied(gm: Any, tied: list[TiedGroup]) -> None:
             dist.broadcast(get_state(gm, group.name).data, src=group.ranks[0], group=group.group)
 
 
-def _warn_if_not_per_sample(gm: torch.fx.GraphModule, m: int, rank: int) -> None:
-    """The part of the per-sample check a meta capture allows (the rows comparison needs real
-    tensors): buffers updated in forward, warned about on rank 0 when ``m > 1``."""
+def _warn_if_not_per_sample(gm: torch.fx.GraphModule, m: int, rank: int, checked: Sequence[str] | None) -> None:
+    """Warn on rank 0, when ``m > 1``, about what micro-batching changes: ``checked`` is rank 0's
+    full check (:func:`fxsplit.dist_plan.per_sample_on_rank0`, ops that mix samples and buffers
+    updated in forward) when it could run; else what the meta capture shows (buffers only)."""
     from fxsplit.passes.per_sample import mutated_buffers
 
-    found = mutated_buffers(gm) if m > 1 and rank == 0 else []
+    if m <= 1 or rank != 0:
+        return
+    found = list(checked) if checked is not None else [str(b) for b in mutated_buffers(gm)]
     if found:
+        unchecked = "" if checked is not None else (
+            " (ops that mix samples were not checked: the example inputs are not real or the model does not fit "
+            "rank 0's device)")
         warnings.warn(
             f"the model is not per-sample, and with microbatches={m} the pipeline computes something else than "
-            f"the model: {'; '.join(map(str, found))}. Use microbatches=1, or keep that state out of forward "
-            "(ops that mix samples are not checked here: the capture is on the meta device)",
-            NotPerSampleWarning, stacklevel=3)
+            f"the model: {'; '.join(found)}. Use microbatches=1, or make those ops per-sample and keep state out "
+            f"of forward{unchecked}", NotPerSampleWarning, stacklevel=3)
 
 
 def batched_flags(captured: Any, flat: Sequence[Any]) -> list[bool]:
@@ -164,7 +170,7 @@ def _pipeline(stage: Any, captured: Any, inputs: tuple[tuple, dict], rank: int, 
         module, state=state, stage_index=rank, num_stages=world, device=device, schedule_kind=schedule,
         microbatches=m, in_spec=captured.in_spec, out_spec=captured.out_spec, tied=tied,
         state_order=state_order, meta=meta, timeout_s=timeout_s, watchdog=watchdog, shapes=shapes,
-        batched_inputs=batched, batched_outputs=captured.batched_outputs,
+        batched_inputs=batched, batched_outputs=captured.batched_outputs, layout=captured.layout,
     )
 
 
@@ -191,6 +197,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     watchdog: bool = True,
     options: CompileOptions | None = None,
     cost_model: str = "auto",
+    batch_dim: int = 0,
 ) -> DistributedPipeline:
     """Build this rank's stage of a pipeline over all ranks; call on every rank.
 
@@ -224,6 +231,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
             materialises the graph on its device with stand-in weights and times every node at
             the micro-batch size) or ``"analytic"``. The links between neighbouring ranks are
             measured in every case (a send/recv ping-pong, collective).
+        batch_dim: The batch dimension of the first input, as :func:`fxsplit.compile`'s.
 
     Returns:
         The :class:`DistributedPipeline` of this rank.
@@ -243,10 +251,14 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     """
     if cost_model not in ("auto", "profiled", "analytic"):
         raise ConfigError(f"cost_model={cost_model!r}; choose 'auto', 'profiled' or 'analytic'")
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+        raise ConfigError(f"batch_dim={batch_dim!r}; pass the batch dimension of the first input, an int >= 0")
     rank, world, device = init_process_group(backend, timeout_s)
     m = microbatches if microbatches is not None else world
     _check_args(schedule, m, world, None)
     options = options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0)
+    if batch_dim != options.batch_dim:
+        options = dataclasses.replace(options, batch_dim=batch_dim)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     if plan is not None:
         _check_args(schedule, m, world, plan.num_stages)  # before any collective
@@ -256,7 +268,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
                             microbatches=m, solver=solver, plan=plan, options=options, cost_model=cost_model)
     captured, plan = planned.captured, planned.plan
     _check_args(schedule, m, world, plan.num_stages)
-    _warn_if_not_per_sample(captured.gm, m, rank)
+    _warn_if_not_per_sample(captured.gm, m, rank, plan.stats.get("not_per_sample"))
     program = split_graph(captured.gm, plan.stage_of_block(), [str(device)] * world)
     tied = _tied_groups(program, world)
     stage = program.stages[rank]

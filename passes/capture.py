@@ -26,12 +26,17 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from fxsplit.errors import CaptureError, ConfigError
+from fxsplit.passes.batch_layout import (
+    BatchLayout,
+    batch_dims,
+    batch_dynamic_shapes,
+    make_batch_first,
+)
 from fxsplit.passes.manager import getattr_path
 
-__all__ = ["Captured", "capture", "flatten_to_spec", "METHODS"]
+__all__ = ["BatchLayout", "Captured", "capture", "flatten_to_spec", "METHODS"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +62,11 @@ class Captured:
         trainable: Names (graph side) of trainable parameters.
         batched_inputs, batched_outputs: Which flat inputs / outputs carry the batch on dim 0,
             read from the symbolic batch dimension of a ``dynamic_batch`` export (``None``
-            otherwise: the runtime then goes by shape).
+            otherwise: the runtime then goes by shape). Always dim 0 of the graph: see
+            ``layout``.
+        layout: Where the batch is in the model's own inputs and outputs when that is not dim 0
+            everywhere (``capture(batch_dim=...)``, or an output with the batch elsewhere);
+            None when the graph's boundary is the model's.
     """
 
     gm: torch.fx.GraphModule
@@ -68,6 +77,7 @@ class Captured:
     trainable: frozenset[str] = frozenset()
     batched_inputs: tuple[bool, ...] | None = None
     batched_outputs: tuple[bool, ...] | None = None
+    layout: BatchLayout | None = None
 
     @property
     def input_names(self) -> list[str]:
@@ -79,11 +89,14 @@ class Captured:
         return self.out_spec.num_leaves
 
     def flatten_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[Any]:
-        """Leaves of ``(args, kwargs)`` in placeholder order (see :func:`flatten_to_spec`)."""
-        return flatten_to_spec(args, kwargs, self.in_spec)
+        """Leaves of ``(args, kwargs)`` in placeholder order (see :func:`flatten_to_spec`), batch
+        first as the graph takes them (``layout``)."""
+        flat = flatten_to_spec(args, kwargs, self.in_spec)
+        return self.layout.inputs_to_batch_first(flat) if self.layout is not None else flat
 
     def unflatten_outputs(self, flat: Sequence[Any]) -> Any:
-        """Rebuild the model's output structure from flat outputs."""
+        """Rebuild the model's output structure (and layout) from the graph's flat outputs."""
+        flat = self.layout.outputs_from_batch_first(flat) if self.layout is not None else list(flat)
         return pytree.tree_unflatten(list(flat), self.out_spec)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -124,6 +137,7 @@ def capture(
     *,
     method: str = "auto",
     dynamic_batch: bool = False,
+    batch_dim: int = 0,
 ) -> Captured:
     """Capture ``model`` as a flat FX graph.
 
@@ -136,12 +150,20 @@ def capture(
         dynamic_batch: Export with dim 0 of every batched input symbolic (``Dim.AUTO``), so the
             graph runs on any micro-batch size; ``node.meta["val"]`` then holds symbolic shapes
             until ``propagate_shapes(force=True)`` makes them concrete again.
+        batch_dim: The batch dimension of the first tensor input (with more than ``batch_dim``
+            dimensions); needs ``dynamic_batch`` and export. Every other input's and output's
+            batch dimension is read from the graph: the dimension export proves equal to it
+            (``src_key_padding_mask [batch, seq]`` next to ``src [seq, batch, d]``). The graph is
+            then made batch-first at its boundary (:class:`BatchLayout`).
 
     Returns:
         The :class:`Captured` graph.
 
     Raises:
-        ConfigError: for an unknown ``method`` or a ``model`` that is not an ``nn.Module``.
+        ConfigError: for an unknown ``method`` or a ``model`` that is not an ``nn.Module``; for
+            a ``batch_dim`` no input has, one the model fixes to a constant, or a value whose
+            batch dimension cannot be told (two dimensions of the batch's size, neither tied to
+            the first input's batch), and for ``batch_dim != 0`` without export.
         CaptureError: when no method captures the model; the message names the failing source
             line torch reports, what each method said, and what to change.
 
@@ -156,12 +178,19 @@ def capture(
     if not isinstance(model, nn.Module):
         raise ConfigError(f"capture needs an nn.Module, got {type(model).__name__}")
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
-    tried = ("export", "symbolic_trace") if method == "auto" else (method,)
+    if batch_dim != 0 and (not dynamic_batch or method == "symbolic_trace"):
+        raise ConfigError(
+            f"batch_dim={batch_dim} needs capture by torch.export with a symbolic batch (dynamic_batch=True, "
+            f"method 'auto' or 'export'; got method={method!r}, dynamic_batch={dynamic_batch}): the batch dimension "
+            "of every other input and output is read from export's symbolic shapes")
+    tried = ("export", "symbolic_trace") if method == "auto" and batch_dim == 0 else (method,)
+    if method == "auto" and batch_dim != 0:
+        tried = ("export",)
     failures: dict[str, BaseException] = {}
     for name in tried:
         try:
             if name == "export":
-                gm, in_spec, out_spec = _capture_export(model, args, kwargs, dynamic_batch)
+                gm, in_spec, out_spec = _capture_export(model, args, kwargs, dynamic_batch, batch_dim)
             else:
                 gm, in_spec, out_spec = _capture_symbolic(model, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - every failure is reported in CaptureError
@@ -170,28 +199,18 @@ def capture(
             continue
         aliases, trainable = _aliases(model, gm)
         log.info("captured %s with %s: %d nodes", type(model).__name__, name, len(gm.graph.nodes))
-        batched_in, batched_out = _batched_flags(gm) if name == "export" and dynamic_batch else (None, None)
-        return Captured(gm, in_spec, out_spec, name, aliases, trainable, batched_in, batched_out)
+        batched_in, batched_out, layout = None, None, None
+        if name == "export" and dynamic_batch:
+            batched_in, batched_out, layout = make_batch_first(gm, batch_dims(gm, args, kwargs, batch_dim), batch_dim)
+        return Captured(gm, in_spec, out_spec, name, aliases, trainable, batched_in, batched_out, layout)
     raise _capture_error(model, failures)
 
 
 # -- export ----------------------------------------------------------------------------------
-def _batch_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> Any:
-    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() >= 1]
-    if not leaves:
-        return None
-    batch = leaves[0].shape[0]
-    shapes = torch.export.ShapesCollection()
-    for t in leaves:
-        if t.shape[0] == batch:
-            shapes[t] = {0: torch.export.Dim.AUTO}
-    return shapes.dynamic_shapes(model, args, kwargs)
-
-
 def _capture_export(
-    model: nn.Module, args: tuple, kwargs: dict, dynamic_batch: bool = False
+    model: nn.Module, args: tuple, kwargs: dict, dynamic_batch: bool = False, batch_dim: int = 0
 ) -> tuple[torch.fx.GraphModule, Any, Any]:
-    dynamic = _batch_dynamic_shapes(model, args, kwargs) if dynamic_batch else None
+    dynamic = batch_dynamic_shapes(model, args, kwargs, batch_dim) if dynamic_batch else None
     ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
     gm = ep.module()
     in_spec, out_spec = gm._in_spec, gm._out_spec
@@ -245,21 +264,6 @@ def _order_placeholders(gm: torch.fx.GraphModule, flat_names: list[str]) -> None
         first = next(iter(gm.graph.nodes))
         if placeholders[name] is not first:
             first.prepend(placeholders[name])
-
-
-def _has_symbolic_batch(val: Any) -> bool:
-    return isinstance(val, torch.Tensor) and val.dim() >= 1 and not is_concrete_int(val.shape[0])
-
-
-def _batched_flags(gm: torch.fx.GraphModule) -> tuple[tuple[bool, ...] | None, tuple[bool, ...] | None]:
-    """Inputs and outputs whose dim 0 export kept symbolic (the batch); ``None`` when export
-    specialised every input's batch (the model fixes it), so the runtime goes by shape."""
-    inputs = tuple(_has_symbolic_batch(n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder"))
-    if not any(inputs):
-        return None, None
-    outs = gm.graph.output_node().args[0]
-    outputs = tuple(isinstance(o, torch.fx.Node) and _has_symbolic_batch(o.meta.get("val")) for o in outs)  # type: ignore[union-attr]
-    return inputs, outputs
 
 
 def _functional_twin(target: Any) -> Any:

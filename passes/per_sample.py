@@ -6,9 +6,11 @@ alone, and the forward changes no state. Two things break it, and this pass find
 
 * **an op that mixes samples** (``h - h.mean(0)``, BatchNorm in training mode, a batch-level
   auxiliary loss, attention over the *batch* of a sequence-first model whose dim 0 is the
-  sequence): found by running the graph on the example batch and on its first half, side by side,
-  and comparing every node's rows of the first half; the first node whose rows differ is the one
-  that mixes (random ops such as dropout take the full run's rows, so their draws match);
+  sequence): found by running the graph on the example batch and on each of its halves, side by
+  side, and comparing every node's rows of each half; the first node whose rows differ is the
+  one that mixes (random ops such as dropout take the full run's rows, so their draws match).
+  An output without the batch (a loss) must be the halves' size-weighted mean, as the pipeline
+  merges it (a sum over the batch is not);
 * **a buffer updated in forward** (counters, moving averages): an in-place op on a buffer runs
   once per micro-batch, ``m`` times per step. BatchNorm's running statistics are left out: the
   runtime defers them to one exact update per step (:mod:`fxsplit.codegen.batchnorm`).
@@ -96,15 +98,22 @@ def mutated_buffers(gm: torch.fx.GraphModule) -> list[BatchMixing]:
     return list(found.values())
 
 
-def _rows(full: torch.Tensor, half: torch.Tensor, batch: int, n: int) -> torch.Tensor | None:
-    """The rows of ``full`` that belong to the first ``n`` samples, laid out as ``half``."""
-    if full.dim() != half.dim() or full.dim() == 0:
-        return None
+def _rows(full: torch.Tensor, part: torch.Tensor, batch: int, start: int, n: int) -> list[torch.Tensor]:
+    """The rows of ``full`` that belong to samples ``start .. start + n``, laid out as ``part``:
+    one candidate when the dimension is the batch, two when the batch is merged with another
+    dimension of ``k`` (batch outer: ``[batch * k]`` from ``[batch, k]``, entries ``start * k``
+    on; batch inner: ``[k * batch]`` from ``[k, batch]``, the same ``n`` of every ``batch``)."""
+    if full.dim() != part.dim() or full.dim() == 0:
+        return []
     for d in range(full.dim()):
-        f, h = full.shape[d], half.shape[d]
-        if f != h and f * n == h * batch and all(full.shape[k] == half.shape[k] for k in range(full.dim()) if k != d):
-            return full.narrow(d, 0, h)
-    return None
+        f, h = full.shape[d], part.shape[d]
+        if f != h and f * n == h * batch and all(full.shape[k] == part.shape[k] for k in range(full.dim()) if k != d):
+            k = f // batch
+            outer = full.narrow(d, start * k, h)
+            if k == 1 or f % batch:
+                return [outer]
+            return [outer, full.unflatten(d, (k, batch)).narrow(d + 1, start, n).flatten(d, d + 1)]
+    return []
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> float | None:
@@ -128,8 +137,8 @@ def find_batch_mixing(
     """Why micro-batching would change what ``gm`` computes; ``[]`` when it would not.
 
     Args:
-        gm: The captured graph (real weights; run twice under ``no_grad`` on a copy of its
-            buffers, so nothing of the model changes).
+        gm: The captured graph (real weights; run on the batch and on each half under
+            ``no_grad``, its buffers restored after, so nothing of the model changes).
         flat_inputs: The example batch, flat; ``[batch, ...]`` for the batched ones.
         batched: ``[len(flat_inputs)]`` which inputs carry the batch.
         rtol, atol: Tolerance of the row comparison (a half batch may take other kernels).
@@ -144,11 +153,12 @@ def find_batch_mixing(
         return found
     batch = int(sizes[0])
     n = batch // 2
-    half_inputs = [x[:n] if b and isinstance(x, torch.Tensor) and x.dim() else x
-                   for x, b in zip(flat_inputs, batched, strict=True)]
+    parts = [(0, n), (n, batch - n)]  # the two micro-batches of m = 2
+    part_inputs = [[x.narrow(0, start, size) if b and isinstance(x, torch.Tensor) and x.dim() else x
+                    for x, b in zip(flat_inputs, batched, strict=True)] for start, size in parts]
     saved = {name: buf.detach().clone() for name, buf in gm.named_buffers()}
     try:
-        mixing = _first_mixing_node(gm, list(flat_inputs), half_inputs, batch, n, rtol, atol)
+        mixing = _first_mixing_node(gm, list(flat_inputs), part_inputs, batch, parts, rtol, atol)
     finally:
         with torch.no_grad():
             for name, buf in gm.named_buffers():
@@ -156,34 +166,81 @@ def find_batch_mixing(
     return ([mixing] if mixing is not None else []) + found
 
 
-def _first_mixing_node(gm: torch.fx.GraphModule, full_in: list[Any], half_in: list[Any], batch: int, n: int,
-                       rtol: float, atol: float) -> BatchMixing | None:
-    full_run, half_run = torch.fx.Interpreter(gm), torch.fx.Interpreter(gm)
-    full_iter, half_iter = iter(full_in), iter(half_in)
-    full_run.args_iter, half_run.args_iter = full_iter, half_iter
+def _first_mixing_node(gm: torch.fx.GraphModule, full_in: list[Any], part_in: list[list[Any]], batch: int,
+                       parts: list[tuple[int, int]], rtol: float, atol: float) -> BatchMixing | None:
+    """Run the batch and each part side by side, node by node; the first node whose rows of a
+    part differ from that part run alone, or an output without the batch that is not the
+    parts' size-weighted mean (a sum or a maximum over the batch: the pipeline averages)."""
+    full_run = torch.fx.Interpreter(gm)
+    full_run.args_iter = iter(full_in)
+    runs = []
+    for values in part_in:
+        run = torch.fx.Interpreter(gm)
+        run.args_iter = iter(values)
+        runs.append(run)
     with torch.no_grad():
         for node in gm.graph.nodes:
             if node.op == "output":
-                break
-            f, h = full_run.run_node(node), half_run.run_node(node)
-            if node.op == "call_function" and any(r in str(node.target) for r in _RANDOM):
-                # the same draws for the first samples: the half run takes the full run's rows
-                f_leaves, spec = pytree.tree_flatten(f)
-                h_leaves = pytree.tree_leaves(h)
-                rows = [_rows(a, b, batch, n) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else None
-                        for a, b in zip(f_leaves, h_leaves, strict=False)]
-                if len(h_leaves) == len(f_leaves):
-                    h = pytree.tree_unflatten([r if r is not None else b for r, b in zip(rows, h_leaves, strict=True)], spec)
-            full_run.env[node], half_run.env[node] = f, h
-            if node.op in ("placeholder", "get_attr"):
-                continue
-            for a, b in zip(pytree.tree_leaves(f), pytree.tree_leaves(h), strict=False):
-                if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-                    continue
-                mine = _rows(a, b, batch, n)
-                diff = _differs(mine, b, rtol, atol) if mine is not None else None
-                if diff is not None:
+                return _unmergeable_output(node, full_run, runs, batch, parts, rtol, atol)
+            f = full_run.run_node(node)
+            full_run.env[node] = f
+            for run, (start, n) in zip(runs, parts, strict=True):
+                try:
+                    h = run.run_node(node)
+                except Exception as exc:  # noqa: BLE001 - the graph needs the whole batch: say so
                     return BatchMixing(node.name, "mixes samples", _where(node),
-                                       f"the first {n} samples' values differ by up to {diff:.3g} between the batch "
-                                       f"of {batch} and a batch of those {n} alone")
+                                       f"fails on samples {start}..{start + n - 1} of the {batch} alone "
+                                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}), so dim 0 is not "
+                                       "a batch it can split")
+                if node.op == "call_function" and any(r in str(node.target) for r in _RANDOM):
+                    h = _same_draws(f, h, batch, start, n)
+                run.env[node] = h
+                if node.op in ("placeholder", "get_attr"):
+                    continue
+                for a, b in zip(pytree.tree_leaves(f), pytree.tree_leaves(h), strict=False):
+                    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+                        continue
+                    diffs = [_differs(mine, b, rtol, atol) for mine in _rows(a, b, batch, start, n)]
+                    if diffs and all(x is not None for x in diffs):
+                        diff = min(x for x in diffs if x is not None)
+                        return BatchMixing(node.name, "mixes samples", _where(node),
+                                           f"samples {start}..{start + n - 1}' values differ by up to {diff:.3g} "
+                                           f"between the batch of {batch} and a batch of those {n} alone")
+    return None
+
+
+def _same_draws(f: Any, h: Any, batch: int, start: int, n: int) -> Any:
+    """A random op's output for a part: the full run's rows of those samples (same draws)."""
+    f_leaves, spec = pytree.tree_flatten(f)
+    h_leaves = pytree.tree_leaves(h)
+    if len(h_leaves) != len(f_leaves):
+        return h
+    rows = [next(iter(_rows(a, b, batch, start, n)), None)
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else None
+            for a, b in zip(f_leaves, h_leaves, strict=True)]
+    return pytree.tree_unflatten([r if r is not None else b for r, b in zip(rows, h_leaves, strict=True)], spec)
+
+
+def _unmergeable_output(node: torch.fx.Node, full_run: Any, runs: list[Any], batch: int,
+                        parts: list[tuple[int, int]], rtol: float, atol: float) -> BatchMixing | None:
+    """A floating output without the batch (a loss, a statistic) is merged as the size-weighted
+    mean of the micro-batches' values: anything else over the batch is not per-sample."""
+    outs = [pytree.tree_leaves(full_run.env.get(a)) if isinstance(a, torch.fx.Node) else [a]
+            for a in pytree.tree_leaves(node.args[0])]
+    for i, arg in enumerate(pytree.tree_leaves(node.args[0])):
+        if not isinstance(arg, torch.fx.Node) or len(outs[i]) != 1:
+            continue
+        full = outs[i][0]
+        mine = [run.env.get(arg) for run in runs]
+        if not isinstance(full, torch.Tensor) or not full.is_floating_point() or not all(
+                isinstance(x, torch.Tensor) and x.shape == full.shape for x in mine):
+            continue
+        mean = sum(x * (n / batch) for x, (_, n) in zip(mine, parts, strict=True))
+        diff = _differs(full, mean, rtol, atol)  # type: ignore[arg-type]
+        if diff is not None:
+            how = "their sum" if _differs(full, sum(mine), rtol, atol) is None else "neither their mean nor their sum"  # type: ignore[arg-type]
+            return BatchMixing(arg.name, "mixes samples", _where(arg),
+                               f"output {i} {list(full.shape)} has no batch dimension and is {how} over the "
+                               "micro-batches, not their mean (the pipeline averages such outputs): it reduces "
+                               "over the batch in a way micro-batches change")
     return None

@@ -254,8 +254,22 @@ class FixedMix(torch.nn.Module):
         return self.b(self.a(x @ mix).relu())
 
 
+class SeqFirst(torch.nn.Module):
+    """A sequence-first encoder: ``x [seq, batch, 16]`` (``batch_dim=1``), output ``[seq, batch, 16]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=False)
+        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enc(x)
+
+
 def _toy(name: str, batch: int) -> tuple[Any, tuple[torch.Tensor, ...], torch.Tensor]:
     torch.manual_seed(0)
+    if name == "seq_first":
+        return SeqFirst(), (torch.randn(5, batch, 16),), torch.randn(5, batch, 16)
     if name == "size_relay":
         return SizeRelay(), (torch.randn(batch, 4, 16),), torch.randn(batch, 4, 16)
     return FixedMix(), (torch.randn(batch, 8), torch.randn(8, 8)), torch.randn(batch, 8)
@@ -276,12 +290,16 @@ def toy_train_equal(rank: int, world: int, out_dir: str, name: str, runs: list[t
     out: dict[str, Any] = {}
     for schedule, m in runs:
         pipe = fxd.compile(lambda: _toy(name, batch)[0], inputs, schedule=schedule, microbatches=m,
-                           state_dict=model.state_dict(), timeout_s=30)
+                           state_dict=model.state_dict(), timeout_s=30, batch_dim=1 if name == "seq_first" else 0)
         loss = pipe.train_step(*inputs, target=target, loss_fn=loss_fn)
         tag = f"{name}/{schedule}/m={m}"
         out[tag] = compare(pipe, loss, float(ref.detach()), ref_grads, tag)
         out[tag]["received"] = [layout.kind for layout in pipe.module.in_layouts] if not pipe.is_first else []
         out[tag]["batched"] = list(pipe.module.batched)
+        if pipe.is_last:  # forward too: the outputs come back in the model's layout
+            torch.testing.assert_close(pipe(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+        else:
+            pipe(*inputs)
         pipe.close()
     return out
 

@@ -238,6 +238,14 @@ def test_a_sum_reduced_loss_trains_like_the_unsplit_model(tmp_path):
     assert len(results[1]["result"]) == 2
 
 
+def test_a_sequence_first_model_trains_like_the_unsplit_model_with_batch_dim_1(tmp_path):
+    """Issue 10: ``batch_dim=1`` across processes: the inputs, the target ``[seq, batch, d]``
+    (moved batch-first for torch's schedule, back for the loss) and the outputs."""
+    results = launch(w.toy_train_equal, 2, tmp_path, "seq_first", [("1f1b", 4)], 8, deadline_s=120)
+    check_ok(results)
+    assert results[1]["result"]["seq_first/1f1b/m=4"]["loss"] is not None
+
+
 def test_rank_0_plans_once_on_its_measured_device_and_the_others_follow(tmp_path):
     """Issue 9: every rank planned on a fixed reference CPU (never the device it ran on) and the
     ranks compared digests. Now rank 0 alone measures its device and solves; the others, whose

@@ -87,8 +87,8 @@ def test_a_per_sample_model_keeps_its_micro_batches():
 
 
 def test_the_distributed_compile_warns_about_buffers_a_meta_capture_shows():
-    """fxsplit.distributed captures on the meta device, so only the buffer part of the check
-    runs there; rank 0 warns when more than one micro-batch is asked for."""
+    """Without rank 0's full check (meta inputs, or a model too big for rank 0), only the buffer
+    part runs on the meta capture; rank 0 warns when more than one micro-batch is asked for."""
     import warnings
 
     from fxsplit.distributed import _warn_if_not_per_sample
@@ -96,9 +96,27 @@ def test_the_distributed_compile_warns_about_buffers_a_meta_capture_shows():
     with torch.device("meta"):
         model = _Net("counter")
     gm = capture(model, (torch.empty(8, 8, device="meta"),), dynamic_batch=True).gm
-    with pytest.warns(NotPerSampleWarning, match=r"microbatches=4.*buffer 'steps'"):
-        _warn_if_not_per_sample(gm, 4, 0)
+    with pytest.warns(NotPerSampleWarning, match=r"microbatches=4.*buffer 'steps'.*were not checked"):
+        _warn_if_not_per_sample(gm, 4, 0, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _warn_if_not_per_sample(gm, 1, 0)  # one micro-batch: nothing to warn about
-        _warn_if_not_per_sample(gm, 4, 1)  # rank 0 alone speaks
+        _warn_if_not_per_sample(gm, 1, 0, None)  # one micro-batch: nothing to warn about
+        _warn_if_not_per_sample(gm, 4, 1, None)  # rank 0 alone speaks
+        _warn_if_not_per_sample(gm, 4, 0, [])  # rank 0 checked and found nothing
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("center", "node 'sub'"), ("counter", "buffer 'steps'"),
+                                                ("plain", None)])
+def test_rank_0_checks_the_meta_capture_materialised_with_stand_in_weights(mode, expected):
+    """Issue 10: the distributed path found only buffers; rank 0 now materialises the meta
+    capture with stand-in weights and runs the full check on the real example batch."""
+    from fxsplit.dist_plan import per_sample_on_rank0
+
+    with torch.device("meta"):
+        model = _Net(mode)
+    x = torch.randn(8, 8)
+    captured = capture(model, (x.to("meta"),), dynamic_batch=True)
+    found = per_sample_on_rank0(captured, ((x,), {}), torch.device("cpu"))
+    assert found is not None
+    assert (found == []) if expected is None else (expected in found[0]), found
+    assert per_sample_on_rank0(captured, ((x.to("meta"),), {}), torch.device("cpu")) is None  # nothing real to run

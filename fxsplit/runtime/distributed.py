@@ -44,7 +44,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from fxsplit.checkpoint import commit, next_version, write_atomic
 from fxsplit.errors import ConfigError, ExecutionError
-from fxsplit.passes.capture import flatten_to_spec
+from fxsplit.passes.capture import BatchLayout, flatten_to_spec
 from fxsplit.runtime.dist_faults import Progress, Watchdog
 from fxsplit.runtime.dist_schedule import lowered_schedule
 from fxsplit.runtime.dist_shapes import WireShapes
@@ -55,6 +55,7 @@ from fxsplit.runtime.microbatch import (
     batch_size_of,
     merge_outputs,
     microbatch_sizes,
+    target_batch_dim,
 )
 from fxsplit.runtime.state import ParameterAPI, check_loadable
 from fxsplit.runtime.trace import TraceEvent, TraceRecorder
@@ -110,6 +111,8 @@ class DistributedPipeline(ParameterAPI):
             the first stage's ``module.batched``, or every tensor input.
         batched_outputs: Which flat outputs carry the batch (``Captured.batched_outputs``;
             None: those whose dim 0 is the micro-batch size).
+        layout: ``Captured.layout``: where the batch is in the model's own inputs, outputs and
+            target when not on dim 0; the stages run batch-first.
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class DistributedPipeline(ParameterAPI):
         shapes: WireShapes | None = None,
         batched_inputs: Sequence[bool] | None = None,
         batched_outputs: Sequence[bool] | None = None,
+        layout: BatchLayout | None = None,
     ) -> None:
         self.module, self.state = module, state
         self.stage_index, self.num_stages, self.device = stage_index, num_stages, device
@@ -141,6 +145,8 @@ class DistributedPipeline(ParameterAPI):
         self.meta, self.timeout_s = dict(meta or {}), timeout_s
         self.shapes, self.batched_outputs = shapes, batched_outputs
         self.batched_inputs = list(batched_inputs) if batched_inputs is not None else (module.batched or None)
+        self.layout = layout  # the model's own batch dimensions when not dim 0 (compile(batch_dim=...))
+        self._target_dim: int | None = 0  # where the step's target has the batch (moved to dim 0 for torch)
         self.progress = Progress(dist.get_rank(), stage_index, str(device))
         self.watchdog = Watchdog(self.progress, timeout_s) if watchdog else None
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
@@ -236,7 +242,18 @@ class DistributedPipeline(ParameterAPI):
             setattr(stage, attr, traced)
 
     def _flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-        return flatten_to_spec(args, kwargs, self.in_spec)
+        flat = flatten_to_spec(args, kwargs, self.in_spec)
+        return self.layout.inputs_to_batch_first(flat) if self.layout is not None else flat
+
+    def _unflatten(self, outs: Sequence[Any]) -> Any:
+        """The graph's flat outputs as the model's output (its structure and batch layout)."""
+        outs = self.layout.outputs_from_batch_first(outs) if self.layout is not None else list(outs)
+        return pytree.tree_unflatten(list(outs), self.out_spec)
+
+    def _user_target(self, target: Any) -> Any:
+        """A micro-batch's target back in the user's layout (torch's schedule splits on dim 0)."""
+        d = self._target_dim
+        return target.movedim(0, d) if d and isinstance(target, torch.Tensor) else target
 
     def _check_batch(self, flat: Sequence[Any]) -> int:
         flags = self.batched_inputs
@@ -253,12 +270,13 @@ class DistributedPipeline(ParameterAPI):
         if self._loss_fn is None:
             raise ConfigError("train_step needs loss_fn")
         outs = list(output) if isinstance(output, tuple | list) else [output]
+        target = self._user_target(target)
         if self._reduction is None:
             self._reduction = self._loss_reductions.of(
-                self._loss_fn, outs, self.batched_outputs, lambda o: pytree.tree_unflatten(list(o), self.out_spec),
-                target, self._mb_size)
+                self._loss_fn, outs, self.batched_outputs, self._unflatten, target, self._mb_size,
+                self._target_dim or 0)
         weight = 1.0 if self._reduction == "sum" else self._weight
-        return self._loss_fn(pytree.tree_unflatten(outs, self.out_spec), target) * weight
+        return self._loss_fn(self._unflatten(outs), target) * weight
 
     def _run(self, what: str, call: Callable[[], Any]) -> Any:
         self.progress.started_s = time.monotonic()
@@ -290,7 +308,8 @@ class DistributedPipeline(ParameterAPI):
         Args:
             args, kwargs: The model's inputs for the whole batch, batch on dim 0 (read on the
                 first rank; the others only check the batch size).
-            target: The loss target, a tensor with the batch on dim 0 (read on the last rank).
+            target: The loss target, a tensor with the batch on dim 0, or on the inputs'
+                ``batch_dim`` when it has that dimension (read on the last rank).
             loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch (the contract)
                 or a sum (found on the first micro-batch; then the losses add unweighted).
             broadcast_loss: Return the loss on every rank (one broadcast), not only the last.
@@ -313,6 +332,12 @@ class DistributedPipeline(ParameterAPI):
         batch = self._check_batch(flat)
         if self.is_last and not isinstance(target, torch.Tensor):
             raise ConfigError(f"target must be a tensor with the batch on dim 0, got {type(target).__name__}")
+        if self.is_last:
+            self._target_dim = target_batch_dim(target, batch, self.layout.target_dim if self.layout else 0)
+            if self._target_dim is None:
+                raise ConfigError(f"target {list(target.shape)} has no dimension of the batch's {batch} samples; "
+                                  "give a target with the batch on dim 0 (or on the inputs' batch_dim)")
+            target = target.movedim(self._target_dim, 0) if self._target_dim else target
         self._loss_fn = loss_fn
         self._reduction = "mean" if self.microbatches == 1 else None
         losses: list[torch.Tensor] = []
@@ -442,7 +467,7 @@ class DistributedPipeline(ParameterAPI):
         if not self.is_last:
             return None
         rows = [size * count for _, size, count in self._groups(batch)]
-        return pytree.tree_unflatten(merge_outputs(parts, rows, self.batched_outputs), self.out_spec)
+        return self._unflatten(merge_outputs(parts, rows, self.batched_outputs))
 
     forward = __call__
 

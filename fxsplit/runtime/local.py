@@ -27,7 +27,7 @@ from torch import nn
 
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, ExecutionError
-from fxsplit.passes.capture import flatten_to_spec
+from fxsplit.passes.capture import BatchLayout, flatten_to_spec
 from fxsplit.runtime.microbatch import (
     LossReductions,
     batch_size_of,
@@ -139,6 +139,7 @@ class Pipeline(ParameterAPI):
         bn_tracker: Any = None,
         batched_inputs: Sequence[bool] | None = None,
         batched_outputs: Sequence[bool] | None = None,
+        layout: BatchLayout | None = None,
     ) -> None:
         self.program = program
         self.in_spec, self.out_spec = in_spec, out_spec
@@ -157,6 +158,9 @@ class Pipeline(ParameterAPI):
         self.bn_tracker = bn_tracker
         # Which flat inputs/outputs carry the batch (from export's symbolic batch dimension).
         self.batched_inputs, self.batched_outputs = batched_inputs, batched_outputs
+        # Where the batch is in the model's own inputs/outputs when not on dim 0 (batch_dim=):
+        # the stages take and give batch-first values; the user sees the model's layout.
+        self.layout = layout
         # Runtime trace (fxsplit.runtime.trace): times every F/B action of train_step for
         # pipe.trace(path); set to None to record nothing.
         self.recorder: TraceRecorder | None = TraceRecorder()
@@ -183,13 +187,20 @@ class Pipeline(ParameterAPI):
         return self._schedules[key]
 
     def _flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-        return flatten_to_spec(args, kwargs, self.in_spec)
+        flat = flatten_to_spec(args, kwargs, self.in_spec)
+        return self.layout.inputs_to_batch_first(flat) if self.layout is not None else flat
 
     def _unflatten(self, flat: Sequence[Any]) -> Any:
         outs = list(flat)
         for i, const in self.program.output_constants.items():
             outs[i] = const
+        if self.layout is not None:
+            outs = self.layout.outputs_from_batch_first(outs)
         return pytree.tree_unflatten(outs, self.out_spec)
+
+    @property
+    def _target_dim(self) -> int:
+        return self.layout.target_dim if self.layout is not None else 0
 
     # -- running -----------------------------------------------------------------------------
     def _run_stage(self, s: int, i: int, values: Sequence[Any]) -> tuple[Any, ...]:
@@ -237,9 +248,11 @@ class Pipeline(ParameterAPI):
         """Forward and backward one batch through the pipeline; return the batch loss.
 
         Args:
-            args, kwargs: The model's inputs for the whole batch (batch on dim 0).
-            target: Passed to ``loss_fn``; tensors with the batch on dim 0 are split with the
-                inputs.
+            args, kwargs: The model's inputs for the whole batch (batch on dim 0, or where
+                ``compile(batch_dim=...)`` said).
+            target: Passed to ``loss_fn``; tensors with the batch are split with the inputs
+                (on the first input's batch dimension when they have it, else on dim 0:
+                :func:`~fxsplit.runtime.microbatch.target_batch_dim`).
             loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch (the contract)
                 or a sum (``reduction="sum"``: found on the first micro-batch, then the
                 micro-batch losses are added unweighted).
@@ -262,7 +275,7 @@ class Pipeline(ParameterAPI):
         m = self.microbatches
         mbs, sizes = split_microbatches(flat, m, batched=self.batched_inputs)
         # Target leaves are split with the inputs' batch size; leaves without it go whole.
-        step = _Step(mbs, split_target(target, m, sum(sizes)), loss_weights(sizes), loss_fn, losses=[None] * m,
+        step = _Step(mbs, split_target(target, m, sum(sizes), self._target_dim), loss_weights(sizes), loss_fn, losses=[None] * m,
                      sizes=sizes, reduction_checked=m == 1)
         schedule, order = self._schedule_and_order(m)
         self._begin_step()
@@ -303,7 +316,7 @@ class Pipeline(ParameterAPI):
                 if not step.reduction_checked:  # the first micro-batch of a step that has several
                     step.reduction_checked = True
                     kind = self._loss_reductions.of(step.loss_fn, outputs, self.batched_outputs, self._unflatten,
-                                                    step.targets[i], step.sizes[i])
+                                                    step.targets[i], step.sizes[i], self._target_dim)
                     if kind == "sum":  # a sum over the batch is the plain sum of the micro-batches' sums
                         step.weights = [1.0] * len(step.weights)
                 loss = step.loss_fn(self._unflatten(outputs), step.targets[i])

@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from fxsplit.errors import ConfigError
 
-__all__ = ["batch_size_of", "split_microbatches", "split_target", "loss_weights", "merge_outputs", "microbatch_sizes",
+__all__ = ["batch_size_of", "split_microbatches", "split_target", "target_batch_dim", "loss_weights", "merge_outputs", "microbatch_sizes",
            "loss_reduction", "LossReductions"]
 
 
@@ -83,25 +83,45 @@ def split_microbatches(
     return [list(row) for row in zip(*columns, strict=True)], microbatch_sizes(batch, m)
 
 
-def split_target(target: Any, m: int, batch: int) -> list[Any]:
+def target_batch_dim(leaf: Any, batch: int, target_dim: int = 0) -> int | None:
+    """The batch dimension of a target leaf, or None for a leaf without the batch.
+
+    ``target_dim`` (the first input's batch dimension, ``compile(batch_dim=...)``) when the leaf
+    has it and its size there is ``batch``; else dim 0 when that is ``batch`` (a ``[batch]``
+    label next to ``[seq, batch]`` inputs); else None (the leaf goes whole to every micro-batch).
+    """
+    if not isinstance(leaf, torch.Tensor):
+        return None
+    return next((d for d in dict.fromkeys((target_dim, 0)) if leaf.dim() > d and leaf.shape[d] == batch), None)
+
+
+def split_target(target: Any, m: int, batch: int, target_dim: int = 0) -> list[Any]:
     """``[m]`` targets: the leaves of ``target`` that carry the batch split like the inputs.
 
     Args:
         target: Any pytree (a tensor ``[batch, ...]``, a dict of them, None).
         m: Number of micro-batches.
-        batch: The inputs' batch size: leaves whose dim 0 is ``batch`` are split.
+        batch: The inputs' batch size: leaves with the batch (:func:`target_batch_dim`) are split.
+        target_dim: Where the batch is in a target leaf, when it has that dimension.
 
     Example:
         >>> [t.tolist() for t in split_target(torch.arange(4), 2, 4)]
         [[0, 1], [2, 3]]
+        >>> [t.tolist() for t in split_target(torch.arange(4).view(1, 4), 2, 4, target_dim=1)]
+        [[[0, 1]], [[2, 3]]]
     """
     if m == 1 or target is None:
         return [target] * m
     leaves, spec = pytree.tree_flatten(target)
     if not leaves:
         return [target] * m
-    rows, _ = split_microbatches(leaves, m, batch=batch)
-    return [pytree.tree_unflatten(row, spec) for row in rows]
+    if batch < m:
+        raise ConfigError(f"batch of {batch} samples cannot be split into {m} micro-batches; use microbatches <= {batch}")
+    columns = []
+    for x in leaves:
+        d = target_batch_dim(x, batch, target_dim)
+        columns.append(list(torch.tensor_split(x, m, dim=d)) if d is not None else [x] * m)
+    return [pytree.tree_unflatten(list(row), spec) for row in zip(*columns, strict=True)]
 
 
 def loss_weights(sizes: Sequence[int]) -> list[float]:
@@ -111,7 +131,8 @@ def loss_weights(sizes: Sequence[int]) -> list[float]:
 
 
 def loss_reduction(
-    loss_fn: Any, flat_outputs: Sequence[Any], batched: Sequence[bool] | None, unflatten: Any, target: Any, size: int
+    loss_fn: Any, flat_outputs: Sequence[Any], batched: Sequence[bool] | None, unflatten: Any, target: Any, size: int,
+    target_dim: int = 0,
 ) -> str:
     """How ``loss_fn`` reduces over the batch, tried on one micro-batch of ``size`` samples.
 
@@ -126,8 +147,9 @@ def loss_reduction(
         flat_outputs: The model's flat outputs on the micro-batch (detached here).
         batched: Which flat outputs carry the batch (None: those whose dim 0 is ``size``).
         unflatten: Flat outputs -> the output structure ``loss_fn`` takes.
-        target: The micro-batch's target (leaves with dim 0 ``size`` carry the batch).
+        target: The micro-batch's target (leaves carry the batch as :func:`target_batch_dim` says).
         size: The micro-batch's size.
+        target_dim: Where the batch is in a target leaf that has that dimension.
 
     Returns:
         ``"mean"``, ``"sum"``, or ``"unknown"`` when the loss is 0 (nothing to tell apart; run
@@ -138,14 +160,14 @@ def loss_reduction(
     """
     flags = list(batched) if batched is not None else [_looks_batched(x, size) for x in flat_outputs]
 
-    def twice(x: Any, carries: bool) -> Any:
-        return torch.cat([x, x]) if carries and isinstance(x, torch.Tensor) else x
+    def twice(x: Any, dim: int | None) -> Any:
+        return torch.cat([x, x], dim=dim) if dim is not None and isinstance(x, torch.Tensor) else x
 
     with torch.no_grad():
         outs = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat_outputs]
         one = loss_fn(unflatten(outs), target)
-        doubled_target = pytree.tree_map(lambda t: twice(t, _looks_batched(t, size)), target)
-        two = loss_fn(unflatten([twice(x, b) for x, b in zip(outs, flags, strict=True)]), doubled_target)
+        doubled_target = pytree.tree_map(lambda t: twice(t, target_batch_dim(t, size, target_dim)), target)
+        two = loss_fn(unflatten([twice(x, 0 if b else None) for x, b in zip(outs, flags, strict=True)]), doubled_target)
     one_f, two_f = float(one), float(two)
     tol = 1e-4 * abs(one_f) + 1e-12
     if one_f == 0.0:
@@ -170,14 +192,14 @@ class LossReductions:
         self._known: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
     def of(self, loss_fn: Any, flat_outputs: Sequence[Any], batched: Sequence[bool] | None, unflatten: Any,
-           target: Any, size: int) -> str:
+           target: Any, size: int, target_dim: int = 0) -> str:
         try:
             known = self._known.get(loss_fn)
         except TypeError:
             known = None
         if known is not None:
             return known
-        kind = loss_reduction(loss_fn, flat_outputs, batched, unflatten, target, size)
+        kind = loss_reduction(loss_fn, flat_outputs, batched, unflatten, target, size, target_dim)
         if kind != "unknown":
             with contextlib.suppress(TypeError):
                 self._known[loss_fn] = kind
