@@ -237,7 +237,9 @@ class CompileOptions:
         executor: ``"auto"`` (threads when a stage is on CUDA), ``"threads"`` (one worker thread
             per device, stages overlap) or ``"sequential"``.
         deferred_batch_norm: With several micro-batches, update BatchNorm running statistics
-            once per step with the whole batch's statistics, as the unsplit model does.
+            once per step with the whole batch's statistics, as the unsplit model does; and run
+            buffer updates that read no input (a step counter) once per step
+            (:mod:`fxsplit.codegen.buffers`).
         profile_cache_dir: Folder of the profiled cost model's timing cache (default
             ``~/.cache/fxsplit/profiles``); ``False`` times every node afresh and keeps nothing.
         progress: ``progress(done, total)`` called after each micro-batch size the profiled

@@ -20,7 +20,8 @@ from torch import nn
 
 from fxsplit import solvers
 from fxsplit.calibrate import CompileContext, CompiledPipeline
-from fxsplit.codegen import defer_batch_norm, place_stages, split_graph
+from fxsplit.codegen import BatchNormTracker, defer_batch_norm, place_stages, split_graph
+from fxsplit.codegen.buffers import defer_buffer_updates
 from fxsplit.errors import ConfigError, NotPerSampleWarning
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
 from fxsplit.passes.capture import Captured, capture
@@ -201,7 +202,7 @@ def compile_pipeline(
     check_microbatches(microbatches, batch)  # before any work
     reference = options.reference or specs[0]
     captured, condensed, _ = front_end(model, args, kwargs, reference, cost_model, options, microbatches)
-    mixing = _not_per_sample(captured, args, kwargs)
+    mixing = _not_per_sample(captured, args, kwargs, once_per_step=options.deferred_batch_norm)
     hint = _batch_dim_hint(model, args, kwargs, options, mixing) if mixing and microbatches != 1 else ""
     if mixing and microbatches == "auto":
         log.warning("%s is not per-sample, so one micro-batch: %s%s", type(model).__name__,
@@ -277,7 +278,7 @@ def _batch_dim_hint(model: nn.Module, args: tuple, kwargs: dict, options: Any, m
     return ""
 
 
-def _not_per_sample(captured: Captured, args: tuple, kwargs: dict) -> list[Any]:
+def _not_per_sample(captured: Captured, args: tuple, kwargs: dict, *, once_per_step: bool = True) -> list[Any]:
     """:func:`~fxsplit.passes.per_sample.find_batch_mixing` on the example batch, when its
     tensors and the model's are real (a meta or fake model cannot run: nothing is checked)."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -287,9 +288,23 @@ def _not_per_sample(captured: Captured, args: tuple, kwargs: dict) -> list[Any]:
     flat = captured.flatten_inputs(args, kwargs)
     tensors = [*captured.gm.parameters(), *captured.gm.buffers(), *(x for x in flat if isinstance(x, torch.Tensor))]
     if any(t.is_meta or isinstance(t, FakeTensor) for t in tensors):
-        return mutated_buffers(captured.gm)
+        return mutated_buffers(captured.gm, once_per_step=once_per_step)
     batched = captured.batched_inputs or [isinstance(x, torch.Tensor) and x.dim() > 0 for x in flat]
-    return find_batch_mixing(captured.gm, flat, batched)
+    return find_batch_mixing(captured.gm, flat, batched, once_per_step=once_per_step)
+
+
+def _defer_updates(program: Any, captured: Captured, model: nn.Module) -> BatchNormTracker | None:
+    """Deferred BatchNorm statistics and once-per-step buffer updates
+    (:mod:`fxsplit.codegen.batchnorm`, :mod:`fxsplit.codegen.buffers`); warns about buffer
+    updates that read no input but could not be made once per step."""
+    tracker = defer_batch_norm(program) or BatchNormTracker()
+    left = defer_buffer_updates(program, captured.gm, tracker)
+    if left:
+        warnings.warn(
+            f"{type(model).__name__}: buffers {left} are updated in forward by each micro-batch (their update reads "
+            "no input, but stages share it), so m times per step; use microbatches=1 for the unsplit model's update",
+            NotPerSampleWarning, stacklevel=4)
+    return tracker if tracker.batch_norms or tracker.tracked else None
 
 
 def assemble_compiled(
@@ -326,7 +341,8 @@ def assemble(
     """
     program = split_graph(captured.gm, plan.stage_of_block(), [specs[st.device].torch_device for st in plan.stages])
     program = place_stages(program, copy_tied=options.copy_tied)
-    tracker = defer_batch_norm(program) if microbatches > 1 and getattr(options, "deferred_batch_norm", True) else None
+    tracker = _defer_updates(program, captured, model) if microbatches > 1 and getattr(
+        options, "deferred_batch_norm", True) else None
     state = StateMap(
         program, captured.aliases, [n for n, _ in model.named_parameters(remove_duplicate=False)],
         list(model.state_dict().keys()), _orphans(model, captured),

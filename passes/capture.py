@@ -223,6 +223,7 @@ def _capture_export(
         if node.op == "get_attr" and not node.users:  # tied weights: export reads one alias
             gm.graph.erase_node(node)
     _functionalize_activations(gm)
+    _drop_self_copies(gm)
     gm._forward_pre_hooks.clear()  # export's input-spec check; we call the graph flat
     gm.graph._codegen = torch.fx.graph.CodeGen()
     _flatten_output(gm)
@@ -264,6 +265,27 @@ def _order_placeholders(gm: torch.fx.GraphModule, flat_names: list[str]) -> None
         first = next(iter(gm.graph.nodes))
         if placeholders[name] is not first:
             first.prepend(placeholders[name])
+
+
+def _drop_self_copies(gm: torch.fx.GraphModule) -> int:
+    """Erase export's write-backs ``copy_(buf, y)`` where ``y`` is ``buf`` itself (the result of
+    an in-place op on it, ``add_(buf, 1)``): a no-op copy that still bumps the buffer's version
+    counter, so autograd refused the backward of any op that saved the updated buffer."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default or node.users:
+            continue
+        dest, src = node.args[0], node.args[1]
+        root = src
+        while isinstance(root, torch.fx.Node) and root.op == "call_function" and root.args and \
+                getattr(getattr(root.target, "_schema", None), "arguments", None) and \
+                root.target._schema.arguments[0].alias_info is not None and \
+                root.target._schema.arguments[0].alias_info.is_write:
+            root = root.args[0]
+        if isinstance(dest, torch.fx.Node) and dest.op == "get_attr" and root is dest and src is not dest:
+            gm.graph.erase_node(node)
+            dropped += 1
+    return dropped  # (the buffer's get_attr stays: the in-place op reads it)
 
 
 def _functional_twin(target: Any) -> Any:

@@ -30,7 +30,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-__all__ = ["BatchMixing", "find_batch_mixing", "mutated_buffers"]
+__all__ = ["BatchMixing", "buffer_writes", "find_batch_mixing", "mutated_buffers", "once_per_step_buffers", "reads_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,11 @@ def _root_buffer(node: Any, buffers: set[str]) -> str | None:
     return None
 
 
-def mutated_buffers(gm: torch.fx.GraphModule) -> list[BatchMixing]:
-    """Buffers an in-place op updates in forward, BatchNorm's running statistics left out."""
+def buffer_writes(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
+    """The in-place ops of ``gm`` on each buffer (``add_``, ``copy_``; chains such as
+    ``add_(mul_(ema, .9), x)`` count for ``ema``), BatchNorm's running statistics left out."""
     buffers = {name for name, _ in gm.named_buffers()}
-    found: dict[str, BatchMixing] = {}
+    writes: dict[str, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not node.args:
             continue
@@ -92,10 +93,41 @@ def mutated_buffers(gm: torch.fx.GraphModule) -> list[BatchMixing]:
         if len(name) < 2 or not name[-2].endswith("_"):  # aten.add_.Tensor: the overload's op ends with _
             continue
         buf = _root_buffer(node.args[0], buffers)
-        if buf is not None and not buf.endswith(_DEFERRED_BUFFERS) and buf not in found:
-            found[buf] = BatchMixing(node.name, "updates a buffer", _where(node),
-                                     f"buffer {buf!r} changes in forward, so m micro-batches update it m times per step")
-    return list(found.values())
+        if buf is not None and not buf.endswith(_DEFERRED_BUFFERS):
+            writes.setdefault(buf, []).append(node)
+    return writes
+
+
+def reads_inputs(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value depends on a placeholder (the model's inputs, or a stage's)."""
+    seen, todo = set(), list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def once_per_step_buffers(gm: torch.fx.GraphModule) -> set[str]:
+    """Buffers whose every update in forward reads no input (a step counter): running the update
+    once per step, on the first micro-batch, is exactly the unsplit model's update
+    (:mod:`fxsplit.codegen.buffers`). An update that reads the data (a moving average of
+    activations) has no such exact form."""
+    return {buf for buf, nodes in buffer_writes(gm).items() if not any(reads_inputs(n) for n in nodes)}
+
+
+def mutated_buffers(gm: torch.fx.GraphModule, *, once_per_step: bool = False) -> list[BatchMixing]:
+    """Buffers an in-place op updates in forward, BatchNorm's running statistics left out, and
+    with ``once_per_step`` those a runtime that updates them once per step makes exact
+    (:func:`once_per_step_buffers`)."""
+    exact = once_per_step_buffers(gm) if once_per_step else set()
+    return [BatchMixing(nodes[0].name, "updates a buffer", _where(nodes[0]),
+                        f"buffer {buf!r} changes in forward, so m micro-batches update it m times per step")
+            for buf, nodes in buffer_writes(gm).items() if buf not in exact]
 
 
 def _rows(full: torch.Tensor, part: torch.Tensor, batch: int, start: int, n: int) -> list[torch.Tensor]:
@@ -133,6 +165,7 @@ def find_batch_mixing(
     *,
     rtol: float = 1e-4,
     atol: float = 1e-5,
+    once_per_step: bool = False,
 ) -> list[BatchMixing]:
     """Why micro-batching would change what ``gm`` computes; ``[]`` when it would not.
 
@@ -142,12 +175,14 @@ def find_batch_mixing(
         flat_inputs: The example batch, flat; ``[batch, ...]`` for the batched ones.
         batched: ``[len(flat_inputs)]`` which inputs carry the batch.
         rtol, atol: Tolerance of the row comparison (a half batch may take other kernels).
+        once_per_step: Leave out the buffers whose updates read no input (the local pipeline
+            updates them once per step, exactly as the unsplit model).
 
     Returns:
         The first node that mixes samples (if any), then every buffer updated in forward.
         Nothing is checked for a batch of one sample.
     """
-    found = mutated_buffers(gm)
+    found = mutated_buffers(gm, once_per_step=once_per_step)
     sizes = [x.shape[0] for x, b in zip(flat_inputs, batched, strict=True) if b and isinstance(x, torch.Tensor) and x.dim()]
     if not sizes or sizes[0] < 2:
         return found

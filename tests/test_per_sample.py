@@ -31,6 +31,8 @@ class _Net(nn.Module):
             h = self.bn(h)
         elif self.mode == "counter":
             self.steps += 1
+        elif self.mode == "ema":  # a moving average of the activations: reads the data
+            self.steps.mul_(0.9).add_(0.1 * h.detach().mean())
         return self.c(self.b(h).relu())
 
 
@@ -76,9 +78,53 @@ def test_compile_runs_a_model_that_mixes_samples_as_one_micro_batch():
 
 
 def test_asking_for_micro_batches_of_such_a_model_warns_naming_the_node():
-    with pytest.warns(NotPerSampleWarning, match=r"microbatches=2.*node 'add_'.*buffer 'steps'"):
-        pipe = fxsplit.compile(_Net("counter"), ["cpu", "cpu"], (torch.randn(8, 8),), microbatches=2)
+    with pytest.warns(NotPerSampleWarning, match=r"microbatches=2.*node 'mul_'.*buffer 'steps'"):
+        pipe = fxsplit.compile(_Net("ema"), ["cpu", "cpu"], (torch.randn(8, 8),), microbatches=2)
     assert pipe.microbatches == 2
+
+
+class _Counted(nn.Module):
+    """A step counter read before and after its update, on both sides of a stage boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * (1 + self.steps)  # before the update: the value the step began with
+        self.steps += 1
+        return self.c(self.b(h).relu() * self.steps)  # after: the updated value
+
+
+@pytest.mark.parametrize(("m", "schedule"), [(1, "1f1b"), (2, "gpipe"), (4, "1f1b"), (3, "gpipe")])
+def test_a_counter_updated_in_forward_counts_once_per_step_exactly(m, schedule):
+    """Issue 10: a buffer update that reads no input ran once per micro-batch (the counter
+    advanced m times a step); it now runs on the first micro-batch only, and reads before it see
+    the step's starting value in every micro-batch: outputs, gradients and the buffer equal the
+    unsplit model's over several steps, with no warning. (m = 1, regression: export's no-op
+    write-back ``copy_(steps, add_)`` bumped the buffer's version after ``mul`` saved it, and
+    every backward failed; capture now drops it.)"""
+    import warnings
+
+    model, ref = _Counted(), _Counted()
+    x = torch.randn(8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NotPerSampleWarning)
+        pipe = fxsplit.compile(model, ["cpu", "cpu", "cpu"], (x,), microbatches=m, schedule=schedule,
+                               cost_model="analytic", options=fxsplit.CompileOptions(allow_idle_devices=False))
+    assert pipe.microbatches == m and pipe.report["not_per_sample"] == []
+    for step in range(3):
+        torch.testing.assert_close(pipe(x), ref(x))
+        loss = pipe.train_step(x, target=torch.zeros(8, 8), loss_fn=nn.functional.mse_loss)
+        expected = nn.functional.mse_loss(ref(x), torch.zeros(8, 8))
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        assert float(pipe.state_dict()["steps"]) == float(ref.steps) == 2 * (step + 1)
+    grads = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda msg, n=name: f"{n}: {msg}")
 
 
 def test_a_per_sample_model_keeps_its_micro_batches():

@@ -145,7 +145,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]error:[/red] {escape(str(exc))}")
             raise typer.Exit(2) from exc
         console.print(_summary(pipe, result))
-        if pipe.bn_tracker is not None:
+        if pipe.bn_tracker is not None and pipe.bn_tracker.batch_norms:
             console.print(
                 "note: the model has BatchNorm in training mode, which normalises each micro-batch on its own "
                 "(as in GPipe), so its loss and gradients differ from the unsplit model's; run with "

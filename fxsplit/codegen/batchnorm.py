@@ -62,6 +62,29 @@ class BatchNormTracker:
     sums: dict[str, _Sums] = field(default_factory=dict)
     counters: dict[str, torch.Tensor] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    batch_norms: int = 0  # BatchNorms deferred (the rest of the tracker serves fxsplit.codegen.buffers)
+    # fxsplit.codegen.buffers: buffers updated once per step; their values when the step began,
+    # and the updates already run this step
+    tracked: dict[str, torch.Tensor] = field(default_factory=dict)
+    starts: dict[str, torch.Tensor] = field(default_factory=dict)
+    ran: set[str] = field(default_factory=set)
+
+    def track_step_start(self, key: str, buffer: torch.Tensor) -> None:
+        """Keep ``buffer``'s value at the start of every step (:meth:`reset`)."""
+        self.tracked[key] = buffer
+
+    def step_start(self, key: str, buffer: torch.Tensor) -> torch.Tensor:
+        """The tracked buffer's value when the step began (``buffer`` itself before any step)."""
+        with self.lock:
+            return self.starts.get(key, buffer)
+
+    def first_call(self, key: str) -> bool:
+        """True the first time ``key`` asks in a step, then False until the next step."""
+        with self.lock:
+            if key in self.ran:
+                return False
+            self.ran.add(key)
+            return True
 
     def add(self, key: str, count: int, mean: torch.Tensor, var: torch.Tensor, running_mean: torch.Tensor,
             running_var: torch.Tensor, momentum: float) -> None:
@@ -76,10 +99,13 @@ class BatchNormTracker:
             self.counters[key] = counter
 
     def reset(self) -> None:
-        """Forget the statistics of a step that did not finish."""
-        with self.lock:
+        """Begin a step: forget the statistics of a step that did not finish, and copy the
+        tracked buffers' values."""
+        with self.lock, torch.no_grad():
             self.sums.clear()
             self.counters.clear()
+            self.ran.clear()
+            self.starts = {k: b.detach().clone() for k, b in self.tracked.items()}
 
     def commit(self) -> None:
         """Update every running mean/variance once with the whole batch's statistics (the
@@ -95,6 +121,8 @@ class BatchNormTracker:
                 counter.add_(1)
             self.sums.clear()
             self.counters.clear()
+            self.ran.clear()
+            self.starts.clear()
 
 
 def _pooled(parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +205,7 @@ def defer_batch_norm(program: StagedProgram) -> BatchNormTracker | None:
     """
     tracker = BatchNormTracker()
     count = sum(_rewrite(st.gm, tracker, st.index) for st in program.stages)
+    tracker.batch_norms = count
     for st in program.stages:
         for node in st.gm.graph.nodes:
             if _left_alone(st.gm, node):
