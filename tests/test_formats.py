@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fxsplit.errors import ConfigError
-from fxsplit.ir import CondensedGraph, DeviceSpec, Problem
+from fxsplit.ir import CondensedGraph, DeviceSpec, LinkSpec, Problem
 from fxsplit.ir.formats import load_graph_or_problem, load_pipedream, load_tarnawski
 
 PIPEDREAM = Path(__file__).resolve().parent / "data" / "pipedream"  # PipeDream's profiles (MIT, see LICENSE.txt there)
@@ -68,6 +68,58 @@ def test_tarnawski_color_classes_and_backward(tmp_path: Path) -> None:
     assert merged.fwd_s == pytest.approx(1.5) and merged.bwd_s == pytest.approx(3.0) and merged.buffer_bytes == 15
     assert len(pb.graph) == 2 and len(pb.graph.edges) == 1
     assert load_tarnawski(path) == pb
+
+
+def _orphan_instance(tmp_path: Path) -> Path:
+    """A forward chain A -> B with backward twins, and a backward-only class O (an AccumulateGrad)
+    fed by A's backward: dp.cpp orders O before A (the mirror of A' -> O)."""
+    data = {
+        "maxSizePerFPGA": 1000.0, "maxFPGAs": 2, "maxCPUs": 0,
+        "nodes": [
+            {"id": 1, "fpgaLatency": 1.5, "isBackwardNode": 0, "colorClass": 1},
+            {"id": 2, "fpgaLatency": 0.5, "isBackwardNode": 0, "colorClass": 2},
+            {"id": 11, "fpgaLatency": 1.5, "isBackwardNode": 1, "colorClass": 1},
+            {"id": 12, "fpgaLatency": 0.5, "isBackwardNode": 1, "colorClass": 2},
+            {"id": 20, "fpgaLatency": 2.0, "isBackwardNode": 1},
+        ],
+        "edges": [{"sourceId": 1, "destId": 2, "cost": 0.0}, {"sourceId": 12, "destId": 11, "cost": 0.0},
+                  {"sourceId": 1, "destId": 12, "cost": 0.0}, {"sourceId": 11, "destId": 20, "cost": 0.0}],
+    }
+    path = tmp_path / "orphan.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_tarnawski_backward_only_classes_keep_dp_cpps_order(tmp_path: Path) -> None:
+    """Issue 14 (a): every edge touching a backward node was dropped, so a backward-only class
+    floated free and plans came out below the true optimum, called optimal (here 3.0: O after A's
+    stage). With the mirrored precedence O precedes A, and the optimum is 4.0 (dp.cpp's: [O] then
+    [A, B])."""
+    from fxsplit import solvers
+
+    pb = load_tarnawski(_orphan_instance(tmp_path), link=LinkSpec(bytes_per_s=1.0))
+    names = {b.id: b.name for b in pb.graph.blocks}
+    assert [(names[e.src], names[e.dst]) for e in pb.graph.edges if e.size_bytes == 0 and "n20" in
+            (names[e.src], names[e.dst])] == [("n20", "n1")]
+    for solver in ("dp", "cpsat"):
+        plan = solvers.solve(pb.with_(objective="bottleneck"), solver)
+        assert plan.status == "optimal" and plan.bottleneck_s == pytest.approx(4.0), (solver, plan)
+        stage_of = {names[b]: s for s, st in enumerate(plan.stages) for b in st.blocks}
+        assert stage_of["n20"] <= stage_of["n1"]
+
+
+def test_tarnawski_cycles_made_by_mirrored_edges_are_merged(tmp_path: Path) -> None:
+    """dp.cpp fuses classes on a cycle; here O -> A (mirror of A' -> O) and A -> O (a forward
+    edge into O's class would be impossible, so the cycle comes from O feeding B's backward
+    and being fed by A's)."""
+    data = json.loads(_orphan_instance(tmp_path).read_text())
+    data["edges"].append({"sourceId": 20, "destId": 12, "cost": 0.0})  # O' -> B' mirrors to B -> O
+    path = tmp_path / "cycle.json"
+    path.write_text(json.dumps(data))
+    pb = load_tarnawski(path, link=LinkSpec(bytes_per_s=1.0))
+    merged = [b for b in pb.graph.blocks if len(b.nodes) > 2]
+    assert len(merged) == 1 and set(merged[0].nodes) >= {"n1", "n2", "n20"}
+    assert sum(b.fwd_s + b.bwd_s for b in pb.graph.blocks) == pytest.approx(6.0)
 
 
 def test_fxsplit_json_graph_and_problem(tmp_path: Path) -> None:

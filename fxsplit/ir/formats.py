@@ -164,6 +164,35 @@ def _tarnawski_blocks(nodes: list[dict[str, Any]], time_unit_s: float) -> tuple[
     return blocks, block_of
 
 
+def _fuse_cycles(blocks: dict[str, dict[str, Any]], edges: list[tuple[str, str, int]]
+                 ) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str, int]]]:
+    """Merge the blocks of every cycle into one block (sums of times and sizes), as dp.cpp fuses
+    the strongly connected components of its contracted forward graph: the mirrored edges of
+    backward-only classes can close cycles with the forward edges."""
+    import networkx as nx
+
+    g = nx.DiGraph()
+    g.add_nodes_from(blocks)
+    g.add_edges_from((u, v) for u, v, _ in edges)
+    groups = [c for c in nx.strongly_connected_components(g) if len(c) > 1]
+    if not groups:
+        return blocks, edges
+    order = list(blocks)
+    rename: dict[str, str] = {}
+    merged = dict(blocks)
+    for group in groups:
+        members = sorted(group, key=order.index)
+        head = members[0]
+        merged[head] = {
+            "nodes": tuple(n for m in members for n in blocks[m]["nodes"]),
+            **{k: sum(blocks[m][k] for m in members) for k in ("fwd_s", "bwd_s", "buffer_bytes")},
+        }
+        for m in members[1:]:
+            del merged[m]
+        rename.update(dict.fromkeys(members, head))
+    return merged, [(rename.get(u, u), rename.get(v, v), size) for u, v, size in edges]
+
+
 def load_tarnawski(
     path: str | Path, *, time_unit_s: float = 1.0, link: LinkSpec | None = None, name: str | None = None
 ) -> Problem:
@@ -173,7 +202,10 @@ def load_tarnawski(
     one ``colorClass`` form one block (forward latencies sum to ``fwd_s``, backward ones to
     ``bwd_s``; ``size`` becomes ``buffer_bytes``, static memory counted once); edges between
     forward nodes of different blocks are kept with ``size_bytes = cost × link.bytes_per_s`` (the
-    backward edges mirror them and the cost model pays each boundary twice in training).
+    backward edges mirror them and the cost model pays each boundary twice in training). A class
+    with backward nodes only (``AccumulateGrad``) is ordered as ``dp.cpp`` orders it: each
+    backward edge ``u -> v`` touching it adds the precedence ``block(v) -> block(u)``, and blocks
+    on a cycle are merged.
     ``maxCPUs``/``cpuLatency`` are ignored. ``training`` is True when any node is a backward node.
 
     Args:
@@ -195,12 +227,19 @@ def load_tarnawski(
     link = link or LinkSpec(bytes_per_s=1e9, latency_s=0.0)
     blocks, block_of = _tarnawski_blocks(data["nodes"], time_unit_s)
     backward = {int(n["id"]) for n in data["nodes"] if n.get("isBackwardNode")}
+    orphans = set(blocks) - {block_of[int(n["id"])] for n in data["nodes"] if not n.get("isBackwardNode")}
     edges = []
     for e in data["edges"]:
         u, v = int(e["sourceId"]), int(e["destId"])
-        if u in backward or v in backward or block_of[u] == block_of[v]:
+        if block_of[u] == block_of[v]:
             continue
-        edges.append((block_of[u], block_of[v], int(round(float(e["cost"]) * time_unit_s * link.bytes_per_s))))
+        if u in backward and v in backward and (block_of[u] in orphans or block_of[v] in orphans):
+            # a class with backward nodes only (AccumulateGrad) is ordered as dp.cpp orders it:
+            # by the mirror of its backward edges, v's forward before u's (no cost: precedence)
+            edges.append((block_of[v], block_of[u], 0))
+        elif u not in backward and v not in backward:
+            edges.append((block_of[u], block_of[v], int(round(float(e["cost"]) * time_unit_s * link.bytes_per_s))))
+    blocks, edges = _fuse_cycles(blocks, edges)
     graph = topological_graph(name or path.stem, blocks, edges)
     cap = int(data["maxSizePerFPGA"])
     devices = tuple(
