@@ -122,7 +122,8 @@ def batch_dims(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, batch_dim: i
 
     Raises:
         ConfigError: for a fixed ``batch_dim != 0``, or a value with two batch dimensions or
-            with a dimension of the batch's size export could not tie to the batch.
+            with a dimension of the batch's size export could not tie to the batch (an output
+            with two batch dimensions is left unbatched: the per-sample check flags it).
     """
     phs = list(gm.graph.find_nodes(op="placeholder"))
     vals = [n.meta.get("val") for n in phs]
@@ -152,6 +153,8 @@ def _dim_of(val: Any, symbols: set[Any], what: str, batch: int | None, strict: b
     if not isinstance(val, torch.Tensor):
         return None
     dims = [d for d, s in enumerate(val.shape) if _symbolic(s) and s.node.expr in symbols]
+    if len(dims) > 1 and not strict:  # an output such as x @ x.T [batch, batch]: no one batch dimension
+        return None  # (the per-sample check finds it: it changes shape twice with the batch)
     if len(dims) > 1:
         raise ConfigError(f"{what} {list(val.shape)} has the batch on dims {dims}; fxsplit splits one batch dimension "
                           "per value: pass such a value whole (not batched), or reshape it")

@@ -267,6 +267,12 @@ def _unmergeable_output(node: torch.fx.Node, full_run: Any, runs: list[Any], bat
             continue
         full = outs[i][0]
         mine = [run.env.get(arg) for run in runs]
+        if isinstance(full, torch.Tensor) and isinstance(mine[0], torch.Tensor) and mine[0].shape != full.shape and \
+                not _rows(full, mine[0], batch, 0, parts[0][1]):
+            return BatchMixing(arg.name, "mixes samples", _where(arg),
+                               f"output {i} {list(full.shape)} changes shape with the batch in more than one "
+                               f"dimension ({list(mine[0].shape)} for {parts[0][1]} samples): it pairs samples "
+                               "(x @ x.T), which micro-batches cannot merge")
         if not isinstance(full, torch.Tensor) or not full.is_floating_point() or not all(
                 isinstance(x, torch.Tensor) and x.shape == full.shape for x in mine):
             continue

@@ -241,3 +241,27 @@ def test_the_captured_graph_computes_the_model_in_the_model_layout():
     assert [tuple(x.shape) for x in cap.flatten_inputs((src,), {"src_key_padding_mask": mask})] == [
         (BATCH, SEQ, WIDTH), (BATCH, SEQ)]
     torch.testing.assert_close(cap(src, src_key_padding_mask=mask), model(src, src_key_padding_mask=mask))
+
+
+class _Pairs(nn.Module):
+    """``x @ x.T``: an output with the batch on both dims (sample pairs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h @ h.T
+
+
+def test_an_output_pairing_samples_runs_as_one_micro_batch():
+    """An output ``[batch, batch]`` has no one batch dimension to merge on: the per-sample check
+    flags it (it was neither compared nor merged right), so "auto" runs one micro-batch."""
+    x = torch.randn(BATCH, WIDTH)
+    pipe = fxsplit.compile(_Pairs(), 2, (x,), cost_model="analytic", options=OPTIONS)
+    assert pipe.microbatches == 1 and "pairs samples" in pipe.report["not_per_sample"][0]
+    torch.testing.assert_close(pipe(x), _Pairs()(x))
+    with pytest.warns(NotPerSampleWarning, match="pairs samples"):
+        fxsplit.compile(_Pairs(), 2, (x,), microbatches=2, cost_model="analytic", options=OPTIONS)
