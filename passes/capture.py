@@ -36,7 +36,7 @@ from fxsplit.passes.batch_layout import (
 )
 from fxsplit.passes.manager import getattr_path
 
-__all__ = ["BatchLayout", "Captured", "capture", "flatten_to_spec", "METHODS"]
+__all__ = ["BatchLayout", "Captured", "capture", "flatten_to_spec", "in_place_root", "writes_in_place", "METHODS"]
 
 log = logging.getLogger(__name__)
 
@@ -183,9 +183,7 @@ def capture(
             f"batch_dim={batch_dim} needs capture by torch.export with a symbolic batch (dynamic_batch=True, "
             f"method 'auto' or 'export'; got method={method!r}, dynamic_batch={dynamic_batch}): the batch dimension "
             "of every other input and output is read from export's symbolic shapes")
-    tried = ("export", "symbolic_trace") if method == "auto" and batch_dim == 0 else (method,)
-    if method == "auto" and batch_dim != 0:
-        tried = ("export",)
+    tried = ("export",) if batch_dim else ("export", "symbolic_trace") if method == "auto" else (method,)
     failures: dict[str, BaseException] = {}
     for name in tried:
         try:
@@ -267,6 +265,23 @@ def _order_placeholders(gm: torch.fx.GraphModule, flat_names: list[str]) -> None
             first.prepend(placeholders[name])
 
 
+def writes_in_place(node: Any) -> bool:
+    """Whether ``node`` calls an op that writes its first argument (``add_``, ``relu_``,
+    ``copy_``), as the op's schema declares."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or not node.args:
+        return False
+    schema = getattr(node.target, "_schema", None)
+    info = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
+    return info is not None and info.is_write
+
+
+def in_place_root(node: Any) -> Any:
+    """The value an in-place chain writes into: ``add_(mul_(ema, 0.9), x)`` -> the ``ema`` node."""
+    while writes_in_place(node):
+        node = node.args[0]
+    return node
+
+
 def _drop_self_copies(gm: torch.fx.GraphModule) -> int:
     """Erase export's write-backs ``copy_(buf, y)`` where ``y`` is ``buf`` itself (the result of
     an in-place op on it, ``add_(buf, 1)``): a no-op copy that still bumps the buffer's version
@@ -276,13 +291,7 @@ def _drop_self_copies(gm: torch.fx.GraphModule) -> int:
         if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default or node.users:
             continue
         dest, src = node.args[0], node.args[1]
-        root = src
-        while isinstance(root, torch.fx.Node) and root.op == "call_function" and root.args and \
-                getattr(getattr(root.target, "_schema", None), "arguments", None) and \
-                root.target._schema.arguments[0].alias_info is not None and \
-                root.target._schema.arguments[0].alias_info.is_write:
-            root = root.args[0]
-        if isinstance(dest, torch.fx.Node) and dest.op == "get_attr" and root is dest and src is not dest:
+        if isinstance(dest, torch.fx.Node) and dest.op == "get_attr" and src is not dest and in_place_root(src) is dest:
             gm.graph.erase_node(node)
             dropped += 1
     return dropped  # (the buffer's get_attr stays: the in-place op reads it)
@@ -309,12 +318,8 @@ def _functionalize_activations(gm: torch.fx.GraphModule) -> int:
     """
     changed = 0
     for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None or not schema.arguments or not node.args:
-            continue
-        info = schema.arguments[0].alias_info
-        root = node.args[0]
-        if info is None or not info.is_write or not isinstance(root, torch.fx.Node):
+        root = node.args[0] if writes_in_place(node) else None
+        if not isinstance(root, torch.fx.Node):
             continue
         root_schema = getattr(root.target, "_schema", None)
         writes_view = root_schema is not None and root_schema.returns and root_schema.returns[0].alias_info is not None

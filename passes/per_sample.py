@@ -30,6 +30,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from fxsplit.passes.capture import in_place_root, writes_in_place
+
 __all__ = ["BatchMixing", "buffer_writes", "find_batch_mixing", "mutated_buffers", "once_per_step_buffers", "reads_inputs"]
 
 log = logging.getLogger(__name__)
@@ -72,13 +74,9 @@ def _where(node: torch.fx.Node) -> str:
 
 def _root_buffer(node: Any, buffers: set[str]) -> str | None:
     """The buffer an in-place chain writes into (``add_(mul_(ema, .9), x)`` -> ``ema``)."""
-    while isinstance(node, torch.fx.Node):
-        if node.op == "get_attr":
-            return str(node.target) if str(node.target) in buffers else None
-        if node.op != "call_function" or not str(node.target).split(".")[-2].endswith("_"):
-            return None
-        node = node.args[0] if node.args else None
-    return None
+    root = in_place_root(node)
+    is_buffer = isinstance(root, torch.fx.Node) and root.op == "get_attr" and str(root.target) in buffers
+    return str(root.target) if is_buffer else None
 
 
 def buffer_writes(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
@@ -87,12 +85,7 @@ def buffer_writes(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
     buffers = {name for name, _ in gm.named_buffers()}
     writes: dict[str, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not node.args:
-            continue
-        name = str(node.target).split(".")
-        if len(name) < 2 or not name[-2].endswith("_"):  # aten.add_.Tensor: the overload's op ends with _
-            continue
-        buf = _root_buffer(node.args[0], buffers)
+        buf = _root_buffer(node.args[0], buffers) if writes_in_place(node) else None
         if buf is not None and not buf.endswith(_DEFERRED_BUFFERS):
             writes.setdefault(buf, []).append(node)
     return writes
@@ -117,17 +110,20 @@ def once_per_step_buffers(gm: torch.fx.GraphModule) -> set[str]:
     once per step, on the first micro-batch, is exactly the unsplit model's update
     (:mod:`fxsplit.codegen.buffers`). An update that reads the data (a moving average of
     activations) has no such exact form."""
-    return {buf for buf, nodes in buffer_writes(gm).items() if not any(reads_inputs(n) for n in nodes)}
+    return {buf for buf, nodes in buffer_writes(gm).items() if not _any_reads_inputs(nodes)}
+
+
+def _any_reads_inputs(nodes: Sequence[torch.fx.Node]) -> bool:
+    return any(reads_inputs(n) for n in nodes)
 
 
 def mutated_buffers(gm: torch.fx.GraphModule, *, once_per_step: bool = False) -> list[BatchMixing]:
     """Buffers an in-place op updates in forward, BatchNorm's running statistics left out, and
     with ``once_per_step`` those a runtime that updates them once per step makes exact
     (:func:`once_per_step_buffers`)."""
-    exact = once_per_step_buffers(gm) if once_per_step else set()
     return [BatchMixing(nodes[0].name, "updates a buffer", _where(nodes[0]),
                         f"buffer {buf!r} changes in forward, so m micro-batches update it m times per step")
-            for buf, nodes in buffer_writes(gm).items() if buf not in exact]
+            for buf, nodes in buffer_writes(gm).items() if not once_per_step or _any_reads_inputs(nodes)]
 
 
 def _rows(full: torch.Tensor, part: torch.Tensor, batch: int, start: int, n: int) -> list[torch.Tensor]:
@@ -260,21 +256,18 @@ def _unmergeable_output(node: torch.fx.Node, full_run: Any, runs: list[Any], bat
                         parts: list[tuple[int, int]], rtol: float, atol: float) -> BatchMixing | None:
     """A floating output without the batch (a loss, a statistic) is merged as the size-weighted
     mean of the micro-batches' values: anything else over the batch is not per-sample."""
-    outs = [pytree.tree_leaves(full_run.env.get(a)) if isinstance(a, torch.fx.Node) else [a]
-            for a in pytree.tree_leaves(node.args[0])]
     for i, arg in enumerate(pytree.tree_leaves(node.args[0])):
-        if not isinstance(arg, torch.fx.Node) or len(outs[i]) != 1:
+        if not isinstance(arg, torch.fx.Node):
             continue
-        full = outs[i][0]
-        mine = [run.env.get(arg) for run in runs]
-        if isinstance(full, torch.Tensor) and isinstance(mine[0], torch.Tensor) and mine[0].shape != full.shape and \
-                not _rows(full, mine[0], batch, 0, parts[0][1]):
+        full, mine = full_run.env.get(arg), [run.env.get(arg) for run in runs]
+        if not isinstance(full, torch.Tensor) or not all(isinstance(x, torch.Tensor) for x in mine):
+            continue
+        if mine[0].shape != full.shape and not _rows(full, mine[0], batch, 0, parts[0][1]):
             return BatchMixing(arg.name, "mixes samples", _where(arg),
                                f"output {i} {list(full.shape)} changes shape with the batch in more than one "
                                f"dimension ({list(mine[0].shape)} for {parts[0][1]} samples): it pairs samples "
                                "(x @ x.T), which micro-batches cannot merge")
-        if not isinstance(full, torch.Tensor) or not full.is_floating_point() or not all(
-                isinstance(x, torch.Tensor) and x.shape == full.shape for x in mine):
+        if not full.is_floating_point() or any(x.shape != full.shape for x in mine):
             continue
         mean = sum(x * (n / batch) for x, (_, n) in zip(mine, parts, strict=True))
         diff = _differs(full, mean, rtol, atol)  # type: ignore[arg-type]

@@ -60,25 +60,24 @@ def _buffer_reads(gm: torch.fx.GraphModule, buf: str) -> list[torch.fx.Node]:
     return [n for n in gm.graph.find_nodes(op="get_attr") if str(n.target) == buf]
 
 
-def _rewrite(gm: torch.fx.GraphModule, tracker: BatchNormTracker, stage: int, buf: str,
+def _rewrite(gm: torch.fx.GraphModule, tracker: BatchNormTracker, stage: int, buf: str, writes: list[torch.fx.Node],
              first_write: tuple[int, int]) -> None:
-    """Rewrite one stage's updates of ``buf`` and its reads placed before the first update
-    (``(stage, node position)`` of that update in the pipeline)."""
+    """Rewrite one stage's updates of ``buf`` (``writes``) and its reads placed before the first
+    update (``(stage, node position)`` of that update in the pipeline)."""
     order = {n: (stage, i) for i, n in enumerate(gm.graph.nodes)}
-    key = f"{buf}"
     for read in _buffer_reads(gm, buf):
         early = [u for u in read.users if order[u] < first_write]
         if not early:
             continue
         name = f"fxsplit_step_start_{buf.replace('.', '_')}"
         if not hasattr(gm, name):
-            gm.add_submodule(name, StepStartValue(tracker, key))
+            gm.add_submodule(name, StepStartValue(tracker, buf))
         with gm.graph.inserting_after(read):
             start = gm.graph.call_module(name, (read,))
         start.meta = dict(read.meta)
         for user in early:
             user.replace_input_with(read, start)
-    for node in buffer_writes(gm).get(buf, []):
+    for node in writes:
         name = f"fxsplit_once_{node.name}"
         gm.add_submodule(name, OncePerStep(tracker, f"{stage}:{node.name}", node.target))
         with gm.graph.inserting_before(node):
@@ -106,14 +105,14 @@ def defer_buffer_updates(program: StagedProgram, full: torch.fx.GraphModule, tra
     for buf in sorted(wanted):
         holders = [st for st in program.stages if _buffer_reads(st.gm, buf)]
         tensors = {id(st.gm.get_buffer(buf)) for st in holders}
-        writes = [(st.index, i) for st in holders for i, n in enumerate(st.gm.graph.nodes)
-                  if n in buffer_writes(st.gm).get(buf, [])]
-        if len(tensors) != 1 or not writes:
+        writes = {st.index: buffer_writes(st.gm).get(buf, []) for st in holders}
+        positions = [(st.index, i) for st in holders for i, n in enumerate(st.gm.graph.nodes) if n in writes[st.index]]
+        if len(tensors) != 1 or not positions:
             left.append(buf)
             continue
         tracker.track_step_start(buf, holders[0].gm.get_buffer(buf))
         for st in holders:
-            _rewrite(st.gm, tracker, st.index, buf, min(writes))
+            _rewrite(st.gm, tracker, st.index, buf, writes[st.index], min(positions))
         done.append(buf)
     if done:
         log.info("buffers updated once per step (their update reads no input): %s", done)
