@@ -22,6 +22,7 @@ from torch import nn
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec
+from fxsplit.passes.batch_layout import check_batch_dim
 from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
 from fxsplit.passes.costs import measure_cpu_spec
@@ -353,6 +354,16 @@ def _check_compile_args(solver: str, schedule: str, microbatches: Any, objective
         raise ConfigError(f"cost_model={cost_model!r} is unknown; choose 'auto' or one of {COST_MODELS}")
 
 
+def with_batch_dim(options: CompileOptions, batch_dim: int | None) -> CompileOptions:
+    """``options`` with ``batch_dim`` checked and set (None keeps ``options.batch_dim``).
+
+    Raises:
+        ConfigError: for a ``batch_dim`` that is not an int >= 0.
+    """
+    value = check_batch_dim(options.batch_dim if batch_dim is None else batch_dim)
+    return options if value == options.batch_dim else dataclasses.replace(options, batch_dim=value)
+
+
 def _check_inputs_bind(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
                        batch_dim: int = 0) -> None:
     """The example inputs must fit ``model.forward``'s signature (cheap, before any capture)."""
@@ -365,9 +376,6 @@ def _check_inputs_bind(model: nn.Module, args: Sequence[Any], kwargs: Mapping[st
     if batched and all(x.shape[batch_dim] == 0 for x in batched):
         raise ConfigError(f"the example batch has 0 samples (dim {batch_dim} of every input tensor is 0); give at least "
                           "one sample per micro-batch")
-    if batch_dim and not batched:
-        raise ConfigError(f"batch_dim={batch_dim}, but no input tensor has dimension {batch_dim} (shapes "
-                          f"{[list(x.shape) for x in leaves if isinstance(x, torch.Tensor)]}); count from 0")
     try:
         pyinspect.signature(model.forward).bind(*args, **dict(kwargs or {}))
     except TypeError as exc:
@@ -389,7 +397,7 @@ def compile(  # noqa: A001 - the public name users expect
     memory_limit_bytes: int | None = None,
     cost_model: str = "auto",
     objective: str = "makespan",
-    batch_dim: int = 0,
+    batch_dim: int | None = None,
     options: CompileOptions | None = None,
 ) -> Any:
     """Split ``model`` across ``devices`` and return a :class:`~fxsplit.runtime.Pipeline`.
@@ -411,7 +419,8 @@ def compile(  # noqa: A001 - the public name users expect
             the micro-batch sizes that may run, cached in ``options.profile_cache_dir``),
             ``"measured"`` (timed at one size, scaled linearly) or ``"analytic"`` (roofline).
         objective: ``"makespan"`` (one training step) or ``"bottleneck"``.
-        batch_dim: The dimension of the first input that holds the samples (default 0; 1 for a
+        batch_dim: The dimension of the first input that holds the samples (default
+            ``options.batch_dim``, 0; 1 for a
             sequence-first model such as ``nn.TransformerEncoder(batch_first=False)`` with
             ``src [seq, batch, d]``). The batch dimension of every other input and output is the
             one export proves equal to it (``src_key_padding_mask [batch, seq]``); targets are
@@ -433,10 +442,7 @@ def compile(  # noqa: A001 - the public name users expect
     from fxsplit.compiler import compile_pipeline
 
     options = options or CompileOptions()
-    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
-        raise ConfigError(f"batch_dim={batch_dim!r}; pass the batch dimension of the first input, an int >= 0 "
-                          "(negative dimensions are not taken: count from 0)")
-    options = dataclasses.replace(options, batch_dim=batch_dim) if batch_dim != options.batch_dim else options
+    options = with_batch_dim(options, batch_dim)
     _check_compile_args(solver, schedule, microbatches, objective, cost_model)
     _check_inputs_bind(model, example_inputs, example_kwargs, options.batch_dim)
     specs = _device_specs(devices, memory_limit_bytes)

@@ -24,6 +24,7 @@ from fxsplit.codegen import BatchNormTracker, defer_batch_norm, place_stages, sp
 from fxsplit.codegen.buffers import defer_buffer_updates
 from fxsplit.errors import ConfigError, NotPerSampleWarning
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
+from fxsplit.passes.batch_layout import primary_input
 from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
 from fxsplit.passes.frontend import front_end_passes
@@ -67,7 +68,7 @@ def front_end(
     that runs, when ``microbatches`` is fixed) and keeps the timings in the profile cache.
     """
     captured = capture(model, args, kwargs, method=options.capture_method, dynamic_batch=options.dynamic_batch,
-                       batch_dim=getattr(options, "batch_dim", 0))
+                       batch_dim=options.batch_dim)
     flat = captured.flatten_inputs(args, kwargs)
     timed, scale = tuple(flat), 1.0
     if cost_model == "measured" and isinstance(microbatches, int) and microbatches > 1:
@@ -241,13 +242,9 @@ def example_batch_size(args: tuple, kwargs: dict, batch_dim: int = 0) -> int:
     Raises:
         ConfigError: when no input tensor has dimension ``batch_dim``.
     """
-    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > batch_dim]
     if batch_dim == 0:
-        return batch_size_of(leaves)
-    if not leaves:
-        raise ConfigError(f"batch_dim={batch_dim}, but no tensor input has dimension {batch_dim}; give the batch "
-                          "dimension of the first input, counted from 0")
-    return int(leaves[0].shape[batch_dim])
+        return batch_size_of(pytree.tree_leaves((args, kwargs)))
+    return int(primary_input(args, kwargs, batch_dim)[1].shape[batch_dim])  # type: ignore[index]
 
 
 def _batch_dim_hint(model: nn.Module, args: tuple, kwargs: dict, options: Any, mixing: Sequence[Any]) -> str:
@@ -256,7 +253,7 @@ def _batch_dim_hint(model: nn.Module, args: tuple, kwargs: dict, options: Any, m
     :func:`_not_per_sample` does. Never applied, only said: the user decides (``batch_dim=``)."""
     from fxsplit.passes.per_sample import find_batch_mixing
 
-    if getattr(options, "batch_dim", 0) != 0 or not any(m.kind == "mixes samples" for m in mixing):
+    if options.batch_dim != 0 or not any(m.kind == "mixes samples" for m in mixing):
         return ""
     first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() >= 1), None)
     if first is None or first.is_meta or not options.dynamic_batch:

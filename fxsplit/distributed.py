@@ -12,7 +12,6 @@ runs stage ``i``. See :mod:`fxsplit.runtime.distributed` for the runtime.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import logging
@@ -26,7 +25,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxsplit.api import CompileOptions
+from fxsplit.api import CompileOptions, with_batch_dim
 from fxsplit.checkpoint import resolve, shard_path
 from fxsplit.codegen import split_graph
 from fxsplit.codegen.place import get_state
@@ -197,7 +196,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     watchdog: bool = True,
     options: CompileOptions | None = None,
     cost_model: str = "auto",
-    batch_dim: int = 0,
+    batch_dim: int | None = None,
 ) -> DistributedPipeline:
     """Build this rank's stage of a pipeline over all ranks; call on every rank.
 
@@ -231,7 +230,8 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
             materialises the graph on its device with stand-in weights and times every node at
             the micro-batch size) or ``"analytic"``. The links between neighbouring ranks are
             measured in every case (a send/recv ping-pong, collective).
-        batch_dim: The batch dimension of the first input, as :func:`fxsplit.compile`'s.
+        batch_dim: The batch dimension of the first input, as :func:`fxsplit.compile`'s (default
+            ``options.batch_dim``).
 
     Returns:
         The :class:`DistributedPipeline` of this rank.
@@ -251,14 +251,10 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     """
     if cost_model not in ("auto", "profiled", "analytic"):
         raise ConfigError(f"cost_model={cost_model!r}; choose 'auto', 'profiled' or 'analytic'")
-    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
-        raise ConfigError(f"batch_dim={batch_dim!r}; pass the batch dimension of the first input, an int >= 0")
+    options = with_batch_dim(options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0), batch_dim)
     rank, world, device = init_process_group(backend, timeout_s)
     m = microbatches if microbatches is not None else world
     _check_args(schedule, m, world, None)
-    options = options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0)
-    if batch_dim != options.batch_dim:
-        options = dataclasses.replace(options, batch_dim=batch_dim)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     if plan is not None:
         _check_args(schedule, m, world, plan.num_stages)  # before any collective

@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from fxsplit.errors import ConfigError
 
-__all__ = ["BatchLayout", "batch_dims", "batch_dynamic_shapes", "make_batch_first"]
+__all__ = ["BatchLayout", "batch_dims", "batch_dynamic_shapes", "check_batch_dim", "make_batch_first", "primary_input"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,19 @@ class BatchLayout:
         return self._move(flat, self.out_dims, False)
 
 
-def _primary(args: tuple, kwargs: dict, batch_dim: int) -> tuple[int, torch.Tensor] | None:
+def check_batch_dim(batch_dim: Any) -> int:
+    """``batch_dim`` as given to ``compile``: an int >= 0.
+
+    Raises:
+        ConfigError: for anything else (a bool, a string, a negative dimension).
+    """
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+        raise ConfigError(f"batch_dim={batch_dim!r}; pass the batch dimension of the first input, an int >= 0 "
+                          "(negative dimensions are not taken: count from 0)")
+    return batch_dim
+
+
+def primary_input(args: tuple, kwargs: dict, batch_dim: int) -> tuple[int, torch.Tensor] | None:
     """The flat index and value of the first tensor input with a ``batch_dim`` dimension.
 
     Raises:
@@ -79,7 +91,7 @@ def _primary(args: tuple, kwargs: dict, batch_dim: int) -> tuple[int, torch.Tens
     if batch_dim == 0:
         return None
     shapes = [list(t.shape) for t in leaves if isinstance(t, torch.Tensor)]
-    raise ConfigError(f"batch_dim={batch_dim}, but no tensor input has dimension {batch_dim} (input shapes {shapes}); "
+    raise ConfigError(f"batch_dim={batch_dim}, but no input tensor has dimension {batch_dim} (input shapes {shapes}); "
                       "give the batch dimension of the first input, counted from 0")
 
 
@@ -87,7 +99,7 @@ def batch_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict, batch_dim:
     """Dim.AUTO on the batch: dim 0 of every input of the batch's size (``batch_dim == 0``);
     else the first input's ``batch_dim`` and every dimension of the batch's size of the others
     (export then ties the real batch dimensions together and leaves the rest apart)."""
-    first = _primary(args, kwargs, batch_dim)
+    first = primary_input(args, kwargs, batch_dim)
     if first is None:
         return None
     batch = first[1].shape[batch_dim]
@@ -133,7 +145,7 @@ def batch_dims(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, batch_dim: i
             return None
         in_dims = tuple(0 if isinstance(v, torch.Tensor) and v.dim() and _symbolic(v.shape[0]) else None for v in vals)
     else:
-        index, tensor = _primary(args, kwargs, batch_dim)  # type: ignore[misc]
+        index, tensor = primary_input(args, kwargs, batch_dim)  # type: ignore[misc]
         size = vals[index].shape[batch_dim]
         if not _symbolic(size):
             raise ConfigError(

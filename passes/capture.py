@@ -36,7 +36,7 @@ from fxsplit.passes.batch_layout import (
 )
 from fxsplit.passes.manager import getattr_path
 
-__all__ = ["BatchLayout", "Captured", "capture", "flatten_to_spec", "in_place_root", "writes_in_place", "METHODS"]
+__all__ = ["BatchLayout", "Captured", "capture", "flatten_to_spec", "unflatten_to_spec", "in_place_root", "writes_in_place", "METHODS"]
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +91,11 @@ class Captured:
     def flatten_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[Any]:
         """Leaves of ``(args, kwargs)`` in placeholder order (see :func:`flatten_to_spec`), batch
         first as the graph takes them (``layout``)."""
-        flat = flatten_to_spec(args, kwargs, self.in_spec)
-        return self.layout.inputs_to_batch_first(flat) if self.layout is not None else flat
+        return flatten_to_spec(args, kwargs, self.in_spec, self.layout)
 
     def unflatten_outputs(self, flat: Sequence[Any]) -> Any:
         """Rebuild the model's output structure (and layout) from the graph's flat outputs."""
-        flat = self.layout.outputs_from_batch_first(flat) if self.layout is not None else list(flat)
-        return pytree.tree_unflatten(list(flat), self.out_spec)
+        return unflatten_to_spec(flat, self.out_spec, self.layout)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.unflatten_outputs(self.gm(*self.flatten_inputs(args, kwargs)))
@@ -110,8 +108,10 @@ class Captured:
         )
 
 
-def flatten_to_spec(args: Sequence[Any], kwargs: Mapping[str, Any] | None, in_spec: pytree.TreeSpec) -> list[Any]:
-    """Leaves of ``(args, kwargs)`` in the order of ``in_spec`` (keyword order never matters).
+def flatten_to_spec(args: Sequence[Any], kwargs: Mapping[str, Any] | None, in_spec: pytree.TreeSpec,
+                    layout: BatchLayout | None = None) -> list[Any]:
+    """Leaves of ``(args, kwargs)`` in the order of ``in_spec`` (keyword order never matters),
+    batch first as the captured graph takes them when a ``layout`` says where the batch is.
 
     Raises:
         ConfigError: when the structure differs from the captured example inputs.
@@ -127,7 +127,14 @@ def flatten_to_spec(args: Sequence[Any], kwargs: Mapping[str, Any] | None, in_sp
             f"inputs have structure {spec} but the model was captured with {in_spec}; "
             "call with the same positional/keyword structure as example_inputs"
         )
-    return leaves
+    return layout.inputs_to_batch_first(leaves) if layout is not None else leaves
+
+
+def unflatten_to_spec(flat: Sequence[Any], out_spec: pytree.TreeSpec, layout: BatchLayout | None = None) -> Any:
+    """The model's output (structure ``out_spec``, and its own batch layout) from the graph's
+    flat outputs; the inverse of :func:`flatten_to_spec` for outputs."""
+    flat = layout.outputs_from_batch_first(flat) if layout is not None else list(flat)
+    return pytree.tree_unflatten(flat, out_spec)
 
 
 def capture(

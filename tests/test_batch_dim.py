@@ -265,3 +265,14 @@ def test_an_output_pairing_samples_runs_as_one_micro_batch():
     torch.testing.assert_close(pipe(x), _Pairs()(x))
     with pytest.warns(NotPerSampleWarning, match="pairs samples"):
         fxsplit.compile(_Pairs(), 2, (x,), microbatches=2, cost_model="analytic", options=OPTIONS)
+
+
+def test_batch_dim_in_compile_options_is_kept_when_the_argument_is_not_given():
+    """``compile(batch_dim=0)`` by default replaced ``CompileOptions(batch_dim=1)`` silently; the
+    argument now defaults to None, which keeps the options' value."""
+    import dataclasses
+
+    src, mask = _batch()
+    pipe = fxsplit.compile(_encoder(), 2, (src,), {"src_key_padding_mask": mask}, microbatches=2,
+                           cost_model="analytic", options=dataclasses.replace(OPTIONS, batch_dim=1))
+    assert pipe.layout is not None and pipe.layout.in_dims == (1, 0)

@@ -44,7 +44,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from fxsplit.checkpoint import commit, next_version, write_atomic
 from fxsplit.errors import ConfigError, ExecutionError
-from fxsplit.passes.capture import BatchLayout, flatten_to_spec
+from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
 from fxsplit.runtime.dist_faults import Progress, Watchdog
 from fxsplit.runtime.dist_schedule import lowered_schedule
 from fxsplit.runtime.dist_shapes import WireShapes
@@ -53,6 +53,7 @@ from fxsplit.runtime.dist_state import StageState
 from fxsplit.runtime.microbatch import (
     LossReductions,
     batch_size_of,
+    check_splittable,
     merge_outputs,
     microbatch_sizes,
     target_batch_dim,
@@ -242,13 +243,11 @@ class DistributedPipeline(ParameterAPI):
             setattr(stage, attr, traced)
 
     def _flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-        flat = flatten_to_spec(args, kwargs, self.in_spec)
-        return self.layout.inputs_to_batch_first(flat) if self.layout is not None else flat
+        return flatten_to_spec(args, kwargs, self.in_spec, self.layout)
 
     def _unflatten(self, outs: Sequence[Any]) -> Any:
         """The graph's flat outputs as the model's output (its structure and batch layout)."""
-        outs = self.layout.outputs_from_batch_first(outs) if self.layout is not None else list(outs)
-        return pytree.tree_unflatten(list(outs), self.out_spec)
+        return unflatten_to_spec(outs, self.out_spec, self.layout)
 
     def _user_target(self, target: Any) -> Any:
         """A micro-batch's target back in the user's layout (torch's schedule splits on dim 0)."""
@@ -258,9 +257,8 @@ class DistributedPipeline(ParameterAPI):
     def _check_batch(self, flat: Sequence[Any]) -> int:
         flags = self.batched_inputs
         sized = [x for x, b in zip(flat, flags, strict=True) if b] if flags is not None else flat
-        batch, m = batch_size_of(sized), self.microbatches
-        if batch < m:
-            raise ConfigError(f"a batch of {batch} samples cannot be split into {m} micro-batches; use microbatches <= {batch}")
+        batch = batch_size_of(sized)
+        check_splittable(batch, self.microbatches)
         return batch
 
     # -- running -----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from torch import nn
 
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, ExecutionError
-from fxsplit.passes.capture import BatchLayout, flatten_to_spec
+from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
 from fxsplit.runtime.microbatch import (
     LossReductions,
     batch_size_of,
@@ -187,16 +187,13 @@ class Pipeline(ParameterAPI):
         return self._schedules[key]
 
     def _flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-        flat = flatten_to_spec(args, kwargs, self.in_spec)
-        return self.layout.inputs_to_batch_first(flat) if self.layout is not None else flat
+        return flatten_to_spec(args, kwargs, self.in_spec, self.layout)
 
     def _unflatten(self, flat: Sequence[Any]) -> Any:
         outs = list(flat)
         for i, const in self.program.output_constants.items():
             outs[i] = const
-        if self.layout is not None:
-            outs = self.layout.outputs_from_batch_first(outs)
-        return pytree.tree_unflatten(outs, self.out_spec)
+        return unflatten_to_spec(outs, self.out_spec, self.layout)
 
     @property
     def _target_dim(self) -> int:

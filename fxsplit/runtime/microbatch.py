@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from fxsplit.errors import ConfigError
 
-__all__ = ["batch_size_of", "split_microbatches", "split_target", "target_batch_dim", "loss_weights", "merge_outputs", "microbatch_sizes",
+__all__ = ["batch_size_of", "check_splittable", "split_microbatches", "split_target", "target_batch_dim", "loss_weights", "merge_outputs", "microbatch_sizes",
            "loss_reduction", "LossReductions"]
 
 
@@ -67,20 +67,26 @@ def split_microbatches(
                     "give every batched input the same batch size"
                 )
     batch = batch_size_of(flat) if batch is None else batch
-    if batch < m:
-        raise ConfigError(
-            f"batch of {batch} samples cannot be split into {m} micro-batches; use microbatches <= {batch}"
-        )
+    check_splittable(batch, m)
     if m == 1:  # the batch is the micro-batch: no views to make
         return [list(flat)], [batch]
-    columns = []
     flags = batched if batched is not None else [_looks_batched(x, batch) for x in flat]
-    for x, split in zip(flat, flags, strict=True):
-        if split:
-            columns.append(list(torch.tensor_split(x, m, dim=0)))
-        else:
-            columns.append([x] * m)
-    return [list(row) for row in zip(*columns, strict=True)], microbatch_sizes(batch, m)
+    return _split_rows(flat, m, [0 if split else None for split in flags]), microbatch_sizes(batch, m)
+
+
+def check_splittable(batch: int, m: int) -> None:
+    """Raise :class:`ConfigError` when a batch of ``batch`` samples has fewer than ``m``."""
+    if batch < m:
+        raise ConfigError(f"a batch of {batch} samples cannot be split into {m} micro-batches; "
+                          f"use microbatches <= {batch}")
+
+
+def _split_rows(values: Sequence[Any], m: int, dims: Sequence[int | None]) -> list[list[Any]]:
+    """``[m][len(values)]``: each value cut into ``m`` parts on its batch dimension
+    (``torch.tensor_split``), or given whole to every part where its dimension is None."""
+    columns = [list(torch.tensor_split(x, m, dim=d)) if d is not None else [x] * m
+               for x, d in zip(values, dims, strict=True)]
+    return [list(row) for row in zip(*columns, strict=True)]
 
 
 def target_batch_dim(leaf: Any, batch: int, target_dim: int = 0) -> int | None:
@@ -115,13 +121,9 @@ def split_target(target: Any, m: int, batch: int, target_dim: int = 0) -> list[A
     leaves, spec = pytree.tree_flatten(target)
     if not leaves:
         return [target] * m
-    if batch < m:
-        raise ConfigError(f"batch of {batch} samples cannot be split into {m} micro-batches; use microbatches <= {batch}")
-    columns = []
-    for x in leaves:
-        d = target_batch_dim(x, batch, target_dim)
-        columns.append(list(torch.tensor_split(x, m, dim=d)) if d is not None else [x] * m)
-    return [pytree.tree_unflatten(list(row), spec) for row in zip(*columns, strict=True)]
+    check_splittable(batch, m)
+    rows = _split_rows(leaves, m, [target_batch_dim(x, batch, target_dim) for x in leaves])
+    return [pytree.tree_unflatten(row, spec) for row in rows]
 
 
 def loss_weights(sizes: Sequence[int]) -> list[float]:
