@@ -23,7 +23,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -195,47 +195,55 @@ def _batch(captured: Any, inputs: tuple[tuple, dict]) -> tuple[list[Any], tuple[
     return flat, flags, batch_size_of([x for x, b in zip(flat, flags, strict=True) if b] or flat)
 
 
-def _planning_graph(front: tuple[Any, Any], inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
-                    microbatches: int, options: Any) -> tuple[CondensedGraph, int, str]:
-    """Rank 0's graph to plan on: the analytic one, or with ``cost_model`` ``"profiled"`` (or
-    ``"auto"`` when the model fits this device) the same blocks with profiled times."""
-    captured, condensed = front
-    flat, flags, batch = _batch(captured, inputs)
-    real = all(not t.is_meta for t in pytree.tree_leaves(flat) if isinstance(t, torch.Tensor))
-    if cost_model == "analytic" or not real or (cost_model == "auto" and not fits_device(captured.gm, device)):
-        return condensed.graph, batch, "analytic"
-    graph = profiled_blocks(captured.gm, condensed.graph, flat, flags, device, microbatches, options)
-    return graph, batch, "profiled"
+def _real(flat: Sequence[Any]) -> bool:
+    return all(not t.is_meta for t in pytree.tree_leaves(list(flat)) if isinstance(t, torch.Tensor))
+
+
+def _rank0_cost_model(captured: Any, flat: Sequence[Any], device: torch.device, cost_model: str) -> str:
+    """``"profiled"`` for ``cost_model`` ``"profiled"`` (or ``"auto"`` when the model fits this
+    device) and real inputs; else ``"analytic"``."""
+    if cost_model == "analytic" or not _real(flat) or (cost_model == "auto" and not fits_device(captured.gm, device)):
+        return "analytic"
+    return "profiled"
 
 
 def _plan(front: tuple[Any, Any], inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
           links: tuple[tuple[int, int, LinkSpec], ...], reference: DeviceSpec, world: int, schedule: str,
           microbatches: int, solver: str, options: Any) -> Plan:
-    """Rank 0: the graph with the chosen cost model, solved; the plan records the cost model."""
-    graph, batch, used = _planning_graph(front, inputs, device, cost_model, microbatches, options)
+    """Rank 0: the per-sample check (with several micro-batches) and the graph with the chosen
+    cost model, solved, on one materialised copy of the graph; the plan records the cost model."""
+    captured, condensed = front
+    flat, flags, batch = _batch(captured, inputs)
+    used = _rank0_cost_model(captured, flat, device, cost_model)
+    checked = microbatches > 1 and _real(flat) and fits_device(captured.gm, device)
+    work = _materialised(captured.gm, device) if used == "profiled" or checked else None
+    mixing = per_sample_on_rank0(captured, inputs, device, work=work) if microbatches > 1 else None
+    graph = condensed.graph if used == "analytic" else profiled_blocks(
+        captured.gm, condensed.graph, flat, flags, device, microbatches, options, work=work)
     plan = _solve(graph, batch, reference, links, world, schedule, microbatches, solver, options)
     log.info("rank 0 planned with the %s cost model", used)
     stats: dict[str, Any] = {**plan.stats, "cost_model": used}
-    mixing = per_sample_on_rank0(front[0], inputs, device) if microbatches > 1 else None
     if mixing is not None:
         stats["not_per_sample"] = mixing
     return plan.with_(stats=stats)
 
 
-def per_sample_on_rank0(captured: Any, inputs: tuple[tuple, dict], device: torch.device) -> list[str] | None:
+def per_sample_on_rank0(captured: Any, inputs: tuple[tuple, dict], device: torch.device, *,
+                        work: torch.fx.GraphModule | None = None) -> list[str] | None:
     """Rank 0's per-sample check (:func:`~fxsplit.passes.per_sample.find_batch_mixing`) on the
     meta capture materialised on ``device`` with stand-in weights and the real example batch;
     None when it cannot run (meta or fake inputs, a model larger than the device).
 
     Stand-in weights (N(0, 0.02)) show an op that mixes samples as the real ones do; the check
-    compares rows with a relative tolerance, so small activations do not hide a mix.
+    compares rows with a relative tolerance, so small activations do not hide a mix. ``work``:
+    that copy, when the caller has made it (:func:`_materialised`); its buffers are restored.
     """
     from fxsplit.passes.per_sample import find_batch_mixing
 
     flat, flags, _ = _batch(captured, inputs)
-    if any(t.is_meta for t in flat if isinstance(t, torch.Tensor)) or not fits_device(captured.gm, device):
+    if not _real(flat) or not fits_device(captured.gm, device):
         return None
-    work = _materialised(captured.gm, device)
+    work = work if work is not None else _materialised(captured.gm, device)
     values = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
     found = [str(b) for b in find_batch_mixing(work, values, flags)]
     if found:
@@ -378,14 +386,16 @@ def _materialised(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.Gr
 
 
 def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[Any], batched: tuple[bool, ...],
-                    device: torch.device, microbatches: int, options: Any) -> CondensedGraph:
+                    device: torch.device, microbatches: int, options: Any, *,
+                    work: torch.fx.GraphModule | None = None) -> CondensedGraph:
     """``graph`` (the analytic blocks every rank also made) with block times profiled on
     ``device`` at the micro-batch size: the graph is materialised there with stand-in values,
     every node timed in context (:func:`fxsplit.passes.profile.profile_node_times`, cached as
     ``fxsplit.compile`` caches), and each block's times summed over its nodes. The blocks stay the
-    ones every rank has, so the plan fits every rank's capture.
+    ones every rank has, so the plan fits every rank's capture. ``work``: that materialised copy,
+    when the caller has made it.
     """
-    work = _materialised(gm, device)
+    work = work if work is not None else _materialised(gm, device)
     inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
     batch = batch_size_of([x for x, b in zip(inputs, batched, strict=True) if b] or inputs)
     cache_dir = getattr(options, "profile_cache_dir", None)
