@@ -35,13 +35,14 @@ import torch
 
 from fxsplit.errors import ConfigError
 
-__all__ = ["consolidate", "main", "resolve", "next_version", "write_atomic", "commit", "shard_path",
-           "LATEST_FILE", "COMPLETE_FILE"]
+__all__ = ["consolidate", "main", "resolve", "next_version", "write_atomic", "commit", "shard_path", "shard_name",
+           "read_index", "load_shard", "LATEST_FILE", "COMPLETE_FILE", "PLAN_FILE"]
 
 log = logging.getLogger(__name__)
 
 LATEST_FILE = "LATEST"
 COMPLETE_FILE = "COMPLETE"
+PLAN_FILE = "plan.json"
 _VERSION = re.compile(r"^ckpt-(\d{6})$")
 _SHARD = re.compile(r"^stage\d{3}\.pt$")
 
@@ -49,6 +50,16 @@ _SHARD = re.compile(r"^stage\d{3}\.pt$")
 def _versions(directory: str) -> list[str]:
     names = os.listdir(directory) if os.path.isdir(directory) else []
     return sorted(n for n in names if _VERSION.match(n) and os.path.isdir(os.path.join(directory, n)))
+
+
+def shard_name(stage: int) -> str:
+    """File name of stage ``stage``'s state dict in a checkpoint folder."""
+    return f"stage{stage:03d}.pt"
+
+
+def _complete(directory: str, versions: list[str]) -> list[str]:
+    """The ``versions`` whose save finished (their ``COMPLETE`` marker is written)."""
+    return [v for v in versions if os.path.exists(os.path.join(directory, v, COMPLETE_FILE))]
 
 
 def next_version(directory: str | os.PathLike[str]) -> str:
@@ -68,7 +79,8 @@ def resolve(directory: str | os.PathLike[str]) -> tuple[str, str]:
         ConfigError: when ``directory`` holds no complete checkpoint.
     """
     directory = str(directory)
-    complete = [v for v in _versions(directory) if os.path.exists(os.path.join(directory, v, COMPLETE_FILE))]
+    found = _versions(directory)
+    complete = _complete(directory, found)
     latest_path = os.path.join(directory, LATEST_FILE)
     latest = open(latest_path).read().strip() if os.path.exists(latest_path) else None
     if latest is not None and latest in complete:
@@ -80,9 +92,8 @@ def resolve(directory: str | os.PathLike[str]) -> tuple[str, str]:
     own = os.path.basename(os.path.normpath(directory))
     if os.path.exists(os.path.join(directory, COMPLETE_FILE)):  # a complete save folder given itself
         return directory, f"checkpoint {own}"
-    if os.path.exists(os.path.join(directory, "plan.json")) and not _VERSION.match(own):
+    if os.path.exists(os.path.join(directory, PLAN_FILE)) and not _VERSION.match(own):
         return directory, f"checkpoint {directory} (single-folder layout)"
-    found = _versions(directory)
     raise ConfigError(
         f"{directory} holds no complete checkpoint ({len(found)} unfinished save folder(s): {found[:4]}; "
         "no plan.json): pass a directory written by pipe.save(dir) whose save finished on every rank"
@@ -133,17 +144,39 @@ def commit(directory: str, version: str, keep: int = 2) -> None:
     folder = os.path.join(directory, version)
     write_atomic(os.path.join(folder, COMPLETE_FILE), lambda f: f.write(b"ok\n"))
     write_atomic(os.path.join(directory, LATEST_FILE), lambda f: f.write(version.encode() + b"\n"))
-    complete = [v for v in _versions(directory) if os.path.exists(os.path.join(directory, v, COMPLETE_FILE))]
+    complete = _complete(directory, _versions(directory))
     for old in complete[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
     log.info("checkpoint %s committed in %s", version, directory)
 
 
-def _read_index(directory: str) -> tuple[str, dict[str, Any]]:
+def read_index(directory: str | os.PathLike[str]) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """The checkpoint to load under ``directory`` (:func:`resolve`): the line saying which, its
+    ``plan.json``, and the path of every shard it names (each name checked: :func:`shard_path`).
+
+    Raises:
+        ConfigError: as :func:`resolve` and :func:`shard_path`.
+    """
     folder, which = resolve(directory)
     log.info("reading %s", which)
-    with open(os.path.join(folder, "plan.json")) as f:
-        return folder, json.load(f)
+    with open(os.path.join(folder, PLAN_FILE)) as f:
+        index = json.load(f)
+    return which, index, {shard: shard_path(folder, shard) for shard in index["shards"]}
+
+
+def load_shard(path: str, which: str, *, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """One shard's state dict (``weights_only``), on the CPU.
+
+    Raises:
+        ConfigError: for a missing, truncated or unreadable shard, naming it.
+    """
+    if not os.path.exists(path):
+        raise ConfigError(f"shard {path} listed in plan.json of {which} is missing; was every rank's save() finished?")
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except Exception as exc:  # truncated, not a torch file, unpicklable content
+        raise ConfigError(f"shard {path} cannot be read ({type(exc).__name__}: {str(exc)[:200]}) in {which}; "
+                          "the checkpoint is damaged: load an earlier one") from exc
 
 
 def consolidate(directory: str | os.PathLike[str], *, check_tied: bool = True) -> dict[str, torch.Tensor]:
@@ -160,17 +193,10 @@ def consolidate(directory: str | os.PathLike[str], *, check_tied: bool = True) -
         ConfigError: for a directory without a complete checkpoint, a missing, unreadable or
             misnamed shard, or tied copies that differ.
     """
-    folder, index = _read_index(str(directory))
+    which, index, paths = read_index(directory)
     merged: dict[str, torch.Tensor] = {}
     for shard, keys in index["shards"].items():
-        path = shard_path(folder, shard)
-        if not os.path.exists(path):
-            raise ConfigError(f"shard {path} listed in plan.json is missing; was every rank's save() finished?")
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # truncated, not a torch file, unpicklable content
-            raise ConfigError(f"shard {path} cannot be read ({type(exc).__name__}: {str(exc)[:200]}); "
-                              "the checkpoint is damaged: load an earlier one") from exc
+        sd = load_shard(paths[shard], which)
         for key in keys:
             if key in merged:
                 if check_tied and not torch.equal(merged[key], sd[key]):

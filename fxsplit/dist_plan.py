@@ -43,6 +43,7 @@ from fxsplit.passes.profile import (
     profile_sizes,
 )
 from fxsplit.runtime.dist_state import retarget_meta_devices
+from fxsplit.runtime.distributed import from_rank0
 from fxsplit.runtime.links import probe_pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
 
@@ -118,13 +119,6 @@ def check_plan(plan: Plan, condensed: Any) -> list[str]:
         if not graph.is_downset(prefix):
             faults.append(f"stages 0..{s} are not contiguous (not a downset of the graph)")
     return faults
-
-
-def _from_rank0(rank: int, make: Callable[[], T]) -> T:
-    """``make()`` on rank 0, broadcast to every rank."""
-    box: list[Any] = [make() if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _try(call: Callable[[], T]) -> tuple[T | None, BaseException | None]:
@@ -291,7 +285,7 @@ def plan_on_rank0(
             the capture, the ranks disagree on schedule or micro-batches, or another rank failed.
         CaptureError, InfeasibleError: on the rank where capture or planning failed.
     """
-    reference = _from_rank0(rank, lambda: reference_spec(device))
+    reference = from_rank0(lambda: reference_spec(device))
     meta_inputs = pytree.tree_map(
         lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, inputs
     )
@@ -316,7 +310,7 @@ def plan_on_rank0(
         "error": _error(failure),
         "plan": plan.to_dict() if plan is not None else None,
     }
-    payload = _from_rank0(rank, lambda: notes)
+    payload = from_rank0(lambda: notes)
     chosen = Plan.from_dict(payload["plan"]) if payload["plan"] is not None else None
     verdicts: list[Any] = [None] * world
     dist.all_gather_object(

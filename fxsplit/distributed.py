@@ -13,7 +13,6 @@ runs stage ``i``. See :mod:`fxsplit.runtime.distributed` for the runtime.
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 import warnings
@@ -26,7 +25,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit.api import CompileOptions, with_batch_dim
-from fxsplit.checkpoint import resolve, shard_path
+from fxsplit.checkpoint import load_shard, read_index
 from fxsplit.codegen import split_graph
 from fxsplit.codegen.place import get_state
 from fxsplit.dist_plan import plan_on_rank0
@@ -35,7 +34,7 @@ from fxsplit.ir import Plan
 from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState, materialise
-from fxsplit.runtime.distributed import PLAN_FILE, SCHEDULES, DistributedPipeline, TiedGroup
+from fxsplit.runtime.distributed import SCHEDULES, DistributedPipeline, TiedGroup
 from fxsplit.runtime.microbatch import batch_size_of, microbatch_sizes
 
 __all__ = ["compile", "load", "DistributedPipeline", "init_process_group"]
@@ -291,25 +290,14 @@ class ShardedStateDict(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
-        folder, which = resolve(directory)
-        log.info("loading %s", which)
-        with open(os.path.join(folder, PLAN_FILE)) as f:
-            self.meta = json.load(f)
-        self.directory, self.which = folder, which
-        for shard in self.meta["shards"]:
-            shard_path(folder, shard)  # a name that leaves the folder is refused here
+        self.which, self.meta, self._paths = read_index(directory)  # shard names checked here
         self._where = {k: shard for shard, keys in self.meta["shards"].items() for k in keys}
         self._open: dict[str, Mapping[str, torch.Tensor]] = {}
 
     def __getitem__(self, key: str) -> torch.Tensor:
         shard = self._where[key]
         if shard not in self._open:
-            path = shard_path(self.directory, shard)
-            try:
-                self._open[shard] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            except Exception as exc:  # missing, truncated or not a torch file
-                raise ConfigError(f"shard {path} of {self.which} cannot be read ({type(exc).__name__}: "
-                                  f"{str(exc)[:200]}): the checkpoint is damaged; load an earlier one") from exc
+            self._open[shard] = load_shard(self._paths[shard], self.which, mmap=True)
         return self._open[shard][key]
 
     def __iter__(self) -> Any:

@@ -34,7 +34,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-from fxsplit.checkpoint import commit, next_version, write_atomic
+from fxsplit.checkpoint import PLAN_FILE, commit, next_version, shard_name, write_atomic
 from fxsplit.errors import ConfigError, ExecutionError
 from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
 from fxsplit.runtime.dist_faults import Progress, Watchdog
@@ -62,17 +62,19 @@ from fxsplit.runtime.state import ParameterAPI, check_loadable
 from fxsplit.runtime.trace import TraceEvent, TraceRecorder
 from fxsplit.schedule import available, make
 
-__all__ = ["DistributedPipeline", "TiedGroup", "SCHEDULES", "shard_name", "PLAN_FILE"]
+__all__ = ["DistributedPipeline", "TiedGroup", "SCHEDULES", "from_rank0", "shard_name", "PLAN_FILE"]
 
 log = logging.getLogger(__name__)
 
 SCHEDULES = available()
-PLAN_FILE = "plan.json"
+T = TypeVar("T")
 
 
-def shard_name(stage: int) -> str:
-    """File name of stage ``stage``'s state dict in a checkpoint directory."""
-    return f"stage{stage:03d}.pt"
+def from_rank0(make: Callable[[], T]) -> T:
+    """``make()`` on rank 0, broadcast to every rank; collective."""
+    box: list[Any] = [make() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 @dataclass(frozen=True)
@@ -529,32 +531,22 @@ class DistributedPipeline(ParameterAPI):
         """
         directory = str(directory)
         rank = dist.get_rank()
-        if rank == 0:
-            os.makedirs(directory, exist_ok=True)
-        version = self._run("agreeing on the checkpoint folder", lambda: self._from_rank0(
-            lambda: next_version(directory)))
+        version = self._run("agreeing on the checkpoint folder", lambda: from_rank0(lambda: next_version(directory)))
         folder = os.path.join(directory, version)
         os.makedirs(folder, exist_ok=True)
         sd = {k: v.cpu() for k, v in self.state_dict().items()}
         self._run("writing this stage's shard", lambda: write_atomic(
             os.path.join(folder, shard_name(self.stage_index)), lambda f: torch.save(sd, f)))
         keys: list[Any] = [None] * self.num_stages
+        # every rank joins the gather after its shard is on disk: past it, every shard is
         self._run("gathering the shard index", lambda: dist.all_gather_object(keys, list(sd)))
         if rank == 0:
             index = {shard_name(s): k for s, k in enumerate(keys)}
             doc = {**self.meta, "num_stages": self.num_stages, "state_order": self.state_order, "shards": index}
             write_atomic(os.path.join(folder, PLAN_FILE), lambda f: f.write(json.dumps(doc, indent=1).encode()))
-        self._run("waiting for every rank's shard", dist.barrier)
-        if rank == 0:
             commit(directory, version, keep)
         self._run("waiting for the checkpoint to be committed", dist.barrier)
         log.info("rank %d saved stage %d (%d tensors) to %s", rank, self.stage_index, len(sd), folder)
-
-    @staticmethod
-    def _from_rank0(make: Callable[[], Any]) -> Any:
-        box = [make() if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
     def close(self) -> None:
         """Stop the watchdog (the process group is the caller's to destroy)."""
