@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+from typing import Any, NoReturn
 
 import typer
 
-__all__ = ["app", "main"]
+__all__ = ["app", "exit_with_error", "main"]
 
 app = typer.Typer(
     name="fxsplit",
@@ -26,6 +27,16 @@ app = typer.Typer(
 @app.callback()
 def _root() -> None:
     """Split a PyTorch model across devices automatically and run it as a pipeline."""
+
+
+def exit_with_error(console: Any, exc: BaseException, code: int = 2, label: str = "error") -> NoReturn:
+    """Print ``label: message`` (the message escaped: rich markup in it, ``[...]``, prints as
+    written) on ``console`` and end the command with exit code ``code`` (2: the input or a
+    usage error; 1: a failure)."""
+    from rich.markup import escape
+
+    console.print(f"[red]{label}:[/red] {escape(str(exc))}", highlight=False)
+    raise typer.Exit(code) from exc
 
 
 _SUBCOMMANDS = ("solve", "inspect", "compile", "plan")

@@ -8,10 +8,10 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
+from fxsplit.cli import exit_with_error
 from fxsplit.report import human_seconds
 
 __all__ = ["register", "parse_devices", "train_and_compare"]
@@ -113,8 +113,7 @@ def register(app: typer.Typer) -> None:
                 run_distributed(model, steps=steps, microbatches=microbatches, schedule=schedule, size=size,
                                 batch_size=batch_size, lr=lr, backend=backend, timeout_s=timeout_s)
             except FxsplitError as exc:
-                console.print(f"[red]error:[/red] {escape(str(exc))}")
-                raise typer.Exit(2) from exc
+                exit_with_error(console, exc, 2)
             return
         try:
             case = load_model(model, size=size, batch_size=batch_size)
@@ -142,8 +141,7 @@ def register(app: typer.Typer) -> None:
             with Progress(console=console, transient=False) as progress:
                 result = train_and_compare(pipe, case, reference, steps, lr, batch_size, progress)
         except FxsplitError as exc:
-            console.print(f"[red]error:[/red] {escape(str(exc))}")
-            raise typer.Exit(2) from exc
+            exit_with_error(console, exc, 2)
         console.print(_summary(pipe, result))
         if pipe.bn_tracker is not None and pipe.bn_tracker.batch_norms:
             console.print(

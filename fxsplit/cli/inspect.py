@@ -7,9 +7,9 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from fxsplit.cli import exit_with_error
 from fxsplit.report import human_bytes, human_seconds
 
 __all__ = ["register", "node_table", "block_table"]
@@ -67,8 +67,7 @@ def register(app: typer.Typer) -> None:
             with console.status(f"capturing and annotating {model} ..."):
                 ins = inspect(model, size=size, method=method, cost_model=cost_model, dump_dir=dump, max_ideals=max_ideals)
         except FxsplitError as exc:
-            console.print(f"[red]error:[/red] {escape(str(exc))}")
-            raise typer.Exit(2) from exc
+            exit_with_error(console, exc, 2)
         console.print(node_table(ins, limit))
         console.print(block_table(ins.condensed))
         passes = ", ".join(f"{r.name} {human_seconds(r.time_s)}" for r in ins.records)

@@ -18,9 +18,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from fxsplit.cli import exit_with_error
 from fxsplit.report import human_bytes, human_seconds
 
 __all__ = ["register", "plan_table", "reference_device"]
@@ -109,8 +109,7 @@ def plan_command(
         console.print(f"schedule: {choice.reason}")
         _outputs(console, choice, plan_problem, [s.name for s in specs], draw, gantt, as_json)
     except FxsplitError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from exc
+        exit_with_error(console, exc, 2)
 
 
 def _outputs(console: Console, choice: Any, problem: Any, names: list[str], draw: Path | None,

@@ -17,9 +17,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from fxsplit.cli import exit_with_error
 from fxsplit.errors import ConfigError, FxsplitError, InfeasibleError
 from fxsplit.ir.devices import DeviceSpec, GiB, LinkSpec
 from fxsplit.ir.formats import load_graph_or_problem
@@ -161,14 +161,9 @@ def solve_command(
         with err.status(f"solving {problem.graph.name} with {solver}…"):
             plan = solve(problem, solver, time_limit_s=time_limit)
     except InfeasibleError as exc:
-        err.print(f"[red]infeasible:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from exc
-    except ConfigError as exc:  # bad input: exit 2, as for a usage error
-        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from exc
-    except FxsplitError as exc:
-        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(1) from exc
+        exit_with_error(err, exc, 2, "infeasible")
+    except FxsplitError as exc:  # bad input (ConfigError): exit 2, as for a usage error; else 1
+        exit_with_error(err, exc, 2 if isinstance(exc, ConfigError) else 1)
     if as_json:
         sys.stdout.write(json.dumps(plan_json(plan, problem), indent=1) + "\n")
     else:
