@@ -10,6 +10,7 @@ GPT and an MLP). CUDA work is timed with events, read after one synchronisation.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import logging
@@ -89,37 +90,18 @@ class _ContextInterpreter(torch.fx.Interpreter):
     uses it), so the block that holds the owner pays them.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, clock: _Clock) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, clock: _Clock, owners: dict[str, str | None] | None = None) -> None:
         super().__init__(gm)
         self.clock = clock
+        self.owners = owners if owners is not None else _owners(gm)  # the same for every step: made once
         self.marks: dict[str, list[tuple[Any, Any]]] = {}
         self.grad_fns: dict[Any, str] = {}
-        self.owner: dict[str, str | None] = {}
-
-    def _owner_of_view(self, n: torch.fx.Node) -> str | None:
-        for a in n.all_input_nodes:
-            if self.owner.get(a.name):
-                return self.owner[a.name]
-        todo, seen = list(n.users), set()
-        while todo:  # a view of a weight or an input: its first compute user
-            u = todo.pop(0)
-            if u.name in seen or u.op == "output":
-                continue
-            seen.add(u.name)
-            cost = u.meta.get("fxsplit.cost")
-            if cost is not None and not cost.is_view:
-                return u.name
-            todo.extend(u.users)
-        return None
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        cost = require_meta(n, "fxsplit.cost", "annotate_costs") if n.op != "output" else None
-        if cost is None or n.op in ("placeholder", "get_attr"):
-            return super().run_node(n)
-        owner = n.name if not cost.is_view else self._owner_of_view(n)
-        self.owner[n.name] = owner
+        owner = self.owners.get(n.name)
         if owner is None:
             return super().run_node(n)
+        cost = n.meta["fxsplit.cost"]
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         start = self.clock.mark()
         result = getattr(self, n.op)(n.target, args, kwargs)
@@ -141,6 +123,44 @@ class _ContextInterpreter(torch.fx.Interpreter):
             todo.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
 
 
+def _owners(gm: torch.fx.GraphModule) -> dict[str, str | None]:
+    """The node each timed node's call is charged to (:class:`_ContextInterpreter`): itself for
+    a compute node; for a view, the owner of the first input that has one, else (a view of a
+    weight or an input) its first compute user; None: not timed."""
+    owners: dict[str, str | None] = {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        cost = require_meta(n, "fxsplit.cost", "annotate_costs")
+        owners[n.name] = _view_owner(n, owners) if cost.is_view else n.name
+    return owners
+
+
+def _view_owner(n: torch.fx.Node, owners: dict[str, str | None]) -> str | None:
+    for a in n.all_input_nodes:
+        if owners.get(a.name):
+            return owners[a.name]
+    todo, seen = collections.deque(n.users), set()
+    while todo:  # a view of a weight or an input: its first compute user
+        u = todo.popleft()
+        if u.name in seen or u.op == "output":
+            continue
+        seen.add(u.name)
+        cost = u.meta.get("fxsplit.cost")
+        if cost is not None and not cost.is_view:
+            return u.name
+        todo.extend(u.users)
+    return None
+
+
+def _backward_ones(out: Any) -> bool:
+    """Backward from every floating output that requires grad, with gradient ones; whether any did."""
+    outs = [t for t in _float_tensors(out) if t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    return bool(outs)
+
+
 def _backward_marks(grad_fns: dict[Any, str], clock: _Clock) -> tuple[dict[str, list[tuple[Any, Any]]], list[Any]]:
     """Hooks on each autograd node that a graph node made: start mark before, end mark after."""
     marks: dict[str, list[tuple[Any, Any]]] = {}
@@ -154,15 +174,14 @@ def _backward_marks(grad_fns: dict[Any, str], clock: _Clock) -> tuple[dict[str, 
     return marks, handles
 
 
-def _one_step(gm: torch.fx.GraphModule, inputs: Sequence[Any], clock: _Clock) -> tuple[dict[str, float], dict[str, float]]:
+def _one_step(gm: torch.fx.GraphModule, inputs: Sequence[Any], clock: _Clock, owners: dict[str, str | None]
+              ) -> tuple[dict[str, float], dict[str, float]]:
     """Forward and backward of the whole graph: per-node forward and backward seconds."""
-    interp = _ContextInterpreter(gm, clock)
+    interp = _ContextInterpreter(gm, clock, owners)
     out = interp.run(*inputs)
-    outs = [t for t in _float_tensors(out) if t.requires_grad]
     marks, handles = _backward_marks(interp.grad_fns, clock)
     try:
-        if outs:
-            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        _backward_ones(out)
         clock.sync()
     finally:
         for h in handles:
@@ -178,12 +197,10 @@ def _clean_step(gm: torch.fx.GraphModule, inputs: Sequence[Any], clock: _Clock) 
     start = clock.mark()
     out = gm(*inputs)
     mid = clock.mark()
-    outs = [t for t in _float_tensors(out) if t.requires_grad]
-    if outs:
-        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    ran = _backward_ones(out)
     end = clock.mark()
     clock.sync()
-    return clock.seconds(start, mid), clock.seconds(mid, end) if outs else 0.0
+    return clock.seconds(start, mid), clock.seconds(mid, end) if ran else 0.0
 
 
 def _shared(times: dict[str, float], wall_s: float, floor: float = 0.1) -> dict[str, float]:
@@ -234,8 +251,9 @@ def time_nodes_in_context(
     inputs = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     clock = _Clock(dev)
     samples, clean = [], []
+    owners = _owners(work)
     for i in range(warmup + max(1, repeats)):
-        step = _one_step(work, inputs, clock)
+        step = _one_step(work, inputs, clock, owners)
         work.zero_grad(set_to_none=True)
         if i >= warmup:
             samples.append(step)

@@ -66,6 +66,13 @@ class StageState:
         for g in self.names:
             yield g, self.originals[g][0], get_tensor(module, g)
 
+    def sources(self, module: nn.Module, source: Mapping[str, Any]
+                ) -> list[tuple[str, str, torch.Tensor, str | None]]:
+        """:meth:`items` with the key of ``source`` (an original-model state dict) holding each
+        tensor's value: its first original name ``source`` has, or None."""
+        return [(g, name, t, next((o for o in self.originals[g] if o in source), None))
+                for g, name, t in self.items(module)]
+
 
 def retarget_meta_devices(gm: torch.fx.GraphModule, device: torch.device) -> int:
     """Point factory calls the meta capture recorded on ``meta`` to ``device``.
@@ -141,12 +148,10 @@ def materialise(
     source = _load_source(state_dict)
     origin: dict[str, str] = {}
     todo: Pending = {}
-    keys = {name: next((k for k in state.originals[g] if k in source), None) for g, name, _t in state.items(module)}
-    check_loadable([(key, source[key], t) for _g, name, t in state.items(module) if (key := keys[name]) is not None],
-                   "this rank's stage")
+    rows = state.sources(module, source)
+    check_loadable([(key, source[key], t) for _g, _n, t, key in rows if key is not None], "this rank's stage")
     with torch.no_grad():
-        for g, name, tensor in state.items(module):
-            key = keys[name]
+        for g, name, tensor, key in rows:
             if key is not None:
                 tensor.copy_(source[key].to(tensor.dtype))
                 origin[name] = "state_dict"

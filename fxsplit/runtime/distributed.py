@@ -496,11 +496,8 @@ class DistributedPipeline(ParameterAPI):
         missing = [k for k in mine if k not in state_dict]
         if strict and missing:
             raise ConfigError(f"state dict lacks {len(missing)} key(s) of stage {self.stage_index}: {missing[:8]}")
-        writes = []
-        for g, _n, t in self.state.items(self.module.gm):
-            key = next((o for o in self.state.originals[g] if o in state_dict), None)
-            if key is not None:
-                writes.append((key, state_dict[key], t))
+        writes = [(key, state_dict[key], t) for _g, _n, t, key in self.state.sources(self.module.gm, state_dict)
+                  if key is not None]
         check_loadable(writes, f"stage {self.stage_index}")
         with torch.no_grad():
             for _key, value, t in writes:
