@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import console, show
+from common import console, join_gloo, show, spawn_two
 from plan_quality import environment, write_json
 from rich.table import Table
 
@@ -84,9 +84,7 @@ def _dist_worker(rank: int, port: int, queue: Any, case_args: tuple, steps: int,
     import fxsplit.distributed as fxd
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo(rank, port)
     try:
         name, model, size, overrides, p, m, batch = case_args
         case = zoo.get(model, size=size, batch_size=batch, **overrides)
@@ -126,17 +124,8 @@ def _dist_worker(rank: int, port: int, queue: Any, case_args: tuple, steps: int,
 
 def run_case_distributed(case_args: tuple, steps: int, schedule: str, cost_model: str) -> dict[str, Any]:
     """Spawn 2 gloo ranks for one case (its stage count is taken as 2)."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    queue = mp.get_context("spawn").SimpleQueue()
     case_args = (*case_args[:4], 2, *case_args[5:])
-    mp.spawn(_dist_worker, args=(port, queue, case_args, steps, schedule, cost_model), nprocs=2, join=True)
-    return queue.get()
+    return spawn_two(_dist_worker, case_args, steps, schedule, cost_model)
 
 
 def dist_step_table(rows: list[dict[str, Any]]) -> Table:

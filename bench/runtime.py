@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -37,8 +36,7 @@ from typing import Any
 import runtime_gpt2
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from common import console, show
+from common import console, join_gloo, show, spawn_two
 from plan_quality import environment, write_json
 from rich.table import Table
 
@@ -133,12 +131,6 @@ def run_local(args: argparse.Namespace, built: Built, out_dir: Path) -> list[flo
 
 
 # -- multi-process variants ------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _even_split(model: torch.nn.Module, rank: int) -> torch.nn.Module:
     hidden = list(model.hidden)
     half = len(hidden) // 2 // 2 * 2  # whole Linear+GELU pairs
@@ -151,8 +143,7 @@ def _timed_on_two_ranks(rank: int, port: int, queue: Any, build: Any, warmup: in
     """Join a 2-rank gloo group, ``build(rank) -> (train_step, optimizer)``, time SGD steps and
     hand rank 0's times to ``queue``."""
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo(rank, port)
     try:
         train_step, opt = build(rank)
 
@@ -169,7 +160,7 @@ def _timed_on_two_ranks(rank: int, port: int, queue: Any, build: Any, warmup: in
         dist.destroy_process_group()
 
 
-def _worker_torch_pp(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+def _worker_torch_pp(rank: int, port: int, queue: Any, args: argparse.Namespace) -> None:
     """torch.distributed.pipelining with a hand-placed even split."""
 
     def build(rank: int) -> tuple[Any, Any]:
@@ -187,7 +178,7 @@ def _worker_torch_pp(rank: int, args: argparse.Namespace, port: int, queue: Any)
     _timed_on_two_ranks(rank, port, queue, build, args.warmup, args.steps)
 
 
-def _worker_fxsplit(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+def _worker_fxsplit(rank: int, port: int, queue: Any, args: argparse.Namespace) -> None:
     """fxsplit.distributed (issue 5), called as its issue describes: compile on every rank."""
 
     def build(rank: int) -> tuple[Any, Any]:
@@ -203,10 +194,7 @@ def _worker_fxsplit(rank: int, args: argparse.Namespace, port: int, queue: Any) 
 
 
 def run_two_processes(worker: Any, args: argparse.Namespace) -> list[float]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.spawn(worker, args=(args, _free_port(), queue), nprocs=2, join=True)
-    return queue.get()
+    return spawn_two(worker, args)
 
 
 # -- predictions and the table ----------------------------------------------------------------

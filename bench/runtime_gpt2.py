@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from common import join_gloo, spawn_two
 from rich.table import Table
 
 
@@ -118,11 +117,9 @@ def _variant_eager(args: argparse.Namespace, rank: int) -> tuple[Callable[[], No
 _PREDICTED: dict[str, float] = {}
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+def _worker(rank: int, port: int, queue: Any, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo(rank, port)
     try:
         variants: dict[str, tuple[Callable[[], None], Any]] = {"eager, 1 process": _variant_eager(args, rank)}
         for kind in ("gpipe", "1f1b"):
@@ -149,13 +146,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
 
 def run_gpt2(args: argparse.Namespace) -> dict[str, Any]:
     """Spawn the two ranks, run every variant in alternating rounds, return rank 0's times."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.spawn(_worker, args=(args, port, queue), nprocs=2, join=True)
-    return queue.get()
+    return spawn_two(_worker, args)
 
 
 def gpt2_table(result: dict[str, Any], args: argparse.Namespace) -> Table:
