@@ -59,16 +59,17 @@ class PlanChoice:
 def front_end(
     model: nn.Module, args: tuple, kwargs: dict, reference: DeviceSpec, cost_model: str, options: Any,
     microbatches: int | str = "auto",
+    captured: Captured | None = None,
 ) -> tuple[Captured, Condensed, list[Any]]:
-    """Capture with a symbolic batch dimension, annotate at the example batch, condense.
+    """Capture with a symbolic batch dimension (unless ``captured`` is given), annotate at the
+    example batch, condense.
 
     With the measured cost model and a fixed micro-batch count, nodes are timed on one
     micro-batch and scaled to the batch, so per-micro-batch costs are measured ones. The profiled
     cost model times every node at the micro-batch sizes the schedule search considers (the one
     that runs, when ``microbatches`` is fixed) and keeps the timings in the profile cache.
     """
-    captured = capture(model, args, kwargs, method=options.capture_method, dynamic_batch=options.dynamic_batch,
-                       batch_dim=options.batch_dim)
+    captured = captured or _capture(model, args, kwargs, options)
     flat = captured.flatten_inputs(args, kwargs)
     timed, scale = tuple(flat), 1.0
     if cost_model == "measured" and isinstance(microbatches, int) and microbatches > 1:
@@ -90,6 +91,11 @@ def front_end(
             cache.save()
         log.info("profile cache %s: %d hits, %d misses", cache.path, cache.hits, cache.misses)
     return captured, pm.artifacts["condense_antichains"], flat
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict, options: Any) -> Captured:
+    return capture(model, args, kwargs, method=options.capture_method, dynamic_batch=options.dynamic_batch,
+                   batch_dim=options.batch_dim)
 
 
 def _load_per_core() -> float:
@@ -202,9 +208,14 @@ def compile_pipeline(
     batch = example_batch_size(args, kwargs, options.batch_dim)
     check_microbatches(microbatches, batch)  # before any work
     reference = options.reference or specs[0]
-    captured, condensed, _ = front_end(model, args, kwargs, reference, cost_model, options, microbatches)
+    captured = _capture(model, args, kwargs, options)
+    # before the passes: the profiled cost model times micro-batches, which such a model may not run
     mixing = _not_per_sample(captured, args, kwargs, once_per_step=options.deferred_batch_norm)
     hint = _batch_dim_hint(model, args, kwargs, options, mixing) if mixing and microbatches != 1 else ""
+    unsplittable = [m for m in mixing if m.kind == "needs the whole batch"]
+    if unsplittable and microbatches != "auto" and microbatches != 1:
+        raise ConfigError(f"{type(model).__name__} cannot run micro-batches of its example batch: "
+                          f"{'; '.join(map(str, unsplittable))}. Use microbatches=1 (or 'auto'){hint}")
     if mixing and microbatches == "auto":
         log.warning("%s is not per-sample, so one micro-batch: %s%s", type(model).__name__,
                     "; ".join(map(str, mixing)), hint)
@@ -214,6 +225,7 @@ def compile_pipeline(
             f"{type(model).__name__} is not per-sample, and with microbatches={microbatches} the pipeline computes "
             f"something else than the model: {'; '.join(map(str, mixing))}. Use microbatches=1 (or 'auto'), or make "
             f"those ops per-sample{hint}", NotPerSampleWarning, stacklevel=3)
+    captured, condensed, _ = front_end(model, args, kwargs, reference, cost_model, options, microbatches, captured)
     t1 = time.perf_counter()
     link, links = _links(specs, options, cost_model)
     problem = Problem(
@@ -253,7 +265,7 @@ def _batch_dim_hint(model: nn.Module, args: tuple, kwargs: dict, options: Any, m
     :func:`_not_per_sample` does. Never applied, only said: the user decides (``batch_dim=``)."""
     from fxsplit.passes.per_sample import find_batch_mixing
 
-    if options.batch_dim != 0 or not any(m.kind == "mixes samples" for m in mixing):
+    if options.batch_dim != 0 or all(m.kind == "updates a buffer" for m in mixing):
         return ""
     first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() >= 1), None)
     if first is None or first.is_meta or not options.dynamic_batch:
@@ -265,7 +277,7 @@ def _batch_dim_hint(model: nn.Module, args: tuple, kwargs: dict, options: Any, m
         try:
             cap = capture(model, args, kwargs, method="export", dynamic_batch=True, batch_dim=d)
             flat = cap.flatten_inputs(args, kwargs)
-            if not [m for m in find_batch_mixing(cap.gm, flat, cap.batched_inputs or []) if m.kind == "mixes samples"]:
+            if all(m.kind == "updates a buffer" for m in find_batch_mixing(cap.gm, flat, cap.batched_inputs or [])):
                 clean.append(d)
         except Exception as exc:  # noqa: BLE001 - a dimension that cannot be the batch is no candidate
             log.debug("batch_dim=%d is no candidate: %s", d, exc)

@@ -46,7 +46,8 @@ class BatchMixing:
 
     Attributes:
         node: The graph node (``print(gm.code)`` shows it).
-        kind: ``"mixes samples"`` or ``"updates a buffer"``.
+        kind: ``"mixes samples"``, ``"needs the whole batch"`` (it fails on part of the
+            batch: dim 0 is not a batch it can split) or ``"updates a buffer"``.
         where: The model's source line that made the node (``File ..., line N``), or ``""``.
         detail: What was found (the largest difference, or the buffer's name).
     """
@@ -219,7 +220,7 @@ def _first_mixing_node(gm: torch.fx.GraphModule, full_in: list[Any], part_in: li
                 try:
                     h = run.run_node(node)
                 except Exception as exc:  # noqa: BLE001 - the graph needs the whole batch: say so
-                    return BatchMixing(node.name, "mixes samples", _where(node),
+                    return BatchMixing(node.name, "needs the whole batch", _where(node),
                                        f"fails on samples {start}..{start + n - 1} of the {batch} alone "
                                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}), so dim 0 is not "
                                        "a batch it can split")

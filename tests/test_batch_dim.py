@@ -85,19 +85,31 @@ def test_a_per_sample_label_next_to_sequence_first_inputs_is_split_on_dim_0():
     _assert_trains_like(pipe, ref, loss_fn, labels, src, src_key_padding_mask=mask)
 
 
-def test_without_batch_dim_it_runs_one_micro_batch_and_names_the_dimension(caplog):
-    """"Refuse to guess": dim 0 mixes samples, so "auto" runs one micro-batch (correct), and the
-    log names dim 1 as the dimension no op mixes; asking for 4 warns with the same hint."""
+@pytest.mark.parametrize("cost_model", ["analytic", "profiled"])
+def test_without_batch_dim_it_runs_one_micro_batch_and_names_the_dimension(caplog, cost_model):
+    """"Refuse to guess": dim 0 of this model cannot be split (the mask's batch is fixed), so
+    "auto" runs one micro-batch (correct) and the log names dim 1 as the dimension no op mixes;
+    asking for 4 is a ConfigError with the same hint. Regression (profiled): the profiler timed
+    micro-batches of dim 0 before the check ran, and compile died in a shape error."""
     src, mask = _batch()
     with caplog.at_level(logging.WARNING, logger="fxsplit.compiler"):
-        pipe = fxsplit.compile(_encoder(), 2, (src,), {"src_key_padding_mask": mask}, cost_model="analytic",
+        pipe = fxsplit.compile(_encoder(), 2, (src,), {"src_key_padding_mask": mask}, cost_model=cost_model,
                                options=OPTIONS)
     assert pipe.microbatches == 1
     assert "batch_dim=1" in caplog.text
     torch.testing.assert_close(pipe(src, src_key_padding_mask=mask), _encoder()(src, src_key_padding_mask=mask))
-    with pytest.warns(NotPerSampleWarning, match="batch_dim=1"):
-        fxsplit.compile(_encoder(), 2, (src,), {"src_key_padding_mask": mask}, microbatches=4, cost_model="analytic",
+    with pytest.raises(ConfigError, match="cannot run micro-batches.*batch_dim=1"):
+        fxsplit.compile(_encoder(), 2, (src,), {"src_key_padding_mask": mask}, microbatches=4, cost_model=cost_model,
                         options=OPTIONS)
+
+
+def test_a_sequence_first_model_that_runs_on_part_of_dim_0_warns_with_the_hint():
+    """Without a mask, attention over dim 0 runs on part of the sequence (wrong, not failing):
+    micro-batches asked for are a NotPerSampleWarning naming batch_dim=1."""
+    src, _ = _batch()
+    with pytest.warns(NotPerSampleWarning, match="batch_dim=1"):
+        pipe = fxsplit.compile(_encoder(), 2, (src,), microbatches=4, cost_model="profiled", options=OPTIONS)
+    assert pipe.microbatches == 4
 
 
 class _Transposed(nn.Module):
