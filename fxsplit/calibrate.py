@@ -27,6 +27,7 @@ from torch import nn
 from fxsplit.errors import ConfigError
 from fxsplit.ir import DeviceSpec, Problem, evaluate
 from fxsplit.passes.capture import Captured
+from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime import Pipeline
 
 __all__ = ["CompileContext", "CompiledPipeline", "CalibrationReport", "StageTimes", "Measurement", "refit_problem"]
@@ -269,12 +270,13 @@ class CompiledPipeline(Pipeline):
         recorder = self.recorder
         if recorder is None:
             raise ConfigError("calibrate reads the runtime trace; set pipe.recorder to a TraceRecorder")
-        for i in range(steps + 1):
-            start = time.perf_counter()
-            self.train_step(*args, target=target, loss_fn=loss_fn, **kwargs)
-            if i:
-                walls.append(time.perf_counter() - start)
-                per_step.append(recorder.per_stage_s(self.num_stages))
+        with gc_paused():
+            for i in range(steps + 1):
+                start = time.perf_counter()
+                self.train_step(*args, target=target, loss_fn=loss_fn, **kwargs)
+                if i:
+                    walls.append(time.perf_counter() - start)
+                    per_step.append(recorder.per_stage_s(self.num_stages))
         self.zero_grad(set_to_none=True)
         rows = [
             StageTimes(s, st.fwd_s, st.bwd_s, statistics.mean(p[s]["fwd_s"] for p in per_step),

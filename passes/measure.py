@@ -11,12 +11,14 @@ GPT and an MLP). CUDA work is timed with events, read after one synchronisation.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
+import gc
 import logging
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ import torch.utils._pytree as pytree
 
 from fxsplit.passes.manager import require_meta
 
-__all__ = ["measure_node_times", "median_time_s", "time_nodes_in_context", "NodeTimes"]
+__all__ = ["gc_paused", "measure_node_times", "median_time_s", "time_nodes_in_context", "NodeTimes"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,22 @@ class _Clock:
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect garbage, then keep Python's cyclic collector off while timing (as ``timeit``
+    does): a collection pass over a large heap (every graph the process has built) lands in one
+    timed interval at random and skews it (calibrate's per-stage times were off by 45 % after a
+    few dozen compiles in one process)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _ContextInterpreter(torch.fx.Interpreter):
@@ -252,14 +270,15 @@ def time_nodes_in_context(
     clock = _Clock(dev)
     samples, clean = [], []
     owners = _owners(work)
-    for i in range(warmup + max(1, repeats)):
-        step = _one_step(work, inputs, clock, owners)
-        work.zero_grad(set_to_none=True)
-        if i >= warmup:
-            samples.append(step)
-            if (i - warmup) % 2 == 0:
-                clean.append(_clean_step(work, inputs, clock))
-                work.zero_grad(set_to_none=True)
+    with gc_paused():
+        for i in range(warmup + max(1, repeats)):
+            step = _one_step(work, inputs, clock, owners)
+            work.zero_grad(set_to_none=True)
+            if i >= warmup:
+                samples.append(step)
+                if (i - warmup) % 2 == 0:
+                    clean.append(_clean_step(work, inputs, clock))
+                    work.zero_grad(set_to_none=True)
     names = list(samples[0][0])
     fwd = {n: statistics.median(s[0].get(n, 0.0) for s in samples) for n in names}
     bwd = {n: statistics.median(s[1].get(n, 0.0) for s in samples) for n in names}
