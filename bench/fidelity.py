@@ -14,7 +14,9 @@ The local pipeline runs every action in turn (one process), so its step should t
 thread each, rank 0 profiles and plans over the measured link): per stage the plan's forward and
 backward time per micro-batch against the runtime trace of every rank
 (``pipe.stage_times_s()``, medians over the timed steps), and the plan's simulated step
-(``makespan_s``: schedule, bubble and link) against the wall time of ``train_step``. "replay" is
+(``makespan_s``: schedule, bubble and link) against the wall time of ``train_step``; then
+``pipe.calibrate`` (every rank's measured stage times refitted on rank 0, re-planned, the stages
+rebuilt across the ranks when that pays) and the same measurement again. "replay" is
 the same simulation on the *measured* stage times: its error is what lies outside the stages'
 compute (the loss, waiting on sends and receives, the runtime, the tied-weight all-reduce).
 
@@ -76,9 +78,37 @@ def run_case(name: str, model: str, size: str, overrides: dict, p: int, m: int, 
             "gains": report.predicted_gains, "replanned": report.replanned}
 
 
+def _dist_timed(pipe: Any, x: Any, y: Any, loss_fn: Any, kwargs: dict, steps: int, schedule: str
+                ) -> dict[str, Any]:
+    """``steps`` timed train steps after one warm-up: per-stage medians (every rank's trace), the
+    median step wall between barriers, and the schedule replayed on the measured stage times."""
+    import torch.distributed as dist
+
+    from fxsplit.schedule import make, simulate
+
+    step_s, per_step = [], []
+    for i in range(steps + 1):  # the first step warms up (buffers, allocator)
+        dist.barrier()
+        t = time.perf_counter()
+        pipe.train_step(*x, target=y, loss_fn=loss_fn, **kwargs)
+        dist.barrier()
+        if i:
+            step_s.append(time.perf_counter() - t)
+            per_step.append(pipe.stage_times_s())
+    plan = pipe.meta["plan"]
+    stages = [{"stage": s, "pred_fwd_s": st["fwd_s"], "pred_bwd_s": st["bwd_s"],
+               "meas_fwd_s": statistics.median(r[s]["fwd_s"] for r in per_step),
+               "meas_bwd_s": statistics.median(r[s]["bwd_s"] for r in per_step)}
+              for s, st in enumerate(plan["stages"])]
+    replay = simulate(make(schedule, len(stages), pipe.microbatches), [r["meas_fwd_s"] for r in stages],
+                      [r["meas_bwd_s"] for r in stages], stage_comm_s=[st["comm_s"] for st in plan["stages"]]).makespan_s
+    return {"stages": stages, "step": (plan["makespan_s"], statistics.median(step_s)), "replay_s": replay}
+
+
 def _dist_worker(rank: int, port: int, queue: Any, case_args: tuple, steps: int, schedule: str,
                  cost_model: str) -> None:
-    """One rank of the 2-rank fidelity run: compile, warm up, time ``steps`` train steps."""
+    """One rank of the 2-rank fidelity run: compile, time ``steps`` train steps, ``calibrate``
+    (which re-plans and rebuilds across the ranks when that pays), time again."""
     import torch.distributed as dist
 
     import fxsplit.distributed as fxd
@@ -95,28 +125,15 @@ def _dist_worker(rank: int, port: int, queue: Any, case_args: tuple, steps: int,
         compile_s = time.perf_counter() - start
         x, y = case.make_batch(batch, 1)
         kwargs = case.example_kwargs or {}
-        step_s, per_step = [], []
-        for i in range(steps + 1):  # the first step warms up (buffers, allocator)
-            dist.barrier()
-            t = time.perf_counter()
-            pipe.train_step(*x, target=y, loss_fn=case.loss_fn, **kwargs)
-            dist.barrier()
-            if i:
-                step_s.append(time.perf_counter() - t)
-                per_step.append(pipe.stage_times_s())
+        before = _dist_timed(pipe, x, y, case.loss_fn, kwargs, steps, schedule)
+        report = pipe.calibrate(*x, target=y, loss_fn=case.loss_fn, steps=steps, **kwargs)
+        after = _dist_timed(pipe, x, y, case.loss_fn, kwargs, steps, schedule)
         if rank == 0:
-            plan = pipe.meta["plan"]
-            stages = [{"stage": s, "pred_fwd_s": st["fwd_s"], "pred_bwd_s": st["bwd_s"],
-                       "meas_fwd_s": statistics.median(r[s]["fwd_s"] for r in per_step),
-                       "meas_bwd_s": statistics.median(r[s]["bwd_s"] for r in per_step)}
-                      for s, st in enumerate(plan["stages"])]
-            from fxsplit.schedule import make, simulate
-
-            replay = simulate(make(schedule, p, m), [r["meas_fwd_s"] for r in stages], [r["meas_bwd_s"] for r in stages],
-                              stage_comm_s=[st["comm_s"] for st in plan["stages"]]).makespan_s
-            queue.put({"name": name, "cost_model": plan.get("stats", {}).get("cost_model", cost_model),
+            queue.put({"name": name, "cost_model": pipe.meta["plan"].get("stats", {}).get("cost_model", cost_model),
                        "stages": p, "microbatches": m, "batch": batch, "schedule": schedule, "compile_s": compile_s,
-                       "before": stages, "step": (plan["makespan_s"], statistics.median(step_s)), "replay_s": replay})
+                       "before": before["stages"], "step": before["step"], "replay_s": before["replay_s"],
+                       "after": after["stages"], "step_after": after["step"], "replay_after_s": after["replay_s"],
+                       "gains": report.predicted_gains, "replanned": report.replanned})
         pipe.close()
     finally:
         dist.destroy_process_group()
@@ -129,16 +146,17 @@ def run_case_distributed(case_args: tuple, steps: int, schedule: str, cost_model
 
 
 def dist_step_table(rows: list[dict[str, Any]]) -> Table:
-    t = Table(title="step time, 2 ranks (gloo): plan's simulated step vs measured train_step, "
-                    "error = predicted / measured - 1")
-    for col in ("model", "p x m", "cost model", "pred ms", "meas ms", "error", "median |stage err|",
-                "replay ms", "replay error"):
+    t = Table(title="step time, 2 ranks (gloo): plan's simulated step vs measured train_step, before and after "
+                    "calibrate; error = predicted / measured - 1")
+    for col in ("model", "p x m", "pred ms", "meas ms", "error", "median |stage err|", "replay error",
+                "calibrated: pred ms", "meas ms", "error", "median |stage err|", "replay error", "replanned"):
         t.add_column(col, justify="left" if col == "model" else "right")
     for r in rows:
-        pred, meas = r["step"]
-        t.add_row(r["name"], f"{r['stages']} x {r['microbatches']}", r["cost_model"], f"{pred * 1e3:.2f}",
-                  f"{meas * 1e3:.2f}", f"{_err(pred, meas):+.1%}", f"{_median_stage_err(r['before']):.1%}",
-                  f"{r['replay_s'] * 1e3:.2f}", f"{_err(r['replay_s'], meas):+.1%}")
+        (pb, mb), (pa, ma) = r["step"], r["step_after"]
+        t.add_row(r["name"], f"{r['stages']} x {r['microbatches']}", f"{pb * 1e3:.2f}", f"{mb * 1e3:.2f}",
+                  f"{_err(pb, mb):+.1%}", f"{_median_stage_err(r['before']):.1%}", f"{_err(r['replay_s'], mb):+.1%}",
+                  f"{pa * 1e3:.2f}", f"{ma * 1e3:.2f}", f"{_err(pa, ma):+.1%}", f"{_median_stage_err(r['after']):.1%}",
+                  f"{_err(r['replay_after_s'], ma):+.1%}", "yes" if r["replanned"] else "no")
     return t
 
 
@@ -209,8 +227,9 @@ def main() -> None:
                                      args.cost_model))
     load_after = os.getloadavg()
     if args.ranks == 2:
-        show(stage_table(rows, "before", "per stage, per micro-batch, 2 ranks (gloo): plan vs every rank's runtime "
-                                         "trace (median over steps), ms"), out, args.markdown)
+        for when in ("before", "after"):
+            show(stage_table(rows, when, f"per stage, per micro-batch, 2 ranks (gloo), {when} calibrate: plan vs every "
+                                         "rank's runtime trace (median over steps), ms"), out, args.markdown)
         show(dist_step_table(rows), out, args.markdown)
     else:
         show(stage_table(rows, "before"), out, args.markdown)

@@ -30,7 +30,8 @@ from fxsplit.passes.capture import Captured
 from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime import Pipeline
 
-__all__ = ["CompileContext", "CompiledPipeline", "CalibrationReport", "StageTimes", "Measurement", "refit_problem"]
+__all__ = ["CompileContext", "CompiledPipeline", "CalibrationReport", "StageTimes", "Measurement", "refit_problem",
+           "check_calibrate_args"]
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,13 @@ def refit_problem(problem: Problem, measurements: Sequence[Measurement], microba
     return problem.with_(graph=problem.graph.with_time_factors(factors[0], factors[1]))
 
 
+def check_calibrate_args(steps: int, min_gain: float, rounds: int) -> None:
+    """Raise ConfigError unless ``steps >= 1``, ``min_gain >= 0`` and ``rounds >= 1``."""
+    if not isinstance(steps, int) or steps < 1 or not min_gain >= 0 or not isinstance(rounds, int) or rounds < 1:
+        raise ConfigError(f"calibrate(steps={steps!r}, min_gain={min_gain!r}, rounds={rounds!r}); "
+                          "use steps >= 1, min_gain >= 0 and rounds >= 1")
+
+
 def _replan(pipe: CompiledPipeline, ctx: CompileContext, refit: Problem) -> tuple[Any, float]:
     """The best plan on the refitted costs, and its predicted gain over the running plan's."""
     from fxsplit.compiler import per_microbatch, plan_pipeline
@@ -232,9 +240,7 @@ class CompiledPipeline(Pipeline):
         """
         if self.context is None:
             raise ConfigError("calibrate needs the pipeline fxsplit.compile returns (it keeps what it planned from)")
-        if not isinstance(steps, int) or steps < 1 or not min_gain >= 0 or not isinstance(rounds, int) or rounds < 1:
-            raise ConfigError(f"calibrate(steps={steps!r}, min_gain={min_gain!r}, rounds={rounds!r}); "
-                              "use steps >= 1, min_gain >= 0 and rounds >= 1")
+        check_calibrate_args(steps, min_gain, rounds)
         ctx = self.context
         base = ctx.problem
         before, step_before = self._measure(args, kwargs, target, loss_fn, steps)

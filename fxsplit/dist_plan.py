@@ -47,7 +47,7 @@ from fxsplit.runtime.distributed import from_rank0
 from fxsplit.runtime.links import probe_pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
 
-__all__ = ["DistPlan", "graph_digest", "plan_on_rank0", "per_sample_on_rank0", "reference_spec", "check_plan",
+__all__ = ["DistPlan", "example_batch", "graph_digest", "plan_on_rank0", "per_sample_on_rank0", "reference_spec", "check_plan",
            "profiled_blocks", "fits_device"]
 
 log = logging.getLogger(__name__)
@@ -64,11 +64,16 @@ class DistPlan:
             with their blocks.
         plan: Rank 0's plan, checked against this rank's capture.
         reference: The device spec the plan was costed on (rank 0's device).
+        problem: On rank 0, the planning problem with whole-batch costs (the cost model's
+            blocks on ``world`` copies of ``reference``, over the measured links; analytic costs
+            when the user gave the plan), kept so the pipeline can be planned again
+            (``calibrate``); None on the other ranks.
     """
 
     captured: Any
     plan: Plan
     reference: DeviceSpec
+    problem: Problem | None = None
 
 
 def reference_spec(device: torch.device) -> DeviceSpec:
@@ -163,26 +168,16 @@ def _error(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {exc}" if exc is not None else ""
 
 
-def _solve(
-    graph: CondensedGraph,
-    batch: int,
-    reference: DeviceSpec,
-    links: tuple[tuple[int, int, LinkSpec], ...],
-    world: int,
-    schedule: str,
-    microbatches: int,
-    solver: str,
-    options: Any,
-) -> Plan:
-    """Rank 0's plan: ``world`` stages on copies of ``reference``, over the measured links."""
+def _problem(graph: CondensedGraph, reference: DeviceSpec, links: tuple[tuple[int, int, LinkSpec], ...],
+             world: int, options: Any) -> Problem:
+    """Rank 0's planning problem: ``world`` stages on copies of ``reference``, over the measured links."""
     specs = tuple(reference.with_(name=f"rank{i}") for i in range(world))
     link = getattr(options, "link", None)
     default = link if isinstance(link, LinkSpec) else LinkSpec()
-    problem = Problem(graph, specs, default, links=links, allow_idle_devices=False).check()
-    return plan_pipeline(problem, batch, microbatches, schedule, solver, options).plan
+    return Problem(graph, specs, default, links=links, allow_idle_devices=False).check()
 
 
-def _batch(captured: Any, inputs: tuple[tuple, dict]) -> tuple[list[Any], tuple[bool, ...], int]:
+def example_batch(captured: Any, inputs: tuple[tuple, dict]) -> tuple[list[Any], tuple[bool, ...], int]:
     """Flat inputs, which of them carry the batch, and the batch size."""
     flat = captured.flatten_inputs(*inputs)
     flags = tuple(captured.batched_inputs or [True] * len(flat))
@@ -203,23 +198,25 @@ def _rank0_cost_model(captured: Any, flat: Sequence[Any], device: torch.device, 
 
 def _plan(front: tuple[Any, Any], inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
           links: tuple[tuple[int, int, LinkSpec], ...], reference: DeviceSpec, world: int, schedule: str,
-          microbatches: int, solver: str, options: Any) -> Plan:
+          microbatches: int, solver: str, options: Any) -> tuple[Plan, Problem]:
     """Rank 0: the per-sample check (with several micro-batches) and the graph with the chosen
-    cost model, solved, on one materialised copy of the graph; the plan records the cost model."""
+    cost model, solved, on one materialised copy of the graph; the plan records the cost model.
+    Returns the plan and the problem (whole-batch costs) it was solved on."""
     captured, condensed = front
-    flat, flags, batch = _batch(captured, inputs)
+    flat, flags, batch = example_batch(captured, inputs)
     used = _rank0_cost_model(captured, flat, device, cost_model)
     checked = microbatches > 1 and _real(flat) and fits_device(captured.gm, device)
     work = _materialised(captured.gm, device) if used == "profiled" or checked else None
     mixing = per_sample_on_rank0(captured, inputs, device, work=work) if microbatches > 1 else None
     graph = condensed.graph if used == "analytic" else profiled_blocks(
         captured.gm, condensed.graph, flat, flags, device, microbatches, options, work=work)
-    plan = _solve(graph, batch, reference, links, world, schedule, microbatches, solver, options)
+    problem = _problem(graph, reference, links, world, options)
+    plan = plan_pipeline(problem, batch, microbatches, schedule, solver, options).plan
     log.info("rank 0 planned with the %s cost model", used)
     stats: dict[str, Any] = {**plan.stats, "cost_model": used}
     if mixing is not None:
         stats["not_per_sample"] = mixing
-    return plan.with_(stats=stats)
+    return plan.with_(stats=stats), problem
 
 
 def per_sample_on_rank0(captured: Any, inputs: tuple[tuple, dict], device: torch.device, *,
@@ -234,7 +231,7 @@ def per_sample_on_rank0(captured: Any, inputs: tuple[tuple, dict], device: torch
     """
     from fxsplit.passes.per_sample import find_batch_mixing
 
-    flat, flags, _ = _batch(captured, inputs)
+    flat, flags, _ = example_batch(captured, inputs)
     if not _real(flat) or not fits_device(captured.gm, device):
         return None
     work = work if work is not None else _materialised(captured.gm, device)
@@ -300,11 +297,17 @@ def plan_on_rank0(
         "digest": graph_digest(front[0].gm) if front is not None else "",
     }
     links = _links(options, device, world)
+    problem: Problem | None = None
     if rank == 0 and front is not None and plan is None:
-        plan, failure = _try(
+        solved, failure = _try(
             lambda: _plan(front, inputs, device, cost_model, links, reference, world, schedule, microbatches,
                           solver, options)
         )
+        plan, problem = solved if solved is not None else (None, None)
+    elif rank == 0 and front is not None:  # the user's plan; the analytic problem, for calibrate only
+        problem, unused = _try(lambda: _problem(front[1].graph, reference, links, world, options))
+        if unused is not None:
+            log.info("no planning problem for calibrate: %s", _error(unused))
     notes: dict[str, Any] = {
         **own,
         "error": _error(failure),
@@ -325,7 +328,7 @@ def plan_on_rank0(
         chosen.num_stages,
         reference.name,
     )
-    return DistPlan(front[0], chosen, reference)
+    return DistPlan(front[0], chosen, reference, problem)
 
 
 def _links(options: Any, device: torch.device, world: int) -> tuple[tuple[int, int, LinkSpec], ...]:

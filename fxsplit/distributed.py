@@ -21,23 +21,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit.api import CompileOptions, with_batch_dim
 from fxsplit.checkpoint import load_shard, read_index
 from fxsplit.codegen import split_graph
-from fxsplit.codegen.place import get_state
-from fxsplit.dist_plan import plan_on_rank0
+from fxsplit.dist_build import batched_flags, broadcast_tied, build_pipeline, tied_groups, to_meta
+from fxsplit.dist_calibrate import CompiledDistributedPipeline, DistContext
+from fxsplit.dist_plan import example_batch, plan_on_rank0
 from fxsplit.errors import ConfigError, NotPerSampleWarning
 from fxsplit.ir import Plan
-from fxsplit.runtime.dist_shapes import WireShapes
-from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState, materialise
-from fxsplit.runtime.distributed import SCHEDULES, DistributedPipeline, TiedGroup
-from fxsplit.runtime.microbatch import batch_size_of, microbatch_sizes
+from fxsplit.runtime.distributed import SCHEDULES, DistributedPipeline
 
-__all__ = ["compile", "load", "DistributedPipeline", "init_process_group"]
+__all__ = ["compile", "load", "CompiledDistributedPipeline", "DistributedPipeline", "init_process_group",
+           "batched_flags"]
 
 log = logging.getLogger(__name__)
 
@@ -89,37 +87,6 @@ def _check_args(schedule: str, microbatches: int, world: int, num_stages: int | 
         )
 
 
-def _to_meta(values: Any) -> Any:
-    return pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, values)
-
-
-def _tied_groups(program: Any, world: int) -> list[TiedGroup]:
-    """One subgroup per tensor read by several stages; created on every rank, in name order
-    (``new_group`` is collective); returns the groups this rank belongs to."""
-    holders: dict[str, list[int]] = {}
-    for st in program.stages:
-        for name in st.state:
-            tensor = get_state(st.gm, name)
-            if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:  # buffers need no sum
-                holders.setdefault(name, []).append(st.index)
-    groups = []
-    for name in sorted(holders):
-        ranks = tuple(holders[name])
-        if len(ranks) > 1:
-            group = dist.new_group(ranks=list(ranks))
-            if dist.get_rank() in ranks:
-                groups.append(TiedGroup(name, ranks, group))
-    return groups
-
-
-def _broadcast_tied(gm: Any, tied: list[TiedGroup]) -> None:
-    """Give every copy of a tied parameter the first holder's values: without a state dict each
-    rank initialises its copy with its own random stream, and the copies must start equal."""
-    with torch.no_grad():
-        for group in tied:
-            dist.broadcast(get_state(gm, group.name).data, src=group.ranks[0], group=group.group)
-
-
 def _warn_if_not_per_sample(gm: torch.fx.GraphModule, m: int, rank: int, checked: Sequence[str] | None) -> None:
     """Warn on rank 0, when ``m > 1``, about what micro-batching changes: ``checked`` is rank 0's
     full check (:func:`fxsplit.dist_plan.per_sample_on_rank0`, ops that mix samples and buffers
@@ -137,39 +104,6 @@ def _warn_if_not_per_sample(gm: torch.fx.GraphModule, m: int, rank: int, checked
             f"the model is not per-sample, and with microbatches={m} the pipeline computes something else than "
             f"the model: {'; '.join(found)}. Use microbatches=1, or make those ops per-sample and keep state out "
             f"of forward{unchecked}", NotPerSampleWarning, stacklevel=3)
-
-
-def batched_flags(captured: Any, flat: Sequence[Any]) -> list[bool]:
-    """Which flat inputs carry the batch on dim 0: export's symbolic batch dimension
-    (``Captured.batched_inputs``), never a coincidence of sizes; by shape (dim 0 equal to the
-    first input's) only when export fixed every input's batch and so left no sign."""
-    if captured.batched_inputs is not None:
-        return list(captured.batched_inputs)
-    batch = batch_size_of(flat)
-    return [isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch for x in flat]
-
-
-def _pipeline(stage: Any, captured: Any, inputs: tuple[tuple, dict], rank: int, world: int, device: torch.device,
-              schedule: str, m: int, state: StageState, tied: list[TiedGroup], *, meta: dict[str, Any],
-              state_order: list[str], timeout_s: float, watchdog: bool) -> DistributedPipeline:
-    """This rank's runtime around its materialised stage; ``inputs`` is ``(args, kwargs)``."""
-    flat = captured.flatten_inputs(*inputs)
-    batched = batched_flags(captured, flat)
-    module = StageModule(stage.gm, first=rank == 0, last=rank == world - 1, batched=batched)
-    shapes = WireShapes(
-        captured.gm, _to_meta(flat), batched, inputs=stage.inputs, outputs=stage.outputs,
-        in_layouts=module.in_layouts, out_layouts=module.out_layouts, first=rank == 0, last=rank == world - 1,
-        index=rank,
-    )
-    batch = batch_size_of([x for x, b in zip(flat, batched, strict=True) if b] or flat)
-    for size in sorted({s for s in microbatch_sizes(batch, m) if s > 0}):
-        shapes.example_args(size, train=True)  # a boundary shape the data decides fails here, on every rank
-    return DistributedPipeline(
-        module, state=state, stage_index=rank, num_stages=world, device=device, schedule_kind=schedule,
-        microbatches=m, in_spec=captured.in_spec, out_spec=captured.out_spec, tied=tied,
-        state_order=state_order, meta=meta, timeout_s=timeout_s, watchdog=watchdog, shapes=shapes,
-        batched_inputs=batched, batched_outputs=captured.batched_outputs, layout=captured.layout,
-    )
 
 
 def _barrier(timeout_s: float) -> None:
@@ -196,7 +130,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     options: CompileOptions | None = None,
     cost_model: str = "auto",
     batch_dim: int | None = None,
-) -> DistributedPipeline:
+) -> CompiledDistributedPipeline:
     """Build this rank's stage of a pipeline over all ranks; call on every rank.
 
     Args:
@@ -233,7 +167,8 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
             ``options.batch_dim``).
 
     Returns:
-        The :class:`DistributedPipeline` of this rank.
+        The :class:`~fxsplit.dist_calibrate.CompiledDistributedPipeline` of this rank (a
+        :class:`DistributedPipeline` that can ``calibrate`` itself: measure, re-plan, rebuild).
 
     Raises:
         ConfigError: for a launch without torchrun's environment, a plan whose stage count is
@@ -265,17 +200,20 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     _check_args(schedule, m, world, plan.num_stages)
     _warn_if_not_per_sample(captured.gm, m, rank, plan.stats.get("not_per_sample"))
     program = split_graph(captured.gm, plan.stage_of_block(), [str(device)] * world)
-    tied = _tied_groups(program, world)
+    tied = tied_groups(program, world)
     stage = program.stages[rank]
     state = StageState(stage.state, captured.aliases)
     origin = materialise(stage.gm, state, device, state_dict=state_dict, init_fn=init_fn,
                          meta_model=meta_model, model_fn=model_fn)
     log.info("rank %d: stage %d state from %s", rank, rank, sorted(set(origin.values())))
-    _broadcast_tied(stage.gm, tied)
+    broadcast_tied(stage.gm, tied)
     meta = {"plan": plan.to_dict(), "schedule": schedule, "microbatches": m, "model": type(meta_model).__name__,
             "reference": planned.reference.to_dict()}
-    pipe = _pipeline(stage, captured, (args, kwargs), rank, world, device, schedule, m, state, tied,
-                     meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s, watchdog=watchdog)
+    pipe = build_pipeline(stage, captured, (args, kwargs), rank, world, device, schedule, m, state, tied,
+                          meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s,
+                          watchdog=watchdog, cls=CompiledDistributedPipeline)
+    pipe.context = DistContext(model_fn, meta_model, captured, to_meta((args, kwargs)), planned.problem,
+                               example_batch(captured, (args, kwargs))[2], solver, options)
     _barrier(timeout_s)
     if rank == 0:
         log.info("pipeline over %d ranks: %s x %d, stage sizes %s", world, schedule, m, [len(s.blocks) for s in plan.stages])

@@ -28,9 +28,13 @@ def _model_fn(name: str, batch: int) -> Any:
 
 
 def reference(case: Any, inputs: Any, target: Any) -> tuple[float, dict[str, torch.Tensor]]:
-    model = case.model
+    return reference_of(case.model, inputs, target, case.loss_fn)
+
+
+def reference_of(model: Any, inputs: Any, target: Any, loss_fn: Any) -> tuple[float, dict[str, torch.Tensor]]:
+    """The unsplit model's loss and every parameter's gradient (by every name, tied ones too)."""
     model.zero_grad(set_to_none=True)
-    loss = case.loss_fn(model(*inputs), target)
+    loss = loss_fn(model(*inputs), target)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
     return float(loss.detach()), grads
@@ -425,3 +429,68 @@ def killed_mid_save(rank: int, world: int, out_dir: str, ckpt: str, timeout_s: f
         torch.save = half_then_die  # type: ignore[assignment]
     pipe.save(ckpt)
     return {"finished": True}
+
+
+# -- calibrate across processes (tests/test_distributed.py) -------------------------------------
+class MatrixExp(torch.nn.Module):
+    """A layer the analytic model prices far too low: ``matrix_exp`` costs one FLOP per element
+    there, but runs a dozen small matrix products per matrix (see tests/test_calibrate.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        e = torch.linalg.matrix_exp(h.unsqueeze(-1) * h.unsqueeze(-2) * 0.01).sum(-1)
+        return torch.cat([h, e, e[:, :16]], -1)
+
+
+def _calibration_case(name: str, batch: int) -> tuple[Any, Any, tuple, torch.Tensor, Any]:
+    """``(model_fn, model, inputs, target, loss_fn)``; every call of ``model_fn`` builds the same model."""
+    if name == "matrix_exp":
+        def build() -> torch.nn.Module:
+            torch.manual_seed(0)
+            return torch.nn.Sequential(MatrixExp(), *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+                                                      for _ in range(9)])
+        gen = torch.Generator().manual_seed(1)
+        x, y = torch.randn(batch, 64, generator=gen), torch.randn(batch, 64, generator=gen)
+        return build, build(), (x,), y, torch.nn.functional.mse_loss
+    case = _case(name, batch)
+    inputs, target = case.make_batch(batch, 11)
+    return _model_fn(name, batch), case.model, tuple(inputs), target, case.loss_fn
+
+
+def calibrate_rebuilds(rank: int, world: int, out_dir: str, name: str, plan_json: str | None, min_gain: float,
+                       batch: int) -> dict[str, Any]:
+    """Compile (analytic costs, or the given plan), calibrate, then check that one train step still
+    equals the unsplit model's and that the stage holds the model's own values under its keys."""
+    from fxsplit.ir import Plan
+
+    model_fn, model, inputs, target, loss_fn = _calibration_case(name, batch)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_loss, ref_grads = reference_of(model, inputs, target, loss_fn)
+    plan = Plan.from_json(plan_json) if plan_json is not None else None
+    pipe = fxd.compile(model_fn, inputs, schedule="gpipe", microbatches=2, state_dict=original, plan=plan,
+                       cost_model="analytic", timeout_s=60, options=CompileOptions(allow_idle_devices=False,
+                                                                                    link=LinkSpec()))
+    report = pipe.calibrate(*inputs, target=target, loss_fn=loss_fn, steps=2, min_gain=min_gain, rounds=2)
+    assert all(p.grad is None for p in pipe.parameters()), "calibrate left gradients behind"
+    loss = pipe.train_step(*inputs, target=target, loss_fn=loss_fn)
+    out = compare(pipe, loss, ref_loss, ref_grads, f"{name} after calibrate")
+    mine = pipe.state_dict()
+    for key, value in mine.items():
+        torch.testing.assert_close(value, original[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+    out.update(keys=sorted(mine), replanned=report.replanned, stages_before=report.stages_before,
+               stages_after=report.stages_after, table=report.format_table(),
+               imbalance_before=_imbalance(report.before), imbalance_after=_imbalance(report.after),
+               step_ratio_before=report.step_before_s[1] / report.step_before_s[0],
+               step_ratio_after=report.step_after_s[1] / report.step_after_s[0], plan_stages=[list(st.blocks) for st in pipe.plan.stages],
+               tied=[t.name for t in pipe.tied])
+    pipe.close()
+    return out
+
+
+def _imbalance(rows: Any) -> float:
+    t = [r.meas_fwd_s + r.meas_bwd_s for r in rows]
+    return max(t) / min(t)

@@ -280,7 +280,7 @@ def test_rank0_profiles_a_meta_capture_of_a_hugging_face_bert():
     import fxsplit.models as zoo
     from fxsplit.api import CompileOptions
     from fxsplit.compiler import front_end
-    from fxsplit.dist_plan import _batch, profiled_blocks, reference_spec
+    from fxsplit.dist_plan import example_batch, profiled_blocks, reference_spec
 
     config = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 128,
               "vocab_size": 128, "seq_len": 16}
@@ -292,7 +292,7 @@ def test_rank0_profiles_a_meta_capture_of_a_hugging_face_bert():
     options = CompileOptions(profile_cache_dir=False)
     captured, condensed = front_end(meta_model, args, kwargs, reference_spec(torch.device("cpu")), "analytic", options)[:2]
     assert "device(type='meta')" in captured.gm.code, "the capture has no meta device argument; proves nothing"
-    flat, flags, _ = _batch(captured, (tuple(case.example_inputs), case.example_kwargs or {}))
+    flat, flags, _ = example_batch(captured, (tuple(case.example_inputs), case.example_kwargs or {}))
     graph = profiled_blocks(captured.gm, condensed.graph, flat, flags, torch.device("cpu"), 2, options)
     assert len(graph.blocks) == len(condensed.graph.blocks)
     assert sum(b.fwd_s for b in graph.blocks) > 0 and sum(b.bwd_s for b in graph.blocks) > 0

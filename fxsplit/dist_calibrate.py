@@ -1,0 +1,276 @@
+"""Calibration in the loop across processes: measure every rank's stage, refit, re-plan, move the state.
+
+The distributed counterpart of :meth:`fxsplit.calibrate.CompiledPipeline.calibrate`. Rank 0
+planned on times profiled with one process running; in the pipeline every rank computes at once
+and shares the machine (caches, memory bandwidth, the cores gloo's threads poll on), so the
+stages run at other speeds than planned. :meth:`CompiledDistributedPipeline.calibrate`
+
+1. runs a few training steps and reads every stage's forward and backward time per micro-batch
+   from the ranks' runtime traces (:meth:`DistributedPipeline.stage_times_s`, collective);
+2. on rank 0, refits the block costs to the measured stage times
+   (:func:`fxsplit.calibrate.refit_problem`) and solves again; the decision and the new plan are
+   broadcast;
+3. when the new plan is predicted faster by more than ``min_gain``, every rank cuts its new stage
+   from its own capture and receives the tensors it did not hold from the rank that held them
+   (:func:`exchange_state`: point-to-point sends in one global order, so no rank waits on a
+   rank that waits on it), then the stage runtime is rebuilt in place; otherwise the stages stay
+   and their predictions take the refitted costs.
+
+The same :class:`~fxsplit.calibrate.CalibrationReport` comes back on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxsplit.calibrate import (
+    CalibrationReport,
+    Measurement,
+    StageTimes,
+    check_calibrate_args,
+    refit_problem,
+)
+from fxsplit.codegen import split_graph
+from fxsplit.dist_build import build_pipeline, tied_groups
+from fxsplit.errors import ConfigError, PlanError
+from fxsplit.ir import Plan, Problem, evaluate
+from fxsplit.passes.measure import gc_paused
+from fxsplit.runtime.dist_state import StageState, get_tensor, materialise
+from fxsplit.runtime.distributed import DistributedPipeline, from_rank0
+
+__all__ = ["CompiledDistributedPipeline", "DistContext", "exchange_state"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What :func:`fxsplit.distributed.compile` built this rank's stage from, kept so the
+    pipeline can be planned and built again.
+
+    Attributes:
+        model_fn: Builds the model (for values no state source gives; unused when every tensor
+            is moved between ranks).
+        meta_model: The model on the meta device.
+        captured: This rank's capture (meta), nodes annotated with their blocks.
+        inputs: ``(args, kwargs)`` of the example batch, on the meta device.
+        problem: Rank 0's planning problem (whole-batch costs); None on the other ranks.
+        batch: Samples in the example batch.
+        solver: The solver rank 0 runs.
+        options: The ``CompileOptions``.
+    """
+
+    model_fn: Callable[[], nn.Module]
+    meta_model: nn.Module
+    captured: Any
+    inputs: tuple[tuple, dict]
+    problem: Problem | None
+    batch: int
+    solver: str
+    options: Any
+
+
+def exchange_state(module: nn.Module, old: Sequence[Sequence[str]], new: Sequence[Sequence[str]],
+                   like: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors of this rank's new stage, each taken from this rank's old stage or received
+    from the first rank whose old stage held it; collective.
+
+    For every graph state name in sorted order, the first old holder sends it to each new
+    holder that did not hold it, with blocking ``send``/``recv``: every rank walks the same global
+    order, so each transfer's two ranks meet once both have finished the earlier ones.
+
+    Args:
+        module: This rank's old stage GraphModule (its state, on ``device``).
+        old, new: Graph state names of every rank's old and new stage (``[world]`` lists).
+        like: A module holding every name on the meta device (the capture), for shapes and dtypes.
+        device: This rank's device.
+
+    Returns:
+        Graph name -> tensor, for every name of ``new[rank]``.
+
+    Raises:
+        PlanError: when a name of a new stage was held by no old stage.
+    """
+    rank = dist.get_rank()
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted({g for names in new for g in names}):
+        holders = [r for r, names in enumerate(old) if name in names]
+        if not holders:
+            raise PlanError(f"stage state {name!r} of the new plan is held by no stage of the old one; "
+                            "the two plans were not cut from the same capture")
+        takers = [r for r, names in enumerate(new) if name in names and name not in old[r]]
+        if rank == holders[0]:
+            for r in takers:
+                dist.send(get_tensor(module, name).detach().contiguous(), dst=r)
+        if rank in takers:
+            meta = get_tensor(like, name)
+            buf = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            dist.recv(buf, src=holders[0])
+            out[name] = buf
+        elif name in new[rank]:
+            out[name] = get_tensor(module, name).detach()
+    return out
+
+
+class CompiledDistributedPipeline(DistributedPipeline):
+    """The :class:`DistributedPipeline` :func:`fxsplit.distributed.compile` returns: it also keeps
+    its :class:`DistContext` so it can :meth:`calibrate` itself."""
+
+    context: DistContext | None = None
+
+    @property
+    def plan(self) -> Plan:
+        """The plan this pipeline runs (rank 0's, as every rank holds it)."""
+        return Plan.from_dict(self.meta["plan"])
+
+    def predicted_step_s(self) -> float:
+        """The plan's simulated step (makespan), seconds."""
+        return float(self.plan.makespan_s)
+
+    def calibrate(
+        self,
+        *args: Any,
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        steps: int = 3,
+        min_gain: float = 0.05,
+        rounds: int = 2,
+        **kwargs: Any,
+    ) -> CalibrationReport:
+        """Measure ``steps`` training steps on every rank, refit the stage costs on rank 0,
+        re-plan, and rebuild every rank's stage in place when the new plan is predicted faster
+        by more than ``min_gain``; collective (call on every rank with the same batch).
+
+        Call it before creating the optimizer: a rebuild makes new stage tensors (their values
+        moved between ranks). Gradients are left cleared (``None``); parameters keep their values.
+
+        Args:
+            args, kwargs: A batch of the model's inputs (as for :meth:`train_step`).
+            target, loss_fn: As for :meth:`train_step`.
+            steps: Measured steps per plan (after one warm-up step), ``>= 1``.
+            min_gain: Rebuild only when ``1 - new / old`` predicted step time exceeds this.
+            rounds: Measure-refit-replan rounds at most.
+
+        Returns:
+            The same :class:`~fxsplit.calibrate.CalibrationReport` on every rank; step times are
+            ``train_step`` walls between barriers, per-stage times the ranks' runtime traces.
+
+        Raises:
+            ConfigError: for ``steps < 1``, a negative ``min_gain``, ``rounds < 1``, or a pipeline
+                without its compile context (built by hand) or without a trace recorder.
+            PlanError: on every rank, when rank 0 could not re-plan (its message).
+        """
+        check_calibrate_args(steps, min_gain, rounds)
+        if self.context is None:
+            raise ConfigError("calibrate needs the pipeline fxsplit.distributed.compile returns (it keeps what it "
+                              "planned from)")
+        before, step_before = self._measure(args, kwargs, target, loss_fn, steps)
+        stages_before = tuple(st.blocks for st in self.plan.stages)
+        rows, step, gains, measured = before, step_before, [], []
+        for _ in range(rounds):
+            plan = self.plan
+            measured.append(Measurement(tuple(st.blocks for st in plan.stages),
+                                        tuple(st.device for st in plan.stages), tuple(rows)))
+            decision = from_rank0(lambda: self._replan(measured, min_gain))
+            if "error" in decision:
+                raise PlanError(f"calibrate: rank 0 could not re-plan: {decision['error']}")
+            gains.append(decision["gain"])
+            new_plan = Plan.from_dict(decision["plan"])
+            if decision["rebuild"]:
+                self._rebuild(new_plan)
+            else:
+                self.meta = {**self.meta, "plan": new_plan.to_dict()}
+            rows, step = self._measure(args, kwargs, target, loss_fn, steps)
+            if not decision["rebuild"]:
+                break
+        report = CalibrationReport(
+            before=tuple(before), after=tuple(rows), step_before_s=step_before, step_after_s=step,
+            predicted_gains=tuple(gains), stages_before=stages_before,
+            stages_after=tuple(st.blocks for st in self.plan.stages),
+        )
+        if dist.get_rank() == 0:
+            log.info("calibrate:\n%s", report.format_table())
+        return report
+
+    def _measure(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, steps: int
+                 ) -> tuple[list[StageTimes], tuple[float, float]]:
+        """Every stage's mean times over ``steps`` steps (after one warm-up) and rank 0's median
+        step wall (barrier to barrier), the same on every rank."""
+        self._recorder_or_raise()
+        per_step, walls = [], []
+        with gc_paused():
+            for i in range(steps + 1):
+                dist.barrier()
+                start = time.perf_counter()
+                self.train_step(*args, target=target, loss_fn=loss_fn, **kwargs)
+                dist.barrier()
+                if i:
+                    walls.append(time.perf_counter() - start)
+                    per_step.append(self.stage_times_s())
+        self.zero_grad(set_to_none=True)
+        walls = from_rank0(lambda: walls)
+        rows = [
+            StageTimes(s, st.fwd_s, st.bwd_s, statistics.mean(p[s]["fwd_s"] for p in per_step),
+                       statistics.mean(p[s]["bwd_s"] for p in per_step))
+            for s, st in enumerate(self.plan.stages)
+        ]
+        return rows, (self.predicted_step_s(), statistics.median(walls))
+
+    def _replan(self, measured: Sequence[Measurement], min_gain: float) -> dict[str, Any]:
+        """Rank 0: refit, solve, and decide; a plain dict for ``broadcast_object_list``."""
+        from fxsplit.compiler import per_microbatch, plan_pipeline
+
+        ctx = self.context
+        if ctx is None or ctx.problem is None:
+            return {"error": "rank 0 kept no planning problem (its capture or planning failed at compile time)"}
+        try:
+            m, kind = self.microbatches, self.schedule_kind
+            refit = refit_problem(ctx.problem, measured, m, kind)
+            running = self.plan
+            old = evaluate(per_microbatch(refit, m, kind), [st.blocks for st in running.stages],
+                           [st.device for st in running.stages], solver=running.solver, status=running.status)
+            choice = plan_pipeline(refit, ctx.batch, m, kind, ctx.solver, ctx.options)
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there as PlanError
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        gain = 1.0 - choice.plan.makespan_s / old.makespan_s if old.makespan_s > 0 else 0.0
+        rebuild = gain > min_gain
+        chosen = choice.plan if rebuild else old
+        stats = {**running.stats, "calibrated": True}
+        return {"gain": gain, "rebuild": rebuild,
+                "plan": chosen.with_(microbatches=m, schedule=kind, stats=stats).to_dict()}
+
+    def _rebuild(self, plan: Plan) -> None:
+        """Become this rank's stage of ``plan``: cut it from the capture, move the state, wrap it."""
+        ctx = self.context
+        if ctx is None:
+            raise ConfigError("calibrate needs the compile context")
+        rank, world = self.stage_index, self.num_stages
+        program = split_graph(ctx.captured.gm, plan.stage_of_block(), [str(self.device)] * world)
+        old: list[Any] = [None] * world
+        dist.all_gather_object(old, list(self.state.names))
+        values = exchange_state(self.module.gm, old, [st.state for st in program.stages], ctx.captured.gm,
+                                self.device)
+        tied = tied_groups(program, world)
+        stage = program.stages[rank]
+        state = StageState(stage.state, ctx.captured.aliases)
+        source: Mapping[str, torch.Tensor] = {state.originals[g][0]: values[g] for g in state.names}
+        materialise(stage.gm, state, self.device, state_dict=source, init_fn=None, meta_model=ctx.meta_model,
+                    model_fn=None)
+        new = build_pipeline(stage, ctx.captured, ctx.inputs, rank, world, self.device, self.schedule_kind,
+                             self.microbatches, state, tied, meta={**self.meta, "plan": plan.to_dict()},
+                             state_order=self.state_order, timeout_s=self.timeout_s,
+                             watchdog=self.watchdog is not None, cls=type(self))
+        new.context = ctx
+        self.close()
+        self.__dict__.update(new.__dict__)
+        log.info("rank %d: rebuilt stage %d on the calibrated plan (%d tensors)", rank, rank, len(values))
+
