@@ -200,9 +200,12 @@ def find_batch_mixing(
 
 def _first_mixing_node(gm: torch.fx.GraphModule, full_in: list[Any], part_in: list[list[Any]], batch: int,
                        parts: list[tuple[int, int]], rtol: float, atol: float) -> BatchMixing | None:
-    """Run the batch and each part side by side, node by node; the first node whose rows of a
-    part differ from that part run alone, or an output without the batch that is not the
-    parts' size-weighted mean (a sum or a maximum over the batch: the pipeline averages)."""
+    """Run the batch and each part side by side, node by node. The graph mixes samples when an
+    output's rows of a part differ from that part run alone (named by the first differing node
+    it depends on), or when an output without the batch is not the parts' size-weighted mean (a
+    sum or a maximum over the batch: the pipeline averages). A node whose rows differ but that
+    no differing output depends on (``arange(batch)`` indexing the samples of a mask) is not
+    reported: the micro-batches compute what the batch computes."""
     full_run = torch.fx.Interpreter(gm)
     full_run.args_iter = iter(full_in)
     runs = []
@@ -210,10 +213,12 @@ def _first_mixing_node(gm: torch.fx.GraphModule, full_in: list[Any], part_in: li
         run = torch.fx.Interpreter(gm)
         run.args_iter = iter(values)
         runs.append(run)
+    differing: dict[torch.fx.Node, BatchMixing] = {}
     with torch.no_grad():
         for node in gm.graph.nodes:
             if node.op == "output":
-                return _unmergeable_output(node, full_run, runs, batch, parts, rtol, atol)
+                return (_unmergeable_output(node, full_run, runs, batch, parts, rtol, atol)
+                        or _culprit(node, differing))
             f = full_run.run_node(node)
             full_run.env[node] = f
             for run, (start, n) in zip(runs, parts, strict=True):
@@ -224,21 +229,49 @@ def _first_mixing_node(gm: torch.fx.GraphModule, full_in: list[Any], part_in: li
                                        f"fails on samples {start}..{start + n - 1} of the {batch} alone "
                                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}), so dim 0 is not "
                                        "a batch it can split")
+                upstream = next((differing[a] for a in node.all_input_nodes if a in differing), None)
                 if node.op == "call_function" and any(r in str(node.target) for r in _RANDOM):
-                    h = _same_draws(f, h, batch, start, n)
+                    if upstream is not None:  # its input already differs: so does it, for that reason
+                        differing.setdefault(node, upstream)
+                    else:
+                        h = _same_draws(f, h, batch, start, n)
                 run.env[node] = h
-                if node.op in ("placeholder", "get_attr"):
+                if node.op in ("placeholder", "get_attr") or node in differing:
                     continue
-                for a, b in zip(pytree.tree_leaves(f), pytree.tree_leaves(h), strict=False):
-                    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-                        continue
-                    diffs = [_differs(mine, b, rtol, atol) for mine in _rows(a, b, batch, start, n)]
-                    if diffs and all(x is not None for x in diffs):
-                        diff = min(x for x in diffs if x is not None)
-                        return BatchMixing(node.name, "mixes samples", _where(node),
-                                           f"samples {start}..{start + n - 1}' values differ by up to {diff:.3g} "
-                                           f"between the batch of {batch} and a batch of those {n} alone")
+                diff = _rows_differ(f, h, batch, start, n, rtol, atol)
+                if diff is not None:
+                    differing[node] = BatchMixing(
+                        node.name, "mixes samples", _where(node),
+                        f"samples {start}..{start + n - 1}' values differ by up to {diff:.3g} between the batch "
+                        f"of {batch} and a batch of those {n} alone")
     return None
+
+
+def _rows_differ(f: Any, h: Any, batch: int, start: int, n: int, rtol: float, atol: float) -> float | None:
+    """The largest difference between a part's values ``h`` and its rows of the batch's ``f``
+    (any tensor leaf whose every row layout differs), else None."""
+    for a, b in zip(pytree.tree_leaves(f), pytree.tree_leaves(h), strict=False):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            continue
+        diffs = [_differs(mine, b, rtol, atol) for mine in _rows(a, b, batch, start, n)]
+        if diffs and all(x is not None for x in diffs):
+            return min(x for x in diffs if x is not None)
+    return None
+
+
+def _culprit(output: torch.fx.Node, differing: dict[torch.fx.Node, BatchMixing]) -> BatchMixing | None:
+    """The first differing node (graph order) that a differing output depends on, or None."""
+    bad = [a for a in pytree.tree_leaves(output.args[0]) if isinstance(a, torch.fx.Node) and a in differing]
+    if not bad:
+        return None
+    upstream: set[torch.fx.Node] = set()
+    todo = list(bad)
+    while todo:
+        node = todo.pop()
+        if node not in upstream:
+            upstream.add(node)
+            todo.extend(node.all_input_nodes)
+    return next(mix for node, mix in differing.items() if node in upstream)
 
 
 def _same_draws(f: Any, h: Any, batch: int, start: int, n: int) -> Any:

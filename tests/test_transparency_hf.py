@@ -43,3 +43,19 @@ def test_keyword_inputs_reach_the_right_stage():
         torch.testing.assert_close(
             primary_tensor(pipe(ids, attention_mask=mask)), primary_tensor(compiled.reference(ids, attention_mask=mask))
         )
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_hf_models_with_an_attention_mask_are_found_per_sample(name):
+    """Regression (issue 10): the mask code of Hugging Face models indexes the samples with
+    ``arange(batch)``, whose values differ between a batch and its half although every output is
+    per-sample; the check named that ``arange`` and compile ran such models as one micro-batch.
+    Only a node a differing output depends on is reported now."""
+    from fxsplit.passes.per_sample import find_batch_mixing
+
+    case = zoo.hf(name, batch_size=BATCH)
+    compiled = Compiled(case, use_kwargs=True)
+    cap = compiled.captured
+    flat = cap.flatten_inputs(tuple(case.example_inputs), dict(case.example_kwargs or {}))
+    assert any("arange" in n.name for n in cap.gm.graph.nodes), "no arange in the mask code: the test proves nothing"
+    assert find_batch_mixing(cap.gm, flat, cap.batched_inputs) == []
