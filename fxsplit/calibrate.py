@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from fxsplit.errors import ConfigError
-from fxsplit.ir import DeviceSpec, Problem, evaluate
+from fxsplit.ir import DeviceSpec, LinkSpec, Problem, evaluate
 from fxsplit.passes.capture import Captured
 from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime import Pipeline
 
 __all__ = ["CompileContext", "CompiledPipeline", "CalibrationReport", "StageTimes", "Measurement", "refit_problem",
-           "check_calibrate_args"]
+           "check_calibrate_args", "fit_link_latency"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,10 @@ class CalibrationReport:
         predicted_gains: Per round, ``1 - new / old`` predicted step time, both on the refitted
             costs; the pipeline was rebuilt in every round whose gain exceeded ``min_gain``.
         stages_before, stages_after: Block ids of every stage.
+        link_latency_s: Across processes, ``(probed, fitted)`` seconds per message of the links:
+            the ping-pong probe's latency, and the one that makes the running plan's predicted
+            step equal its measured step (the runtime's per-message work, waits and the loss,
+            which no stage time holds; :func:`fit_link_latency`); None for the local pipeline.
     """
 
     before: tuple[StageTimes, ...]
@@ -98,6 +102,7 @@ class CalibrationReport:
     predicted_gains: tuple[float, ...]
     stages_before: tuple[tuple[int, ...], ...]
     stages_after: tuple[tuple[int, ...], ...]
+    link_latency_s: tuple[float, float] | None = None
 
     def format_table(self) -> str:
         """Plain-text table: per stage and per step, predicted vs measured, before and after."""
@@ -109,6 +114,9 @@ class CalibrationReport:
             lines.append(f"{label:8}{'step':>6}{step[0] * 1e3:>13.3f}{step[1] * 1e3:>13.3f}{step[1] / step[0]:>11.2f}")
         gains = ", ".join(f"{g:+.1%}" for g in self.predicted_gains)
         lines.append(f"predicted gain per round {gains}: {'rebuilt' if self.replanned else 'kept the plan'}")
+        if self.link_latency_s is not None:
+            probed, fitted = self.link_latency_s
+            lines.append(f"link latency per message: probed {probed * 1e6:.0f} us, fitted to the step {fitted * 1e6:.0f} us")
         return "\n".join(lines)
 
     @property
@@ -174,6 +182,51 @@ def refit_problem(problem: Problem, measurements: Sequence[Measurement], microba
         x = np.maximum(1.0 + y, 1e-3)
         factors.append([float(x[group_of[b]]) for b in range(n)])
     return problem.with_(graph=problem.graph.with_time_factors(factors[0], factors[1]))
+
+
+def _links_shifted(problem: Problem, extra_s: float) -> Problem:
+    """``problem`` with ``extra_s`` added to the latency of its default link and of every pair's."""
+    def shift(link: LinkSpec) -> LinkSpec:
+        return LinkSpec(bytes_per_s=link.bytes_per_s, latency_s=max(link.latency_s + extra_s, 0.0))
+
+    return problem.with_(link=shift(problem.link), links=tuple((i, j, shift(lk)) for i, j, lk in problem.links))
+
+
+def fit_link_latency(problem: Problem, stages: Sequence[Sequence[int]], devices: Sequence[int], microbatches: int,
+                     kind: str, step_s: float) -> tuple[Problem, float]:
+    """``problem`` with one latency added to every link so that the plan ``stages`` on
+    ``devices`` is predicted (``makespan_s`` at ``microbatches`` under ``kind``) to take the
+    measured ``step_s``.
+
+    Across processes a step holds more than the stages' compute and the probed transfers: the
+    runtime posts and waits on every tensor crossing a boundary, computes the loss, and
+    all-reduces tied gradients. With the stage times refitted first (:func:`refit_problem`), what
+    is left is charged to the links per message, which is how the planner can weigh it. The
+    predicted step is non-decreasing in the added latency; it is found by bisection, between
+    taking every link's latency to 0 and adding a whole step.
+
+    Returns:
+        ``(problem, added seconds)``; the added seconds are negative when the probe's latency
+        was more than the step shows.
+    """
+    from fxsplit.compiler import per_microbatch
+
+    def predicted(extra: float) -> float:
+        pb = per_microbatch(_links_shifted(problem, extra), microbatches, kind)
+        return evaluate(pb, stages, devices).makespan_s
+
+    lo = -max([problem.link.latency_s, *(lk.latency_s for _, _, lk in problem.links)])  # every latency 0
+    hi = max(step_s, 0.0)
+    if predicted(lo) >= step_s:
+        extra = lo
+    elif predicted(hi) <= step_s:
+        extra = hi
+    else:
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if predicted(mid) < step_s else (lo, mid)
+        extra = 0.5 * (lo + hi)
+    return _links_shifted(problem, extra), extra
 
 
 def check_calibrate_args(steps: int, min_gain: float, rounds: int) -> None:

@@ -37,6 +37,7 @@ from fxsplit.calibrate import (
     Measurement,
     StageTimes,
     check_calibrate_args,
+    fit_link_latency,
     refit_problem,
 )
 from fxsplit.codegen import split_graph
@@ -176,14 +177,17 @@ class CompiledDistributedPipeline(DistributedPipeline):
         before, step_before = self._measure(args, kwargs, target, loss_fn, steps)
         stages_before = tuple(st.blocks for st in self.plan.stages)
         rows, step, gains, measured = before, step_before, [], []
+        latency: tuple[float, float] | None = None
         for _ in range(rounds):
             plan = self.plan
             measured.append(Measurement(tuple(st.blocks for st in plan.stages),
                                         tuple(st.device for st in plan.stages), tuple(rows)))
-            decision = from_rank0(lambda: self._replan(measured, min_gain))
+            step_s = step[1]
+            decision = from_rank0(lambda: self._replan(measured, step_s, min_gain))  # noqa: B023 - called at once
             if "error" in decision:
                 raise PlanError(f"calibrate: rank 0 could not re-plan: {decision['error']}")
             gains.append(decision["gain"])
+            latency = (decision["probed_latency_s"], decision["fitted_latency_s"])
             new_plan = Plan.from_dict(decision["plan"])
             if decision["rebuild"]:
                 self._rebuild(new_plan)
@@ -195,7 +199,7 @@ class CompiledDistributedPipeline(DistributedPipeline):
         report = CalibrationReport(
             before=tuple(before), after=tuple(rows), step_before_s=step_before, step_after_s=step,
             predicted_gains=tuple(gains), stages_before=stages_before,
-            stages_after=tuple(st.blocks for st in self.plan.stages),
+            stages_after=tuple(st.blocks for st in self.plan.stages), link_latency_s=latency,
         )
         if dist.get_rank() == 0:
             log.info("calibrate:\n%s", report.format_table())
@@ -225,8 +229,9 @@ class CompiledDistributedPipeline(DistributedPipeline):
         ]
         return rows, (self.predicted_step_s(), statistics.median(walls))
 
-    def _replan(self, measured: Sequence[Measurement], min_gain: float) -> dict[str, Any]:
-        """Rank 0: refit, solve, and decide; a plain dict for ``broadcast_object_list``."""
+    def _replan(self, measured: Sequence[Measurement], step_s: float, min_gain: float) -> dict[str, Any]:
+        """Rank 0: refit the stage times to ``measured`` and the links' latency to the running
+        plan's measured ``step_s``, solve, and decide; a plain dict for ``broadcast_object_list``."""
         from fxsplit.compiler import per_microbatch, plan_pipeline
 
         ctx = self.context
@@ -234,10 +239,12 @@ class CompiledDistributedPipeline(DistributedPipeline):
             return {"error": "rank 0 kept no planning problem (its capture or planning failed at compile time)"}
         try:
             m, kind = self.microbatches, self.schedule_kind
-            refit = refit_problem(ctx.problem, measured, m, kind)
             running = self.plan
-            old = evaluate(per_microbatch(refit, m, kind), [st.blocks for st in running.stages],
-                           [st.device for st in running.stages], solver=running.solver, status=running.status)
+            stages, devices = [st.blocks for st in running.stages], [st.device for st in running.stages]
+            refit, extra = fit_link_latency(refit_problem(ctx.problem, measured, m, kind), stages, devices, m, kind,
+                                            step_s)
+            probed = statistics.mean(ctx.problem.link_between(a, b).latency_s for a, b in zip(devices, devices[1:], strict=False))
+            old = evaluate(per_microbatch(refit, m, kind), stages, devices, solver=running.solver, status=running.status)
             choice = plan_pipeline(refit, ctx.batch, m, kind, ctx.solver, ctx.options)
         except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there as PlanError
             return {"error": f"{type(exc).__name__}: {exc}"}
@@ -245,7 +252,7 @@ class CompiledDistributedPipeline(DistributedPipeline):
         rebuild = gain > min_gain
         chosen = choice.plan if rebuild else old
         stats = {**running.stats, "calibrated": True}
-        return {"gain": gain, "rebuild": rebuild,
+        return {"gain": gain, "rebuild": rebuild, "probed_latency_s": probed, "fitted_latency_s": probed + extra,
                 "plan": chosen.with_(microbatches=m, schedule=kind, stats=stats).to_dict()}
 
     def _rebuild(self, plan: Plan) -> None:

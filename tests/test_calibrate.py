@@ -10,10 +10,16 @@ from torch import nn
 
 import fxsplit
 from fxsplit.api import CompileOptions
-from fxsplit.calibrate import CompiledPipeline, Measurement, StageTimes, refit_problem
+from fxsplit.calibrate import (
+    CompiledPipeline,
+    Measurement,
+    StageTimes,
+    fit_link_latency,
+    refit_problem,
+)
 from fxsplit.compiler import per_microbatch
 from fxsplit.errors import ConfigError
-from fxsplit.ir import CondensedGraph, DeviceSpec, Problem, evaluate
+from fxsplit.ir import CondensedGraph, DeviceSpec, LinkSpec, Problem, evaluate
 
 
 def _problem(times: list[float]) -> Problem:
@@ -77,6 +83,34 @@ def test_refit_keeps_the_fixed_share_and_uses_micro_batch_costs() -> None:
     refit = refit_problem(problem, [Measurement(((0,), (1,)), (0, 1), rows)], 4, "gpipe")
     assert refit.graph.blocks[0].fwd_s == pytest.approx(8.0) and refit.graph.blocks[0].fwd_fixed_s == pytest.approx(2.0)
     assert refit.graph.blocks[1].fwd_s == pytest.approx(4.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(times=st.lists(st.floats(0.1, 10.0), min_size=3, max_size=6), m=st.integers(1, 6),
+       latency_s=st.floats(0.0, 2.0), target=st.floats(0.0, 400.0), data=st.data())
+def test_the_fitted_link_latency_predicts_the_measured_step(times: list[float], m: int, latency_s: float,
+                                                            target: float, data: st.DataObject) -> None:
+    """Issue 9 (calibrate across processes): one latency added to every link makes the running
+    plan's predicted step the measured one, whenever a latency >= 0 can; else the nearest end."""
+    graph = CondensedGraph.chain(times, edge_bytes=1000)
+    problem = Problem(graph, (DeviceSpec("a"), DeviceSpec("b"), DeviceSpec("c")), LinkSpec(1e6, latency_s),
+                      links=((1, 2, LinkSpec(2e6, latency_s / 2)),))
+    cut1 = data.draw(st.integers(1, len(times) - 2))
+    cut2 = data.draw(st.integers(cut1 + 1, len(times) - 1))
+    stages = [list(range(cut1)), list(range(cut1, cut2)), list(range(cut2, len(times)))]
+
+    def step(pb: Problem) -> float:
+        return evaluate(per_microbatch(pb, m, "1f1b"), stages, [0, 1, 2]).makespan_s
+
+    fitted, extra = fit_link_latency(problem, stages, [0, 1, 2], m, "1f1b", target)
+    floor = step(fitted.with_(link=LinkSpec(1e6, 0.0), links=((1, 2, LinkSpec(2e6, 0.0)),)))
+    if target <= floor:  # even free messages are slower than the step: every latency goes to 0
+        assert fitted.link.latency_s == 0.0 and fitted.link_between(1, 2).latency_s == 0.0
+    else:
+        assert step(fitted) == pytest.approx(target, rel=1e-6)
+        assert fitted.link.latency_s == pytest.approx(latency_s + extra)
+        assert fitted.link_between(1, 2).latency_s == pytest.approx(max(latency_s / 2 + extra, 0.0))
+    assert fitted.graph == problem.graph
 
 
 def test_refit_refuses_a_partial_plan() -> None:
