@@ -111,7 +111,8 @@ def register(app: typer.Typer) -> None:
 
             try:
                 run_distributed(model, steps=steps, microbatches=microbatches, schedule=schedule, size=size,
-                                batch_size=batch_size, lr=lr, backend=backend, timeout_s=timeout_s)
+                                batch_size=batch_size, lr=lr, backend=backend, timeout_s=timeout_s,
+                                calibrate=calibrate)
             except FxsplitError as exc:
                 exit_with_error(console, exc, 2)
             return

@@ -69,9 +69,10 @@ def _summary(pipe: Any, result: dict[str, Any], world: int) -> Table:
 
 def run_distributed(
     model: str, *, steps: int, microbatches: str, schedule: str, size: str, batch_size: int, lr: float,
-    backend: str, timeout_s: float, save: str | None = None,
+    backend: str, timeout_s: float, save: str | None = None, calibrate: int = 0,
 ) -> None:
-    """Train ``model`` across the processes torchrun launched; rank 0 prints.
+    """Train ``model`` across the processes torchrun launched; rank 0 prints. ``calibrate > 0``:
+    measure that many steps per plan, refit and re-plan across the ranks first.
 
     Raises:
         FxsplitError: as :func:`fxsplit.distributed.compile` (the caller prints it).
@@ -94,6 +95,11 @@ def run_distributed(
             lambda: load_model(model, size=size, batch_size=batch_size).model, case.example_inputs,
             schedule=kind, microbatches=m, state_dict=reference.state_dict(), timeout_s=timeout_s,
         )
+    if calibrate > 0:
+        inputs, target = case.make_batch(batch_size, 999)
+        with console.status(f"calibrating: {calibrate} measured steps per plan on every rank ..."):
+            report = pipe.calibrate(*inputs, target=target, loss_fn=case.loss_fn, steps=calibrate)
+        console.print(report.format_table(), markup=False)
     console.print(repr(pipe), markup=False)
     result = _train(pipe, case, reference, steps, lr, batch_size, console, rank)
     diffs = torch.tensor([result["loss_diff"], result["grad_diff"]], dtype=torch.float64, device=pipe.device)
