@@ -133,7 +133,8 @@ def _dist_worker(rank: int, port: int, queue: Any, case_args: tuple, steps: int,
                        "stages": p, "microbatches": m, "batch": batch, "schedule": schedule, "compile_s": compile_s,
                        "before": before["stages"], "step": before["step"], "replay_s": before["replay_s"],
                        "after": after["stages"], "step_after": after["step"], "replay_after_s": after["replay_s"],
-                       "gains": report.predicted_gains, "replanned": report.replanned})
+                       "gains": report.predicted_gains, "replanned": report.replanned,
+                       "link_latency_s": report.link_latency_s})
         pipe.close()
     finally:
         dist.destroy_process_group()
@@ -149,14 +150,16 @@ def dist_step_table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="step time, 2 ranks (gloo): plan's simulated step vs measured train_step, before and after "
                     "calibrate; error = predicted / measured - 1")
     for col in ("model", "p x m", "pred ms", "meas ms", "error", "median |stage err|", "replay error",
-                "calibrated: pred ms", "meas ms", "error", "median |stage err|", "replay error", "replanned"):
+                "calibrated: pred ms", "meas ms", "error", "median |stage err|", "replay error", "replanned",
+                "latency us: probed / fitted"):
         t.add_column(col, justify="left" if col == "model" else "right")
     for r in rows:
         (pb, mb), (pa, ma) = r["step"], r["step_after"]
         t.add_row(r["name"], f"{r['stages']} x {r['microbatches']}", f"{pb * 1e3:.2f}", f"{mb * 1e3:.2f}",
                   f"{_err(pb, mb):+.1%}", f"{_median_stage_err(r['before']):.1%}", f"{_err(r['replay_s'], mb):+.1%}",
                   f"{pa * 1e3:.2f}", f"{ma * 1e3:.2f}", f"{_err(pa, ma):+.1%}", f"{_median_stage_err(r['after']):.1%}",
-                  f"{_err(r['replay_after_s'], ma):+.1%}", "yes" if r["replanned"] else "no")
+                  f"{_err(r['replay_after_s'], ma):+.1%}", "yes" if r["replanned"] else "no",
+                  "{:.0f} / {:.0f}".format(*(x * 1e6 for x in r["link_latency_s"])))
     return t
 
 
