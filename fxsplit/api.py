@@ -116,10 +116,22 @@ def _case(name: str, model: nn.Module, inputs: Sequence[Any]) -> Any:
     from fxsplit.models.case import primary_tensor
 
     inputs = tuple(inputs)
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim()]
+    example_batch = int(tensors[0].shape[0]) if tensors else 0
 
     def make_batch(batch_size: int, seed: int) -> Any:
-        out = primary_tensor(model(*inputs))
-        return inputs, torch.zeros_like(out)
+        """``batch_size`` samples drawn (with replacement, seeded) from the example's rows: every
+        tensor input whose dim 0 is the example's batch is indexed, the rest kept; the target is
+        zeros shaped as the model's output on them (a synthetic regression)."""
+        if example_batch == 0:
+            raise ConfigError(f"{name}: the example inputs have no batch dimension to draw {batch_size} samples from; "
+                              "return inputs with the batch on dim 0 from the function")
+        rows = torch.randint(0, example_batch, (batch_size,), generator=torch.Generator().manual_seed(seed))
+        batch = tuple(x[rows] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == example_batch else x
+                      for x in inputs)
+        with torch.no_grad():
+            out = primary_tensor(model(*batch))
+        return batch, torch.zeros_like(out)
 
     def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.mse_loss(primary_tensor(output), target)

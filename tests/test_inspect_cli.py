@@ -152,6 +152,12 @@ def make_tiny() -> tuple[nn.Module, tuple[torch.Tensor]]:
 def test_load_model_from_module_function() -> None:
     case = load_model("test_inspect_cli:make_tiny")
     assert isinstance(case.model, nn.Linear) and case.example_inputs[0].shape == (2, 3)
+    # issue 15: make_batch ignored its batch size and seed (always the example itself)
+    (x5,), y5 = case.make_batch(5, 0)
+    assert x5.shape == (5, 3) and y5.shape == (5, 3)
+    assert torch.equal(case.make_batch(5, 0)[0][0], x5)
+    assert not torch.equal(case.make_batch(5, 1)[0][0], x5)
+    assert all(any(torch.equal(row, ex) for ex in case.example_inputs[0]) for row in x5)  # the example's rows
     with pytest.raises(ConfigError, match="module:function"):
         load_model("no_such_module_xyz:fn")
 
