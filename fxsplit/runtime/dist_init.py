@@ -147,28 +147,25 @@ def parameters_on_meta(
     """Inside the block, every parameter a module registers moves to the meta device at once.
 
     Buffers stay real. The peak extra memory is one parameter (the one being registered) plus
-    those kept. Patches ``nn.Module.register_parameter`` for the duration of the block (not
-    thread-safe).
+    those kept. Uses torch's global parameter-registration hook
+    (``torch.nn.modules.module.register_module_parameter_registration_hook``), removed when the
+    block ends; modules built in other threads meanwhile are affected too.
 
     Args:
         keep: ``keep(module, name, parameter)``: True leaves that parameter real (default: none).
     """
-    original = nn.Module.register_parameter
+    from torch.nn.modules.module import register_module_parameter_registration_hook
 
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if (
-            param is not None
-            and param.device.type != "meta"
-            and not (keep is not None and keep(self, name, param))
-        ):
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or param.device.type == "meta" or (keep is not None and keep(module, name, param)):
+            return None  # keep it as it is
+        return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    handle = register_module_parameter_registration_hook(to_meta)
     try:
         yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        handle.remove()
 
 
 def _constructor_values(
