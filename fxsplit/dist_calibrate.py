@@ -153,6 +153,7 @@ class CompiledDistributedPipeline(DistributedPipeline):
 
         Call it before creating the optimizer: a rebuild makes new stage tensors (their values
         moved between ranks). Gradients are left cleared (``None``); parameters keep their values.
+        It ends on the fastest plan it measured (a rebuilt plan that measures slower is undone).
 
         Args:
             args, kwargs: A batch of the model's inputs (as for :meth:`train_step`).
@@ -178,12 +179,13 @@ class CompiledDistributedPipeline(DistributedPipeline):
         stages_before = tuple(st.blocks for st in self.plan.stages)
         rows, step, gains, measured = before, step_before, [], []
         latency: tuple[float, float] | None = None
+        best = (step_before[1], self.plan)  # the fastest plan measured, to end with (same on every rank)
         for _ in range(rounds):
             plan = self.plan
             measured.append(Measurement(tuple(st.blocks for st in plan.stages),
                                         tuple(st.device for st in plan.stages), tuple(rows)))
             step_s = step[1]
-            decision = from_rank0(lambda: self._replan(measured, step_s, min_gain))  # noqa: B023 - called at once
+            decision = from_rank0(lambda: self._replan(measured, plan, step_s, min_gain))  # noqa: B023 - called at once
             if "error" in decision:
                 raise PlanError(f"calibrate: rank 0 could not re-plan: {decision['error']}")
             gains.append(decision["gain"])
@@ -194,8 +196,22 @@ class CompiledDistributedPipeline(DistributedPipeline):
             else:
                 self.meta = {**self.meta, "plan": new_plan.to_dict()}
             rows, step = self._measure(args, kwargs, target, loss_fn, steps)
+            if decision["rebuild"] and step[1] < best[0]:
+                best = (step[1], new_plan)
             if not decision["rebuild"]:
                 break
+        if step[1] > best[0] and best[1].stages != self.plan.stages:  # a re-plan measured slower: go back
+            log.info("calibrate: the re-planned pipeline measured %.3g s per step, slower than %.3g s: going back",
+                     step[1], best[0])
+            plan = self.plan
+            measured.append(Measurement(tuple(st.blocks for st in plan.stages),
+                                        tuple(st.device for st in plan.stages), tuple(rows)))
+            back = from_rank0(lambda: self._replan(measured, best[1], best[0], None))
+            if "error" in back:
+                raise PlanError(f"calibrate: rank 0 could not cost the plan to go back to: {back['error']}")
+            latency = (back["probed_latency_s"], back["fitted_latency_s"])
+            self._rebuild(Plan.from_dict(back["plan"]))
+            rows, step = self._measure(args, kwargs, target, loss_fn, steps)
         report = CalibrationReport(
             before=tuple(before), after=tuple(rows), step_before_s=step_before, step_after_s=step,
             predicted_gains=tuple(gains), stages_before=stages_before,
@@ -229,9 +245,11 @@ class CompiledDistributedPipeline(DistributedPipeline):
         ]
         return rows, (self.predicted_step_s(), statistics.median(walls))
 
-    def _replan(self, measured: Sequence[Measurement], step_s: float, min_gain: float) -> dict[str, Any]:
-        """Rank 0: refit the stage times to ``measured`` and the links' latency to the running
-        plan's measured ``step_s``, solve, and decide; a plain dict for ``broadcast_object_list``."""
+    def _replan(self, measured: Sequence[Measurement], running: Plan, step_s: float, min_gain: float | None
+                ) -> dict[str, Any]:
+        """Rank 0: refit the stage times to ``measured`` and the links' latency to ``running``'s
+        measured ``step_s``; with ``min_gain``, solve and decide whether to rebuild, else (None)
+        only cost ``running`` on the refit; a plain dict for ``broadcast_object_list``."""
         from fxsplit.compiler import per_microbatch, plan_pipeline
 
         ctx = self.context
@@ -239,18 +257,18 @@ class CompiledDistributedPipeline(DistributedPipeline):
             return {"error": "rank 0 kept no planning problem (its capture or planning failed at compile time)"}
         try:
             m, kind = self.microbatches, self.schedule_kind
-            running = self.plan
             stages, devices = [st.blocks for st in running.stages], [st.device for st in running.stages]
             refit, extra = fit_link_latency(refit_problem(ctx.problem, measured, m, kind), stages, devices, m, kind,
                                             step_s)
-            probed = statistics.mean(ctx.problem.link_between(a, b).latency_s for a, b in zip(devices, devices[1:], strict=False))
+            probed = statistics.mean(ctx.problem.link_between(a, b).latency_s
+                                     for a, b in zip(devices, devices[1:], strict=False))
             old = evaluate(per_microbatch(refit, m, kind), stages, devices, solver=running.solver, status=running.status)
-            choice = plan_pipeline(refit, ctx.batch, m, kind, ctx.solver, ctx.options)
+            choice = plan_pipeline(refit, ctx.batch, m, kind, ctx.solver, ctx.options) if min_gain is not None else None
         except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there as PlanError
             return {"error": f"{type(exc).__name__}: {exc}"}
-        gain = 1.0 - choice.plan.makespan_s / old.makespan_s if old.makespan_s > 0 else 0.0
-        rebuild = gain > min_gain
-        chosen = choice.plan if rebuild else old
+        gain = 1.0 - choice.plan.makespan_s / old.makespan_s if choice is not None and old.makespan_s > 0 else 0.0
+        rebuild = choice is not None and min_gain is not None and gain > min_gain
+        chosen = choice.plan if rebuild and choice is not None else old
         stats = {**running.stats, "calibrated": True}
         return {"gain": gain, "rebuild": rebuild, "probed_latency_s": probed, "fitted_latency_s": probed + extra,
                 "plan": chosen.with_(microbatches=m, schedule=kind, stats=stats).to_dict()}

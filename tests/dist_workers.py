@@ -451,8 +451,8 @@ def _calibration_case(name: str, batch: int) -> tuple[Any, Any, tuple, torch.Ten
     if name == "matrix_exp":
         def build() -> torch.nn.Module:
             torch.manual_seed(0)
-            return torch.nn.Sequential(MatrixExp(), *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
-                                                      for _ in range(9)])
+            return torch.nn.Sequential(MatrixExp(), MatrixExp(), MatrixExp(),
+                                       *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(9)])
         gen = torch.Generator().manual_seed(1)
         x, y = torch.randn(batch, 64, generator=gen), torch.randn(batch, 64, generator=gen)
         return build, build(), (x,), y, torch.nn.functional.mse_loss
@@ -481,7 +481,7 @@ def calibrate_rebuilds(rank: int, world: int, out_dir: str, name: str, plan_json
     mine = pipe.state_dict()
     for key, value in mine.items():
         torch.testing.assert_close(value, original[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
-    out.update(keys=sorted(mine), replanned=report.replanned, stages_before=report.stages_before,
+    out.update(keys=sorted(mine), replanned=report.replanned, gains=report.predicted_gains, stages_before=report.stages_before,
                stages_after=report.stages_after, table=report.format_table(),
                imbalance_before=_imbalance(report.before), imbalance_after=_imbalance(report.after),
                step_ratio_before=report.step_before_s[1] / report.step_before_s[0],
