@@ -31,7 +31,7 @@ from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime import Pipeline
 
 __all__ = ["CompileContext", "CompiledPipeline", "CalibrationReport", "StageTimes", "Measurement", "refit_problem",
-           "check_calibrate_args", "fit_link_latency"]
+           "check_calibrate_args", "fit_link_latency", "pipelined_step_s"]
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +229,14 @@ def fit_link_latency(problem: Problem, stages: Sequence[Sequence[int]], devices:
     return _links_shifted(problem, extra), extra
 
 
+def pipelined_step_s(rows: Sequence[StageTimes], microbatches: int) -> float:
+    """The pipelined step of measured stages (``sum + (m - 1) x max`` of their forward+backward
+    per micro-batch, the plan's makespan): what a plan is judged by here, since the local pipeline
+    runs its stages in turn, in one thread, and its wall is the same for every split."""
+    t = [r.meas_fwd_s + r.meas_bwd_s for r in rows]
+    return sum(t) + (microbatches - 1) * max(t)
+
+
 def check_calibrate_args(steps: int, min_gain: float, rounds: int) -> None:
     """Raise ConfigError unless ``steps >= 1``, ``min_gain >= 0`` and ``rounds >= 1``."""
     if not isinstance(steps, int) or steps < 1 or not min_gain >= 0 or not isinstance(rounds, int) or rounds < 1:
@@ -271,8 +279,9 @@ class CompiledPipeline(Pipeline):
     ) -> CalibrationReport:
         """Measure ``steps`` training steps, refit the stage costs, re-plan, and rebuild the
         pipeline in place when the new plan is predicted faster by more than ``min_gain``.
-        It ends on the fastest plan it measured: a rebuilt plan that measures slower than an
-        earlier one is undone (on a noisy machine a refit can mislead).
+        It ends on the fastest plan it measured (by the pipelined step of its measured stages,
+        :func:`pipelined_step_s`): a rebuilt plan that measures slower than an earlier one is undone
+        (on a noisy machine a refit can mislead).
 
         Call it before creating the optimizer: a rebuild makes new stages (tied copies are new
         tensors). Gradients are left cleared (``None``); parameters are not changed.
@@ -301,7 +310,7 @@ class CompiledPipeline(Pipeline):
         before, step_before = self._measure(args, kwargs, target, loss_fn, steps)
         stages_before = tuple(st.blocks for st in self.plan.stages)
         rows, step, gains, measured = before, step_before, [], []
-        best = (step_before[1], dict(self.__dict__))  # the fastest plan measured, to end with
+        best = (pipelined_step_s(before, self.microbatches), dict(self.__dict__))  # the fastest plan measured
         for _ in range(rounds):
             measured.append(Measurement(tuple(st.blocks for st in self.plan.stages),
                                         tuple(st.device for st in self.plan.stages), tuple(rows)))
@@ -315,16 +324,16 @@ class CompiledPipeline(Pipeline):
                 self._adopt_costs(ctx, refit)
             ctx = self.context
             rows, step = self._measure(args, kwargs, target, loss_fn, steps)
-            if rebuild and step[1] < best[0]:
-                best = (step[1], dict(self.__dict__))
+            if rebuild and pipelined_step_s(rows, self.microbatches) < best[0]:
+                best = (pipelined_step_s(rows, self.microbatches), dict(self.__dict__))
             if not rebuild:
                 break
-        if step[1] > best[0] and best[1]["plan"] is not self.plan:  # a re-plan measured slower: go back
+        if pipelined_step_s(rows, self.microbatches) > best[0] and best[1]["plan"] is not self.plan:  # slower: go back
             measured.append(Measurement(tuple(st.blocks for st in self.plan.stages),
                                         tuple(st.device for st in self.plan.stages), tuple(rows)))
             refit = refit_problem(base, measured, self.microbatches, self.schedule_kind)
-            log.info("calibrate: the re-planned pipeline measured %.3g s per step, slower than %.3g s: going back",
-                     step[1], best[0])
+            log.info("calibrate: the re-planned pipeline measured %.3g s per pipelined step, slower than %.3g s: "
+                     "going back", pipelined_step_s(rows, self.microbatches), best[0])
             self.__dict__.update(best[1])
             self._adopt_costs(self.context, refit)
             rows, step = self._measure(args, kwargs, target, loss_fn, steps)

@@ -38,6 +38,7 @@ from fxsplit.calibrate import (
     StageTimes,
     check_calibrate_args,
     fit_link_latency,
+    pipelined_step_s,
     refit_problem,
 )
 from fxsplit.codegen import split_graph
@@ -153,7 +154,8 @@ class CompiledDistributedPipeline(DistributedPipeline):
 
         Call it before creating the optimizer: a rebuild makes new stage tensors (their values
         moved between ranks). Gradients are left cleared (``None``); parameters keep their values.
-        It ends on the fastest plan it measured (a rebuilt plan that measures slower is undone).
+        It ends on the fastest plan it measured, by the pipelined step of its measured stages (a
+        rebuilt plan that measures slower is undone; the wall of a few steps is noisier).
 
         Args:
             args, kwargs: A batch of the model's inputs (as for :meth:`train_step`).
@@ -179,7 +181,8 @@ class CompiledDistributedPipeline(DistributedPipeline):
         stages_before = tuple(st.blocks for st in self.plan.stages)
         rows, step, gains, measured = before, step_before, [], []
         latency: tuple[float, float] | None = None
-        best = (step_before[1], self.plan)  # the fastest plan measured, to end with (same on every rank)
+        # the fastest plan measured (pipelined step of its measured stages), its wall step; same on every rank
+        best = (pipelined_step_s(before, self.microbatches), self.plan, step_before[1])
         for _ in range(rounds):
             plan = self.plan
             measured.append(Measurement(tuple(st.blocks for st in plan.stages),
@@ -196,17 +199,17 @@ class CompiledDistributedPipeline(DistributedPipeline):
             else:
                 self.meta = {**self.meta, "plan": new_plan.to_dict()}
             rows, step = self._measure(args, kwargs, target, loss_fn, steps)
-            if decision["rebuild"] and step[1] < best[0]:
-                best = (step[1], new_plan)
+            if decision["rebuild"] and pipelined_step_s(rows, self.microbatches) < best[0]:
+                best = (pipelined_step_s(rows, self.microbatches), self.plan, step[1])
             if not decision["rebuild"]:
                 break
-        if step[1] > best[0] and best[1].stages != self.plan.stages:  # a re-plan measured slower: go back
-            log.info("calibrate: the re-planned pipeline measured %.3g s per step, slower than %.3g s: going back",
-                     step[1], best[0])
+        if pipelined_step_s(rows, self.microbatches) > best[0] and best[1].stages != self.plan.stages:  # slower: back
+            log.info("calibrate: the re-planned stages measured %.3g s per pipelined step, slower than %.3g s: "
+                     "going back", pipelined_step_s(rows, self.microbatches), best[0])
             plan = self.plan
             measured.append(Measurement(tuple(st.blocks for st in plan.stages),
                                         tuple(st.device for st in plan.stages), tuple(rows)))
-            back = from_rank0(lambda: self._replan(measured, best[1], best[0], None))
+            back = from_rank0(lambda: self._replan(measured, best[1], best[2], None))
             if "error" in back:
                 raise PlanError(f"calibrate: rank 0 could not cost the plan to go back to: {back['error']}")
             latency = (back["probed_latency_s"], back["fitted_latency_s"])
