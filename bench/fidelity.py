@@ -82,19 +82,9 @@ def _dist_timed(pipe: Any, x: Any, y: Any, loss_fn: Any, kwargs: dict, steps: in
                 ) -> dict[str, Any]:
     """``steps`` timed train steps after one warm-up: per-stage medians (every rank's trace), the
     median step wall between barriers, and the schedule replayed on the measured stage times."""
-    import torch.distributed as dist
-
     from fxsplit.schedule import make, simulate
 
-    step_s, per_step = [], []
-    for i in range(steps + 1):  # the first step warms up (buffers, allocator)
-        dist.barrier()
-        t = time.perf_counter()
-        pipe.train_step(*x, target=y, loss_fn=loss_fn, **kwargs)
-        dist.barrier()
-        if i:
-            step_s.append(time.perf_counter() - t)
-            per_step.append(pipe.stage_times_s())
+    step_s, per_step = pipe.timed_steps(*x, target=y, loss_fn=loss_fn, steps=steps, **kwargs)
     plan = pipe.meta["plan"]
     stages = [{"stage": s, "pred_fwd_s": st["fwd_s"], "pred_bwd_s": st["bwd_s"],
                "meas_fwd_s": statistics.median(r[s]["fwd_s"] for r in per_step),

@@ -31,7 +31,7 @@ from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime import Pipeline
 
 __all__ = ["CompileContext", "CompiledPipeline", "CalibrationReport", "StageTimes", "Measurement", "refit_problem",
-           "check_calibrate_args", "fit_link_latency", "pipelined_step_s"]
+           "check_calibrate_args", "fit_link_latency", "pipelined_step_s", "calibration_loop", "stage_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,19 @@ class Measurement:
     stages: tuple[tuple[int, ...], ...]
     devices: tuple[int, ...]
     times: tuple[StageTimes, ...]
+
+    @classmethod
+    def of(cls, plan: Any, times: Sequence[StageTimes]) -> Measurement:
+        """The measurement of ``plan`` (a :class:`~fxsplit.ir.Plan`) whose stages took ``times``."""
+        return cls(tuple(tuple(st.blocks) for st in plan.stages), tuple(st.device for st in plan.stages), tuple(times))
+
+
+def stage_rows(plan: Any, per_step: Sequence[Sequence[dict[str, float]]]) -> list[StageTimes]:
+    """Each stage of ``plan``: its predicted times against the mean of ``per_step`` (one
+    ``[num_stages]`` list of ``{"fwd_s", "bwd_s"}`` per measured step)."""
+    return [StageTimes(s, st.fwd_s, st.bwd_s, statistics.mean(p[s]["fwd_s"] for p in per_step),
+                       statistics.mean(p[s]["bwd_s"] for p in per_step))
+            for s, st in enumerate(plan.stages)]
 
 
 def refit_problem(problem: Problem, measurements: Sequence[Measurement], microbatches: int, kind: str) -> Problem:
@@ -237,6 +250,56 @@ def pipelined_step_s(rows: Sequence[StageTimes], microbatches: int) -> float:
     return sum(t) + (microbatches - 1) * max(t)
 
 
+Measured = tuple[list[StageTimes], tuple[float, float]]
+"""Per-stage times of the running plan and ``(predicted, measured)`` step seconds."""
+
+
+def calibration_loop(
+    pipe: Any,
+    rounds: int,
+    measure: Callable[[], Measured],
+    recalibrate: Callable[[list[Measurement], float], tuple[float, bool, tuple[float, float] | None]],
+    go_back: Callable[[Any, list[Measurement]], tuple[float, float] | None],
+    snapshot: Callable[[float], Any],
+) -> CalibrationReport:
+    """The measure-refit-replan rounds of ``calibrate``, for the local and the distributed pipeline.
+
+    Each round appends the running plan's :class:`Measurement` and calls ``recalibrate(measured,
+    measured step s)``, which refits, re-plans and either rebuilds ``pipe`` or has it adopt the
+    refitted costs, returning ``(predicted gain, rebuilt, link latency (probed, fitted) or None)``;
+    the plan is measured again, and the rounds stop at the first one that kept the plan. It ends
+    on the fastest plan measured (by :func:`pipelined_step_s`): when the last rebuilt one is
+    slower, ``go_back(snapshot, measured)`` restores the ``snapshot(step s)`` taken when the
+    fastest ran and returns the latency.
+    """
+    m = pipe.microbatches
+    before, step_before = measure()
+    stages_before = tuple(st.blocks for st in pipe.plan.stages)
+    rows, step, gains, measured = before, step_before, [], []
+    latency: tuple[float, float] | None = None
+    best = (pipelined_step_s(before, m), stages_before, snapshot(step_before[1]))
+    for _ in range(rounds):
+        measured.append(Measurement.of(pipe.plan, rows))
+        gain, rebuilt, latency = recalibrate(measured, step[1])
+        gains.append(gain)
+        rows, step = measure()
+        if rebuilt and pipelined_step_s(rows, m) < best[0]:
+            best = (pipelined_step_s(rows, m), tuple(st.blocks for st in pipe.plan.stages), snapshot(step[1]))
+        if not rebuilt:
+            break
+    if pipelined_step_s(rows, m) > best[0] and best[1] != tuple(st.blocks for st in pipe.plan.stages):
+        log.info("calibrate: the re-planned stages measured %.3g s per pipelined step, slower than %.3g s: "
+                 "going back", pipelined_step_s(rows, m), best[0])
+        measured.append(Measurement.of(pipe.plan, rows))
+        latency = go_back(best[2], measured)
+        rows, step = measure()
+    return CalibrationReport(
+        before=tuple(before), after=tuple(rows), step_before_s=step_before, step_after_s=step,
+        predicted_gains=tuple(gains), stages_before=stages_before,
+        stages_after=tuple(st.blocks for st in pipe.plan.stages), link_latency_s=latency,
+    )
+
+
 def check_calibrate_args(steps: int, min_gain: float, rounds: int) -> None:
     """Raise ConfigError unless ``steps >= 1``, ``min_gain >= 0`` and ``rounds >= 1``."""
     if not isinstance(steps, int) or steps < 1 or not min_gain >= 0 or not isinstance(rounds, int) or rounds < 1:
@@ -305,48 +368,28 @@ class CompiledPipeline(Pipeline):
         if self.context is None:
             raise ConfigError("calibrate needs the pipeline fxsplit.compile returns (it keeps what it planned from)")
         check_calibrate_args(steps, min_gain, rounds)
-        ctx = self.context
-        base = ctx.problem
-        before, step_before = self._measure(args, kwargs, target, loss_fn, steps)
-        stages_before = tuple(st.blocks for st in self.plan.stages)
-        rows, step, gains, measured = before, step_before, [], []
-        best = (pipelined_step_s(before, self.microbatches), dict(self.__dict__))  # the fastest plan measured
-        for _ in range(rounds):
-            measured.append(Measurement(tuple(st.blocks for st in self.plan.stages),
-                                        tuple(st.device for st in self.plan.stages), tuple(rows)))
+        base = self.context.problem
+
+        def recalibrate(measured: list[Measurement], _step_s: float) -> tuple[float, bool, None]:
+            ctx = self.context
             refit = refit_problem(base, measured, self.microbatches, self.schedule_kind)
             choice, gain = _replan(self, ctx, refit)
-            gains.append(gain)
-            rebuild = gain > min_gain
-            if rebuild:
+            if gain > min_gain:
                 self._rebuild(ctx, refit, choice)
             else:
                 self._adopt_costs(ctx, refit)
-            ctx = self.context
-            rows, step = self._measure(args, kwargs, target, loss_fn, steps)
-            if rebuild and pipelined_step_s(rows, self.microbatches) < best[0]:
-                best = (pipelined_step_s(rows, self.microbatches), dict(self.__dict__))
-            if not rebuild:
-                break
-        if pipelined_step_s(rows, self.microbatches) > best[0] and best[1]["plan"] is not self.plan:  # slower: go back
-            measured.append(Measurement(tuple(st.blocks for st in self.plan.stages),
-                                        tuple(st.device for st in self.plan.stages), tuple(rows)))
-            refit = refit_problem(base, measured, self.microbatches, self.schedule_kind)
-            log.info("calibrate: the re-planned pipeline measured %.3g s per pipelined step, slower than %.3g s: "
-                     "going back", pipelined_step_s(rows, self.microbatches), best[0])
-            self.__dict__.update(best[1])
-            self._adopt_costs(self.context, refit)
-            rows, step = self._measure(args, kwargs, target, loss_fn, steps)
-        report = CalibrationReport(
-            before=tuple(before), after=tuple(rows), step_before_s=step_before, step_after_s=step,
-            predicted_gains=tuple(gains), stages_before=stages_before,
-            stages_after=tuple(st.blocks for st in self.plan.stages),
-        )
+            return gain, gain > min_gain, None
+
+        def go_back(saved: dict[str, Any], measured: list[Measurement]) -> None:
+            self.__dict__.update(saved)
+            self._adopt_costs(self.context, refit_problem(base, measured, self.microbatches, self.schedule_kind))
+
+        report = calibration_loop(self, rounds, lambda: self._measure(args, kwargs, target, loss_fn, steps),
+                                  recalibrate, go_back, lambda _step_s: dict(self.__dict__))
         log.info("calibrate:\n%s", report.format_table())
         return report
 
-    def _measure(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, steps: int
-                 ) -> tuple[list[StageTimes], tuple[float, float]]:
+    def _measure(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, steps: int) -> Measured:
         """Per-stage mean times over ``steps`` steps (after one warm-up) and the median step."""
         per_step, walls = [], []
         recorder = self.recorder
@@ -360,12 +403,7 @@ class CompiledPipeline(Pipeline):
                     walls.append(time.perf_counter() - start)
                     per_step.append(recorder.per_stage_s(self.num_stages))
         self.zero_grad(set_to_none=True)
-        rows = [
-            StageTimes(s, st.fwd_s, st.bwd_s, statistics.mean(p[s]["fwd_s"] for p in per_step),
-                       statistics.mean(p[s]["bwd_s"] for p in per_step))
-            for s, st in enumerate(self.plan.stages)
-        ]
-        return rows, (self.predicted_step_s(), statistics.median(walls))
+        return stage_rows(self.plan, per_step), (self.predicted_step_s(), statistics.median(walls))
 
     def _adopt_costs(self, ctx: CompileContext, refit: Problem) -> None:
         """Keep the stages, predict them with the refitted costs (the plan's times, the context)."""

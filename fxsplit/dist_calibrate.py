@@ -34,12 +34,13 @@ from torch import nn
 
 from fxsplit.calibrate import (
     CalibrationReport,
+    Measured,
     Measurement,
-    StageTimes,
+    calibration_loop,
     check_calibrate_args,
     fit_link_latency,
-    pipelined_step_s,
     refit_problem,
+    stage_rows,
 )
 from fxsplit.codegen import split_graph
 from fxsplit.dist_build import build_pipeline, tied_groups
@@ -177,76 +178,64 @@ class CompiledDistributedPipeline(DistributedPipeline):
         if self.context is None:
             raise ConfigError("calibrate needs the pipeline fxsplit.distributed.compile returns (it keeps what it "
                               "planned from)")
-        before, step_before = self._measure(args, kwargs, target, loss_fn, steps)
-        stages_before = tuple(st.blocks for st in self.plan.stages)
-        rows, step, gains, measured = before, step_before, [], []
-        latency: tuple[float, float] | None = None
-        # the fastest plan measured (pipelined step of its measured stages), its wall step; same on every rank
-        best = (pipelined_step_s(before, self.microbatches), self.plan, step_before[1])
-        for _ in range(rounds):
-            plan = self.plan
-            measured.append(Measurement(tuple(st.blocks for st in plan.stages),
-                                        tuple(st.device for st in plan.stages), tuple(rows)))
-            step_s = step[1]
-            decision = from_rank0(lambda: self._replan(measured, plan, step_s, min_gain))  # noqa: B023 - called at once
-            if "error" in decision:
-                raise PlanError(f"calibrate: rank 0 could not re-plan: {decision['error']}")
-            gains.append(decision["gain"])
-            latency = (decision["probed_latency_s"], decision["fitted_latency_s"])
+
+        def recalibrate(measured: list[Measurement], step_s: float) -> tuple[float, bool, tuple[float, float]]:
+            running = self.plan
+            decision = self._from_rank0("re-plan", lambda: self._replan(measured, running, step_s, min_gain))
             new_plan = Plan.from_dict(decision["plan"])
             if decision["rebuild"]:
                 self._rebuild(new_plan)
             else:
                 self.meta = {**self.meta, "plan": new_plan.to_dict()}
-            rows, step = self._measure(args, kwargs, target, loss_fn, steps)
-            if decision["rebuild"] and pipelined_step_s(rows, self.microbatches) < best[0]:
-                best = (pipelined_step_s(rows, self.microbatches), self.plan, step[1])
-            if not decision["rebuild"]:
-                break
-        if pipelined_step_s(rows, self.microbatches) > best[0] and best[1].stages != self.plan.stages:  # slower: back
-            log.info("calibrate: the re-planned stages measured %.3g s per pipelined step, slower than %.3g s: "
-                     "going back", pipelined_step_s(rows, self.microbatches), best[0])
-            plan = self.plan
-            measured.append(Measurement(tuple(st.blocks for st in plan.stages),
-                                        tuple(st.device for st in plan.stages), tuple(rows)))
-            back = from_rank0(lambda: self._replan(measured, best[1], best[2], None))
-            if "error" in back:
-                raise PlanError(f"calibrate: rank 0 could not cost the plan to go back to: {back['error']}")
-            latency = (back["probed_latency_s"], back["fitted_latency_s"])
+            return decision["gain"], decision["rebuild"], (decision["probed_latency_s"], decision["fitted_latency_s"])
+
+        def go_back(saved: tuple[Plan, float], measured: list[Measurement]) -> tuple[float, float]:
+            plan, step_s = saved
+            back = self._from_rank0("cost the plan to go back to", lambda: self._replan(measured, plan, step_s, None))
             self._rebuild(Plan.from_dict(back["plan"]))
-            rows, step = self._measure(args, kwargs, target, loss_fn, steps)
-        report = CalibrationReport(
-            before=tuple(before), after=tuple(rows), step_before_s=step_before, step_after_s=step,
-            predicted_gains=tuple(gains), stages_before=stages_before,
-            stages_after=tuple(st.blocks for st in self.plan.stages), link_latency_s=latency,
-        )
+            return back["probed_latency_s"], back["fitted_latency_s"]
+
+        report = calibration_loop(self, rounds, lambda: self._measure(args, kwargs, target, loss_fn, steps),
+                                  recalibrate, go_back, lambda step_s: (self.plan, step_s))
         if dist.get_rank() == 0:
             log.info("calibrate:\n%s", report.format_table())
         return report
 
-    def _measure(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, steps: int
-                 ) -> tuple[list[StageTimes], tuple[float, float]]:
+    def timed_steps(self, *args: Any, target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor], steps: int,
+                    **kwargs: Any) -> tuple[list[float], list[list[dict[str, float]]]]:
+        """``steps`` training steps after one warm-up, each timed between barriers; collective.
+
+        Returns:
+            This rank's step walls (seconds) and, per step, every stage's forward and backward
+            seconds per micro-batch (:meth:`stage_times_s`, the same on every rank).
+        """
+        walls, per_step = [], []
+        for i in range(steps + 1):  # the first step warms up (runners, buffers, allocator)
+            dist.barrier()
+            start = time.perf_counter()
+            self.train_step(*args, target=target, loss_fn=loss_fn, **kwargs)
+            dist.barrier()
+            if i:
+                walls.append(time.perf_counter() - start)
+                per_step.append(self.stage_times_s())
+        return walls, per_step
+
+    def _measure(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, steps: int) -> Measured:
         """Every stage's mean times over ``steps`` steps (after one warm-up) and rank 0's median
         step wall (barrier to barrier), the same on every rank."""
         self._recorder_or_raise()
-        per_step, walls = [], []
         with gc_paused():
-            for i in range(steps + 1):
-                dist.barrier()
-                start = time.perf_counter()
-                self.train_step(*args, target=target, loss_fn=loss_fn, **kwargs)
-                dist.barrier()
-                if i:
-                    walls.append(time.perf_counter() - start)
-                    per_step.append(self.stage_times_s())
+            walls, per_step = self.timed_steps(*args, target=target, loss_fn=loss_fn, steps=steps, **kwargs)
         self.zero_grad(set_to_none=True)
         walls = from_rank0(lambda: walls)
-        rows = [
-            StageTimes(s, st.fwd_s, st.bwd_s, statistics.mean(p[s]["fwd_s"] for p in per_step),
-                       statistics.mean(p[s]["bwd_s"] for p in per_step))
-            for s, st in enumerate(self.plan.stages)
-        ]
-        return rows, (self.predicted_step_s(), statistics.median(walls))
+        return stage_rows(self.plan, per_step), (self.predicted_step_s(), statistics.median(walls))
+
+    def _from_rank0(self, what: str, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Rank 0's answer, on every rank; a PlanError on every rank when it could not ``what``."""
+        answer = from_rank0(make)
+        if "error" in answer:
+            raise PlanError(f"calibrate: rank 0 could not {what}: {answer['error']}")
+        return answer
 
     def _replan(self, measured: Sequence[Measurement], running: Plan, step_s: float, min_gain: float | None
                 ) -> dict[str, Any]:
