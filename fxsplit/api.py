@@ -258,6 +258,9 @@ class CompileOptions:
         progress: ``progress(done, total)`` called after each micro-batch size the profiled
             cost model times (the CLI draws a progress bar with it).
         batch_dim: The batch dimension of the first input (``compile(batch_dim=...)``).
+        stages_per_device: Stages each device runs under a looped schedule
+            (``schedule="interleaved-1f1b"``, which ``"auto"`` also tries): ``v >= 2`` model
+            chunks per device in looping placement (Megatron-LM's interleaved 1F1B).
     """
 
     capture_method: str = "auto"
@@ -274,6 +277,7 @@ class CompileOptions:
     profile_cache_dir: str | Path | bool | None = None
     progress: Any = None
     batch_dim: int = 0
+    stages_per_device: int = 2
 
 
 MAX_DEVICES = 1024

@@ -29,6 +29,7 @@ from fxsplit.ir import DeviceSpec, LinkSpec, Problem, evaluate
 from fxsplit.passes.capture import Captured
 from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime import Pipeline
+from fxsplit.schedule import make, plan_step_s, simulate
 
 __all__ = ["CompileContext", "CompiledPipeline", "CalibrationReport", "StageTimes", "Measurement", "refit_problem",
            "check_calibrate_args", "fit_link_latency", "pipelined_step_s", "calibration_loop", "stage_rows"]
@@ -242,12 +243,19 @@ def fit_link_latency(problem: Problem, stages: Sequence[Sequence[int]], devices:
     return _links_shifted(problem, extra), extra
 
 
-def pipelined_step_s(rows: Sequence[StageTimes], microbatches: int) -> float:
-    """The pipelined step of measured stages (``sum + (m - 1) x max`` of their forward+backward
-    per micro-batch, the plan's makespan): what a plan is judged by here, since the local pipeline
-    runs its stages in turn, in one thread, and its wall is the same for every split."""
+def pipelined_step_s(rows: Sequence[StageTimes], microbatches: int, kind: str = "1f1b",
+                     num_ranks: int | None = None) -> float:
+    """The pipelined step of measured stages: what a plan is judged by here, since the local
+    pipeline runs its stages in turn, in one thread, and its wall is the same for every split.
+
+    One stage per rank: ``sum + (m - 1) x max`` of their forward+backward per micro-batch (the
+    plan's makespan). A looped schedule (``kind`` with ``num_ranks`` < stages): its simulated step
+    on the measured forward and backward times (:func:`fxsplit.schedule.simulate`)."""
     t = [r.meas_fwd_s + r.meas_bwd_s for r in rows]
-    return sum(t) + (microbatches - 1) * max(t)
+    if num_ranks is None or num_ranks == len(rows):
+        return sum(t) + (microbatches - 1) * max(t)
+    schedule = make(kind, len(rows), microbatches, num_ranks=num_ranks)
+    return simulate(schedule, [r.meas_fwd_s for r in rows], [r.meas_bwd_s for r in rows]).makespan_s
 
 
 Measured = tuple[list[StageTimes], tuple[float, float]]
@@ -272,24 +280,26 @@ def calibration_loop(
     slower, ``go_back(snapshot, measured)`` restores the ``snapshot(step s)`` taken when the
     fastest ran and returns the latency.
     """
-    m = pipe.microbatches
+    def judged(rows: Sequence[StageTimes]) -> float:  # under the plan running now
+        return pipelined_step_s(rows, pipe.microbatches, pipe.schedule_kind, pipe.plan.num_ranks)
+
     before, step_before = measure()
     stages_before = tuple(st.blocks for st in pipe.plan.stages)
     rows, step, gains, measured = before, step_before, [], []
     latency: tuple[float, float] | None = None
-    best = (pipelined_step_s(before, m), stages_before, snapshot(step_before[1]))
+    best = (judged(before), stages_before, snapshot(step_before[1]))
     for _ in range(rounds):
         measured.append(Measurement.of(pipe.plan, rows))
         gain, rebuilt, latency = recalibrate(measured, step[1])
         gains.append(gain)
         rows, step = measure()
-        if rebuilt and pipelined_step_s(rows, m) < best[0]:
-            best = (pipelined_step_s(rows, m), tuple(st.blocks for st in pipe.plan.stages), snapshot(step[1]))
+        if rebuilt and judged(rows) < best[0]:
+            best = (judged(rows), tuple(st.blocks for st in pipe.plan.stages), snapshot(step[1]))
         if not rebuilt:
             break
-    if pipelined_step_s(rows, m) > best[0] and best[1] != tuple(st.blocks for st in pipe.plan.stages):
+    if judged(rows) > best[0] and best[1] != tuple(st.blocks for st in pipe.plan.stages):
         log.info("calibrate: the re-planned stages measured %.3g s per pipelined step, slower than %.3g s: "
-                 "going back", pipelined_step_s(rows, m), best[0])
+                 "going back", judged(rows), best[0])
         measured.append(Measurement.of(pipe.plan, rows))
         latency = go_back(best[2], measured)
         rows, step = measure()
@@ -314,7 +324,8 @@ def _replan(pipe: CompiledPipeline, ctx: CompileContext, refit: Problem) -> tupl
     old = evaluate(per_microbatch(refit, pipe.microbatches, pipe.schedule_kind),
                    [st.blocks for st in pipe.plan.stages], [st.device for st in pipe.plan.stages])
     choice = plan_pipeline(refit, ctx.batch, ctx.microbatches, ctx.schedule, ctx.solver, ctx.options)
-    return choice, (1.0 - choice.plan.makespan_s / old.makespan_s if old.makespan_s > 0 else 0.0)
+    old_s = plan_step_s(old.with_(microbatches=pipe.microbatches, schedule=pipe.schedule_kind))
+    return choice, (1.0 - plan_step_s(choice.plan) / old_s if old_s > 0 else 0.0)
 
 
 class CompiledPipeline(Pipeline):
@@ -328,7 +339,7 @@ class CompiledPipeline(Pipeline):
         run one after another in one thread, ``microbatches x`` the sum of the stage times."""
         if self.executor == "sequential":
             return self.microbatches * sum(st.time_s for st in self.plan.stages)
-        return float(self.plan.makespan_s)
+        return float(plan_step_s(self.plan))
 
     def calibrate(
         self,
@@ -423,5 +434,5 @@ class CompiledPipeline(Pipeline):
         new = assemble_compiled(ctx.model, ctx.captured, choice, ctx.specs, ctx.options,
                                 context=CompileContext(**{**ctx.__dict__, "problem": refit}))
         new.report = {**self.report, **new.report, "reason": choice.reason, "candidates": choice.candidates,
-                      "predicted_step_s": choice.plan.makespan_s}
+                      "predicted_step_s": plan_step_s(choice.plan)}
         self.__dict__.update(new.__dict__)

@@ -22,8 +22,9 @@ from fxsplit import solvers
 from fxsplit.calibrate import CompileContext, CompiledPipeline
 from fxsplit.codegen import BatchNormTracker, defer_batch_norm, place_stages, split_graph
 from fxsplit.codegen.buffers import defer_buffer_updates
-from fxsplit.errors import ConfigError, NotPerSampleWarning
+from fxsplit.errors import ConfigError, InfeasibleError, NotPerSampleWarning
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
+from fxsplit.ir.problem import LOOPED_SCHEDULES, SCHEDULES
 from fxsplit.passes.batch_layout import primary_input
 from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
@@ -33,7 +34,7 @@ from fxsplit.passes.profile import ProfileCache, default_cache_dir, device_name,
 from fxsplit.runtime import Pipeline, StateMap
 from fxsplit.runtime.links import pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
-from fxsplit.schedule import explore
+from fxsplit.schedule import explore, make, plan_step_s
 from fxsplit.schedule.explore import default_microbatches
 from fxsplit.viz import DrawablePlan
 
@@ -136,39 +137,86 @@ def _solve(problem: Problem, solver: str, options: Any, m: int, kind: str) -> Pl
     return solvers.solve(per_microbatch(problem, m, kind), solver, time_limit_s=options.time_limit_s)
 
 
+def looped_problem(problem: Problem, options: Any) -> Problem | None:
+    """``problem`` with ``options.stages_per_device`` stages on each device (looped schedules),
+    or None when that cannot help: one device, or fewer blocks than stages."""
+    v = getattr(options, "stages_per_device", 2)
+    if problem.num_devices < 2 or v < 2 or len(problem.graph) < v * problem.num_devices:
+        return None
+    return problem.with_(stages_per_device=v)
+
+
 def evaluate_fixed(problem: Problem, stages: Sequence[Sequence[int]], devices: Sequence[int], m: int, kind: str) -> Plan:
     """Cost a hand-made split at ``m`` micro-batches (benches compare it with the solvers')."""
     return evaluate(per_microbatch(problem, m, kind), stages, devices, solver="manual")
 
 
 def plan_pipeline(
-    problem: Problem, batch: int, microbatches: int | str, schedule: str, solver: str, options: Any
+    problem: Problem, batch: int, microbatches: int | str, schedule: str, solver: str, options: Any,
+    schedules: Sequence[str] = SCHEDULES,
 ) -> PlanChoice:
     """Solve the split and choose the schedule and micro-batch count.
 
     ``problem`` holds whole-batch costs. With both ``microbatches`` and ``schedule`` fixed the
-    solver runs once on per-micro-batch costs. Otherwise a first plan (1F1B, ``m0`` micro-batches)
-    is handed to :func:`fxsplit.schedule.explore`, which simulates every candidate schedule and
-    micro-batch count that fits memory; the split is then solved again for the winner.
+    solver runs once on per-micro-batch costs. Otherwise a first plan per placement (one stage
+    per device under 1F1B; ``options.stages_per_device`` stages per device in looping placement
+    under interleaved 1F1B, when the graph has the blocks) is handed to
+    :func:`fxsplit.schedule.explore`, which simulates every candidate schedule and micro-batch
+    count that fits memory; the split is then solved again for the winner.
+
+    Args:
+        schedules: The kinds ``schedule="auto"`` chooses from (the distributed runtime passes
+            the one-stage-per-rank ones).
     """
-    kinds = ("gpipe", "1f1b") if schedule == "auto" else (schedule,)
+    kinds = tuple(schedules) if schedule == "auto" else (schedule,)
     check_microbatches(microbatches, batch)
     if isinstance(microbatches, int):
         candidates: Sequence[int] | None = (microbatches,)
         m0 = microbatches
     else:
         candidates, m0 = None, min(batch, 2 * problem.num_devices)
-    kind0 = kinds[-1]
-    plan0 = _solve(problem, solver, options, m0, kind0)
+    flat_kinds = [k for k in kinds if k not in LOOPED_SCHEDULES]
+    looped_kinds = [k for k in kinds if k in LOOPED_SCHEDULES]
+    looped = looped_problem(problem, options) if looped_kinds else None
+    if looped is None and not flat_kinds:
+        raise ConfigError(f"schedule {schedule!r} runs {getattr(options, 'stages_per_device', 2)} stages per device "
+                          f"and needs at least 2 devices and that many stages' worth of blocks; the graph has "
+                          f"{len(problem.graph)} blocks for {problem.num_devices} devices. Use schedule='1f1b'")
+    first: dict[str, tuple[Problem, Plan]] = {}  # the first plan of each placement, by its kind
+    if flat_kinds:
+        kind0 = "1f1b" if "1f1b" in flat_kinds else flat_kinds[0]
+        first[kind0] = (problem, _solve(problem, solver, options, m0, kind0))
+    if looped is not None:
+        plan = _first_looped(looped, solver, options, m0, looped_kinds[0], required=not flat_kinds)
+        if plan is not None:
+            first[looped_kinds[0]] = (looped, plan)
     if schedule != "auto" and isinstance(microbatches, int):
-        reason = f"{kind0} with {m0} micro-batches, as asked"
-        return PlanChoice(plan0, problem.with_(microbatches=m0, schedule=kind0), kind0, m0, reason)
-    stages = [st.blocks for st in plan0.stages]
-    devices = [st.device for st in plan0.stages]
-    choice = explore(problem, stages, devices, batch_size=batch, schedules=kinds, microbatch_candidates=candidates)
+        (kind0, (pb0, plan0)), = first.items()
+        make(kind0, plan0.num_stages, m0, num_ranks=plan0.num_ranks)  # ScheduleError when it cannot run m0
+        return PlanChoice(plan0, pb0.with_(microbatches=m0, schedule=kind0), kind0, m0,
+                          f"{kind0} with {m0} micro-batches, as asked")
+    placement = {k in LOOPED_SCHEDULES: ([st.blocks for st in plan.stages], [st.device for st in plan.stages])
+                 for k, (_, plan) in first.items()}
+    tried = [k for k in kinds if (k in LOOPED_SCHEDULES) in placement]
+    flat = placement.get(False) or placement[True]
+    choice = explore(problem, *flat, batch_size=batch, schedules=tried, microbatch_candidates=candidates,
+                     looped=placement.get(True))
     m, kind = choice.microbatches, choice.kind
-    plan = plan0 if (m, kind) == (m0, kind0) else _solve(problem, solver, options, m, kind)
-    return PlanChoice(plan, problem.with_(microbatches=m, schedule=kind), kind, m, choice.reason, choice.format_table())
+    pb = first[kind][0] if kind in first else problem
+    plan = first[kind][1] if (kind in first and m == m0) else _solve(pb, solver, options, m, kind)
+    return PlanChoice(plan, pb.with_(microbatches=m, schedule=kind), kind, m, choice.reason, choice.format_table())
+
+
+def _first_looped(problem: Problem, solver: str, options: Any, m: int, kind: str, *, required: bool) -> Plan | None:
+    """The looping placement at ``m`` micro-batches; None when none fits and another placement
+    is tried too (``required=False``)."""
+    try:
+        return _solve(problem, solver, options, m, kind)
+    except InfeasibleError as exc:
+        if required:
+            raise
+        log.info("no looping placement with %d stages per device: %s", problem.stages_per_device, exc)
+        return None
 
 
 def _links(specs: Sequence[DeviceSpec], options: Any, cost_model: str) -> tuple[LinkSpec, tuple]:
@@ -240,7 +288,7 @@ def compile_pipeline(
         "reason": choice.reason, "candidates": choice.candidates, "capture_method": captured.method,
         "num_blocks": condensed.num_blocks, "num_ideals": condensed.num_ideals,
         "front_end_s": t1 - t0, "plan_s": t2 - t1, "codegen_s": time.perf_counter() - t2,
-        "devices": [s.name for s in specs], "predicted_step_s": choice.plan.makespan_s,
+        "devices": [s.name for s in specs], "predicted_step_s": plan_step_s(choice.plan),
         "not_per_sample": [str(m) for m in mixing],
     }
     pipe.report.update(report)

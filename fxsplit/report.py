@@ -7,10 +7,11 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from fxsplit.ir.graph import CondensedGraph
 
-__all__ = ["to_dot", "write_dot", "human_bytes", "human_seconds"]
+__all__ = ["to_dot", "write_dot", "human_bytes", "human_seconds", "plan_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,25 @@ def human_seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.2f} ms"
     return f"{s * 1e6:.1f} us"
+
+
+def plan_summary(plan: object) -> str:
+    """One line under a plan's table: its predicted step, bottleneck and how close the split is
+    to the solver's proven bound. A looped schedule's step is simulated and its bound is that of
+    the split into chunks (the solvers' objective), so both are named apart.
+
+    Args:
+        plan: A :class:`~fxsplit.ir.Plan` (costs per micro-batch).
+    """
+    from fxsplit.ir.problem import LOOPED_SCHEDULES
+    from fxsplit.schedule import plan_step_s
+
+    p: Any = plan
+    step = f"step {human_seconds(plan_step_s(p))}, bottleneck {human_seconds(p.bottleneck_s)} (predicted)"
+    if p.schedule in LOOPED_SCHEDULES:
+        return (f"{step}; {p.num_stages // p.num_ranks} stages per device, split {p.status} for its {p.objective} "
+                f"{human_seconds(p.objective_s)} (lower bound {human_seconds(p.lower_bound_s)}, gap {p.gap:.1%})")
+    return f"{step}; lower bound {human_seconds(p.lower_bound_s)}, gap {p.gap:.1%}"
 
 
 def to_dot(graph: CondensedGraph, color_of: Mapping[int, int] | None = None, title: str = "") -> str:

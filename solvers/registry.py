@@ -21,6 +21,7 @@ from fxsplit.ir.problem import Problem
 from fxsplit.solvers import baselines
 from fxsplit.solvers.auto import solve_auto
 from fxsplit.solvers.dp import solve_dp
+from fxsplit.solvers.looped import solve_looped
 
 __all__ = [
     "FunctionSolver",
@@ -155,7 +156,8 @@ def solve(problem: Problem, solver: str = "auto", *, time_limit_s: float | None 
     """Split ``problem`` with the named solver and return a validated plan.
 
     Args:
-        problem: The problem (checked first).
+        problem: The problem (checked first). With ``stages_per_device > 1`` the split is
+            solved as a pipeline of chunks (:func:`fxsplit.solvers.looped.solve_looped`).
         solver: Registry name: ``auto``, ``dp``, ``cpsat``, ``uniform``, ``params``,
             ``blockpartition``, ``greedy`` or one you registered.
         time_limit_s: Wall-clock limit passed to the solver, seconds.
@@ -174,6 +176,10 @@ def solve(problem: Problem, solver: str = "auto", *, time_limit_s: float | None 
     """
     start = time.perf_counter()
     problem.check()
-    plan = (registry or REGISTRY).get(solver).solve(problem, time_limit_s=time_limit_s, **opts)
+    chosen = (registry or REGISTRY).get(solver)
+    if problem.stages_per_device > 1:  # several stages per device: solved as a pipeline of chunks
+        plan = solve_looped(problem, chosen.solve, time_limit_s=time_limit_s, **opts)
+    else:
+        plan = chosen.solve(problem, time_limit_s=time_limit_s, **opts)
     plan = plan.with_(solve_time_s=time.perf_counter() - start)
     return plan.check(problem)

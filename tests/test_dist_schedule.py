@@ -67,3 +67,19 @@ def test_the_lowered_schedule_computes_the_unsplit_gradients(kind: str, tmp_path
     results = launch(_two_linear_stages, 2, tmp_path, kind, deadline_s=60)
     check_ok(results)
     assert results[0]["result"] < 1e-6 and results[1]["result"] < 1e-6
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 3, 6), (3, 2, 9), (4, 2, 10)])
+def test_interleaved_matches_torchs_order(p: int, v: int, m: int) -> None:
+    """fxsplit's interleaved 1F1B is torch's ``ScheduleInterleaved1F1B`` action for action
+    (torch pads its lists with ``None`` steps; the order of the actions is what runs)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    ours = make("interleaved-1f1b", p * v, m, num_ranks=p)
+    theirs = object.__new__(ScheduleInterleaved1F1B)  # the order alone: no process group, no stages
+    rounds = max(1, m // p)
+    theirs.pp_group_size, theirs.n_local_stages, theirs._n_microbatches = p, v, m
+    theirs.number_of_rounds, theirs.microbatches_per_round = rounds, m // rounds
+    for rank in range(p):
+        order = [str(a) for a in theirs._calculate_single_rank_operations(rank) if a is not None]
+        assert order == [str(a) for a in torch_actions(ours)[rank]]

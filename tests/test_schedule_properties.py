@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from fxsplit.errors import ScheduleError
 from fxsplit.schedule import Schedule, find_faults, make, peak_in_flight, simulate
+from fxsplit.schedule.generators import stages_per_rank_ok
 
 KINDS = ("gpipe", "1f1b")
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -93,3 +94,44 @@ def test_shuffled_schedules_validate_or_raise_schedule_error(kind, pm, seed):
             simulate(mutated, [1.0] * p, [1.0] * p)
     else:
         assert len(simulate(mutated, [1.0] * p, [1.0] * p).events) == 2 * p * m
+
+
+# -- several stages per rank ---------------------------------------------------------------
+looped_sizes = st.tuples(st.integers(1, 5), st.integers(1, 4), st.integers(1, 16)).filter(
+    lambda t: stages_per_rank_ok(*t))
+
+
+@SETTINGS
+@given(pvm=looped_sizes)
+def test_interleaved_is_valid_looped_and_round_trips(pvm):
+    p, v, m = pvm
+    schedule = make("interleaved-1f1b", p * v, m, num_ranks=p)  # make() validates: complete, no deadlock
+    assert schedule.stage_to_rank == tuple(s % p for s in range(p * v))
+    assert Schedule.from_text(schedule.to_text()) == schedule
+    for rank in range(p):  # each rank runs its chunks' forwards in order of micro-batch
+        fwd = [a for a in schedule.actions[rank] if a.kind == "F"]
+        for s in schedule.stages_of(rank):
+            assert [a.microbatch for a in fwd if a.stage == s] == list(range(m))
+
+
+@SETTINGS
+@given(pvm=looped_sizes.filter(lambda t: t[0] >= 2 and t[1] >= 2 and t[2] % t[0] == 0))
+def test_interleaving_shrinks_the_bubble(pvm):
+    """Balanced chunks of one model (a stage of 1F1B cut in ``v``): Megatron-LM's step
+    ``(m + (p - 1) / v) (f + b)`` against 1F1B's ``(m + p - 1) (f + b)``."""
+    p, v, m = pvm
+    f, b = 1.0, 2.0
+    looped = simulate(make("interleaved-1f1b", p * v, m, num_ranks=p), [f / v] * (p * v), [b / v] * (p * v))
+    plain = simulate(make("1f1b", p, m), [f] * p, [b] * p)
+    assert looped.makespan_s == pytest.approx((m + (p - 1) / v) * (f + b))
+    assert plain.makespan_s == pytest.approx((m + p - 1) * (f + b))
+    assert looped.makespan_s < plain.makespan_s
+
+
+def test_interleaved_refuses_what_it_cannot_run():
+    with pytest.raises(ScheduleError, match="multiple of the 4 ranks"):
+        make("interleaved-1f1b", 6, 4, num_ranks=4)
+    with pytest.raises(ScheduleError, match="multiple of max"):
+        make("interleaved-1f1b", 8, 9, num_ranks=4)
+    with pytest.raises(ScheduleError, match="runs one stage per rank"):
+        make("1f1b", 8, 4, num_ranks=4)

@@ -65,11 +65,13 @@ def train_and_compare(pipe: Any, case: Any, reference: Any, steps: int, lr: floa
 
 
 def _summary(pipe: Any, result: dict[str, Any]) -> Table:
+    from fxsplit.schedule import plan_step_s
+
     table = Table(title="predicted vs measured")
     table.add_column("quantity")
     table.add_column("value", justify="right")
     measured = result["step_s"][1:] or result["step_s"]
-    table.add_row("predicted step time (cost model, devices in parallel)", human_seconds(pipe.plan.makespan_s))
+    table.add_row("predicted step time (cost model, devices in parallel)", human_seconds(plan_step_s(pipe.plan)))
     if pipe.executor == "sequential":  # one process, one thread: stages cannot overlap
         serial_s = pipe.microbatches * sum(st.time_s for st in pipe.plan.stages)
         table.add_row("predicted step time (stages one after another, as run here)", human_seconds(serial_s))
@@ -87,7 +89,7 @@ def register(app: typer.Typer) -> None:
         devices: Annotated[str, typer.Option(help="a count of CPU devices (4) or a list (cuda:0,cuda:1)")] = "4",
         steps: Annotated[int, typer.Option(min=1, help="training steps on synthetic data")] = 5,
         microbatches: Annotated[str, typer.Option(help="micro-batches per step, or auto")] = "auto",
-        schedule: Annotated[str, typer.Option(help="gpipe, 1f1b or auto")] = "auto",
+        schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, interleaved-1f1b (2 stages per device) or auto")] = "auto",
         solver: Annotated[str, typer.Option(help="dp, cpsat, auto, uniform, params, blockpartition, greedy")] = "auto",
         size: Annotated[str, typer.Option(help="zoo size preset: tiny, small, base")] = "small",
         batch_size: Annotated[int, typer.Option(help="samples per step")] = 8,

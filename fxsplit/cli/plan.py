@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
-from fxsplit.report import human_bytes, human_seconds
+from fxsplit.report import human_bytes, human_seconds, plan_summary
 
 __all__ = ["register", "plan_table", "reference_device"]
 
@@ -49,9 +49,7 @@ def plan_table(plan: Any, problem: Any) -> Table:
         table.add_row(str(s), problem.devices[st.device].name, str(len(st.blocks)), shown,
                       human_seconds(st.fwd_s), human_seconds(st.bwd_s), human_seconds(st.comm_s),
                       human_bytes(st.memory_bytes))
-    table.caption = (f"step {human_seconds(plan.makespan_s)}, bottleneck {human_seconds(plan.bottleneck_s)} "
-                     f"(predicted); lower bound {human_seconds(plan.lower_bound_s)}, gap {plan.gap:.1%}; "
-                     f"solved in {plan.solve_time_s:.2f} s")
+    table.caption = f"{plan_summary(plan)}; solved in {plan.solve_time_s:.2f} s"
     return table
 
 
@@ -76,7 +74,7 @@ def plan_command(
     meta: Annotated[bool, typer.Option(help="build the model on the meta device (no memory)")] = False,
     batch_size: Annotated[int, typer.Option(help="samples per step")] = 8,
     microbatches: Annotated[str, typer.Option(help="micro-batches per step, or auto")] = "auto",
-    schedule: Annotated[str, typer.Option(help="gpipe, 1f1b or auto")] = "auto",
+    schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, interleaved-1f1b (2 stages per device) or auto")] = "auto",
     solver: Annotated[str, typer.Option(help="auto, dp, cpsat, uniform, params, blockpartition, greedy")] = "auto",
     objective: Annotated[str, typer.Option(help="makespan or bottleneck")] = "makespan",
     time_limit: Annotated[float, typer.Option(help="solver time limit, seconds")] = 30.0,

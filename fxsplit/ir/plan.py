@@ -29,7 +29,7 @@ from typing import Any
 
 from fxsplit.errors import PlanError
 from fxsplit.ir.graph import CondensedGraph
-from fxsplit.ir.problem import Problem
+from fxsplit.ir.problem import LOOPED_SCHEDULES, Problem
 
 __all__ = ["StagePlan", "Plan", "evaluate", "trivial_lower_bound", "STATUSES"]
 
@@ -86,6 +86,18 @@ class Plan:
         return len(self.stages)
 
     @property
+    def num_ranks(self) -> int:
+        """Devices the stages run on: ``num_stages`` unless a looped schedule puts several
+        stages on one device."""
+        return len({st.device for st in self.stages})
+
+    @property
+    def stage_to_rank(self) -> tuple[int, ...]:
+        """``[num_stages]`` rank of each stage, ranks numbered by first appearance of the device."""
+        ranks: dict[int, int] = {}
+        return tuple(ranks.setdefault(st.device, len(ranks)) for st in self.stages)
+
+    @property
     def gap(self) -> float:
         if self.objective_s <= 0:
             return 0.0
@@ -102,10 +114,12 @@ class Plan:
     def validate(self, problem: Problem, *, rtol: float = 1e-6) -> list[str]:
         """Every fault of this plan for ``problem`` (empty when valid).
 
-        Checks: each block in exactly one stage; no empty stage; devices distinct, in range and
-        (``device_order="fixed"``) increasing; every prefix of stages is a downset (contiguous
-        stages); at most ``num_devices`` stages; each stage fits its device's memory; the stored
-        costs equal :func:`evaluate`'s; ``lower_bound_s <= objective_s``.
+        Checks: each block in exactly one stage; no empty stage; devices in range, distinct
+        (or, under a looped schedule such as ``"interleaved-1f1b"``, a looping placement: stage
+        ``s`` on the ``s mod r``-th of ``r`` devices) and (``device_order="fixed"``) increasing;
+        every prefix of stages is a downset (contiguous stages); the stages on each device fit
+        its memory together; the stored costs equal :func:`evaluate`'s; ``lower_bound_s <=
+        objective_s``.
         """
         g, faults = problem.graph, []
         seen: dict[int, int] = {}
@@ -122,15 +136,8 @@ class Plan:
         extra = sorted(set(seen) - set(range(len(g))))
         if extra:
             faults.append(f"blocks {extra[:10]} do not exist (graph has {len(g)})")
-        if len(self.stages) > problem.num_devices:
-            faults.append(f"{len(self.stages)} stages but only {problem.num_devices} devices")
         devs = [st.device for st in self.stages]
-        if len(set(devs)) != len(devs):
-            faults.append(f"a device runs two stages: {devs}")
-        if any(not 0 <= d < problem.num_devices for d in devs):
-            faults.append(f"device index out of range 0..{problem.num_devices - 1}: {devs}")
-        if problem.device_order == "fixed" and devs != sorted(devs):
-            faults.append(f"device_order='fixed' needs increasing devices, got {devs}")
+        faults += _placement_faults(devs, self.schedule, problem)
         prefix: set[int] = set()
         for s, st in enumerate(self.stages):
             prefix |= set(st.blocks)
@@ -139,13 +146,12 @@ class Plan:
                 faults.append(f"stages 0..{s} are not a downset: they need blocks {bad[:10]} from later stages")
         if faults:
             return faults
-        for s, st in enumerate(self.stages):
-            cap = problem.devices[st.device].memory_bytes
-            if st.memory_bytes > cap:
-                faults.append(
-                    f"stage {s} needs {st.memory_bytes} bytes, device {st.device} "
-                    f"({problem.devices[st.device].name}) has {cap}"
-                )
+        for d in dict.fromkeys(devs):
+            cap, held = problem.devices[d].memory_bytes, [s for s, x in enumerate(devs) if x == d]
+            need = sum(self.stages[s].memory_bytes for s in held)
+            if need > cap:
+                where = f"stage {held[0]}" if len(held) == 1 else f"stages {held}"
+                faults.append(f"{where} need(s) {need} bytes, device {d} ({problem.devices[d].name}) has {cap}")
         ref = evaluate(problem, [st.blocks for st in self.stages], devs)
         if abs(ref.objective_s - self.objective_s) > rtol * max(1e-12, ref.objective_s):
             faults.append(f"objective_s={self.objective_s} but the cost model gives {ref.objective_s}")
@@ -192,6 +198,25 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
+
+
+def _placement_faults(devs: list[int], schedule: str, problem: Problem) -> list[str]:
+    """Devices in range, one stage each, or a looping placement under a looped schedule."""
+    faults = []
+    ranks = list(dict.fromkeys(devs))
+    if any(not 0 <= d < problem.num_devices for d in devs):
+        faults.append(f"device index out of range 0..{problem.num_devices - 1}: {devs}")
+    if len(ranks) != len(devs):
+        looped = len(devs) % len(ranks) == 0 and all(d == ranks[s % len(ranks)] for s, d in enumerate(devs))
+        if schedule not in LOOPED_SCHEDULES:
+            faults.append(f"a device runs two stages: {devs}; only {', '.join(LOOPED_SCHEDULES)} runs several "
+                          f"stages per device (schedule is {schedule!r})")
+        elif not looped:
+            faults.append(f"{schedule} needs a looping placement (stage s on the (s mod r)-th of r devices), "
+                          f"got devices {devs}")
+    if problem.device_order == "fixed" and ranks != sorted(ranks):
+        faults.append(f"device_order='fixed' needs increasing devices, got {devs}")
+    return faults
 
 
 def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Sequence[int]) -> list[StagePlan]:

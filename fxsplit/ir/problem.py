@@ -23,9 +23,12 @@ from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, LinkSpec
 from fxsplit.ir.graph import Block, CondensedGraph
 
-__all__ = ["Problem", "SCHEDULES", "OBJECTIVES"]
+__all__ = ["Problem", "SCHEDULES", "LOOPED_SCHEDULES", "OBJECTIVES"]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+#: Schedules that run several stages per device in looping placement (stage ``s`` on the
+#: ``s mod r``-th of ``r`` devices); :func:`fxsplit.schedule.make` generates them.
+LOOPED_SCHEDULES = ("interleaved-1f1b",)
 OBJECTIVES = ("bottleneck", "makespan")
 
 
@@ -40,8 +43,10 @@ class Problem:
         link: Default link between any two devices.
         links: Per-pair overrides ``((i, j, LinkSpec), ...)``, symmetric.
         microbatches: Micro-batches per training step, ``m >= 1``.
-        schedule: ``"gpipe"`` (all ``m`` micro-batches in flight) or ``"1f1b"`` (stage ``s`` of
-            ``p`` holds ``min(m, p - s)``).
+        schedule: ``"gpipe"`` (all ``m`` micro-batches in flight), ``"1f1b"`` (stage ``s`` of
+            ``p`` holds ``min(m, p - s)``) or ``"interleaved-1f1b"`` (several stages per device,
+            each costed with ``m`` in flight: a bound, the first chunk holds up to ``m``; the
+            schedule search checks the exact counts).
         objective: ``"bottleneck"`` (slowest stage per micro-batch) or ``"makespan"`` (one
             training step: ``sum(stage times) + (m - 1) * bottleneck``).
         training: False plans inference: no backward, gradients or optimizer state.
@@ -49,6 +54,9 @@ class Problem:
         grad_factor: Gradient bytes in multiples of parameter bytes (1.0).
         device_order: ``"fixed"`` or ``"free"`` (see ``devices``).
         allow_idle_devices: When True a plan may use fewer stages than devices.
+        stages_per_device: ``v``: each device runs ``v`` stages in looping placement (stage ``s``
+            on device ``s mod num_devices``); more than 1 only with a looped schedule
+            (:data:`LOOPED_SCHEDULES`).
 
     Raises:
         ConfigError: from :meth:`check` for bad values, naming the field and the fix.
@@ -66,6 +74,7 @@ class Problem:
     grad_factor: float = 1.0
     device_order: str = "fixed"
     allow_idle_devices: bool = True
+    stages_per_device: int = 1
 
     @property
     def num_devices(self) -> int:
@@ -82,7 +91,7 @@ class Problem:
         """Micro-batches whose activations stage ``stage`` (0-based) of ``num_stages`` holds at peak."""
         if not self.training:
             return 1
-        if self.schedule == "gpipe":
+        if self.schedule == "gpipe" or self.schedule in LOOPED_SCHEDULES:
             return self.microbatches
         return min(self.microbatches, num_stages - stage)
 
@@ -111,6 +120,11 @@ class Problem:
             raise ConfigError(f"microbatches={self.microbatches} must be >= 1")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r}; choose one of {SCHEDULES}")
+        if not (isinstance(self.stages_per_device, int) and self.stages_per_device >= 1):
+            raise ConfigError(f"stages_per_device={self.stages_per_device!r} must be an int >= 1")
+        if self.stages_per_device > 1 and self.schedule not in LOOPED_SCHEDULES:
+            raise ConfigError(f"stages_per_device={self.stages_per_device} needs a schedule that runs several stages "
+                              f"per device ({', '.join(LOOPED_SCHEDULES)}), not {self.schedule!r}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"objective={self.objective!r}; choose one of {OBJECTIVES}")
         if self.device_order not in ("fixed", "free"):
@@ -142,6 +156,7 @@ class Problem:
             "grad_factor": self.grad_factor,
             "device_order": self.device_order,
             "allow_idle_devices": self.allow_idle_devices,
+            "stages_per_device": self.stages_per_device,
         }
 
     @classmethod

@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fxsplit.report import human_bytes, human_seconds
+from fxsplit.report import human_bytes, human_seconds, plan_summary
 
 __all__ = ["describe", "stage_table"]
 
@@ -33,10 +33,7 @@ def stage_table(pipe: Any) -> Table:
             human_bytes(sp.memory_bytes) if sp else "",
         )
     if plan is not None:
-        table.caption = (
-            f"bottleneck {human_seconds(plan.bottleneck_s)}, step {human_seconds(plan.makespan_s)} "
-            f"(predicted), lower bound {human_seconds(plan.lower_bound_s)}, gap {plan.gap:.1%}"
-        )
+        table.caption = plan_summary(plan)
     return table
 
 

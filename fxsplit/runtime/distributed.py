@@ -61,12 +61,14 @@ from fxsplit.runtime.microbatch import (
 from fxsplit.runtime.state import ParameterAPI, check_loadable
 from fxsplit.runtime.trace import TraceEvent, TraceRecorder
 from fxsplit.schedule import available, make
+from fxsplit.schedule.generators import MULTI_STAGE
 
 __all__ = ["DistributedPipeline", "TiedGroup", "SCHEDULES", "from_rank0", "shard_name", "PLAN_FILE"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = available()
+SCHEDULES = tuple(k for k in available() if k not in MULTI_STAGE)
+"""Schedules the distributed runtime runs (one stage per rank; the looped ones run locally)."""
 T = TypeVar("T")
 
 

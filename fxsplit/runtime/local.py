@@ -182,7 +182,8 @@ class Pipeline(ParameterAPI):
         """The schedule of ``m`` micro-batches and a valid global order of its actions (cached)."""
         key = (self.schedule_kind, m)
         if key not in self._schedules:
-            schedule = make(self.schedule_kind, self.num_stages, m)
+            ranks = self.plan.num_ranks if self.plan is not None else None  # several stages per rank when looped
+            schedule = make(self.schedule_kind, self.num_stages, m, num_ranks=ranks)
             self._schedules[key] = (schedule, execution_order(schedule))
         return self._schedules[key]
 
@@ -280,7 +281,7 @@ class Pipeline(ParameterAPI):
         try:
             if self.executor == "threads":
                 run_threaded(schedule, lambda action: self._run_action(action, step),
-                             [st.device for st in self.program.stages])
+                             [self.program.stages[schedule.stages_of(r)[0]].device for r in range(schedule.num_ranks)])
             else:
                 for action in order:
                     self._run_action(action, step)

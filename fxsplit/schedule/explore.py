@@ -18,10 +18,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxsplit.errors import ConfigError, InfeasibleError
+from fxsplit.errors import ConfigError, InfeasibleError, ScheduleError
 from fxsplit.ir.devices import GiB
 from fxsplit.ir.plan import Plan, evaluate
-from fxsplit.ir.problem import Problem
+from fxsplit.ir.problem import LOOPED_SCHEDULES, Problem
 from fxsplit.schedule.actions import Schedule
 from fxsplit.schedule.gantt import format_seconds
 from fxsplit.schedule.simulate import Timeline, simulate_plan
@@ -44,9 +44,11 @@ class Candidate:
         step_time_s: Simulated seconds per training step.
         closed_form_s: The cost model's ``Σ time_s + (m - 1) · bottleneck`` (``Plan.makespan_s``).
         bubble_fraction: Idle share of the devices during the step.
-        memory_bytes: ``[num_stages]`` peak memory of each stage.
-        capacity_bytes: ``[num_stages]`` memory of each stage's device.
-        device_names: ``[num_stages]`` name of each stage's device.
+        memory_bytes: ``[num_ranks]`` peak memory of each device: its stages' state and their
+            activations times the micro-batches each holds at once under this schedule.
+        capacity_bytes: ``[num_ranks]`` memory of each device.
+        device_names: ``[num_ranks]`` name of each device.
+        rank_stages: ``[num_ranks]`` the stages each device runs (one each unless looped).
     """
 
     schedule: str
@@ -57,22 +59,25 @@ class Candidate:
     memory_bytes: tuple[int, ...]
     capacity_bytes: tuple[int, ...]
     device_names: tuple[str, ...]
+    rank_stages: tuple[tuple[int, ...], ...] = ()
 
     @property
     def fits(self) -> bool:
         return all(m <= c for m, c in zip(self.memory_bytes, self.capacity_bytes, strict=True))
 
     @property
-    def worst_stage(self) -> int:
-        """The stage using the largest share of its device's memory."""
+    def worst_rank(self) -> int:
+        """The device using the largest share of its memory."""
         ratios = [m / c for m, c in zip(self.memory_bytes, self.capacity_bytes, strict=True)]
         return max(range(len(ratios)), key=ratios.__getitem__)
 
     def memory_note(self) -> str:
-        """``"needs 31.0 GiB on stage 0 (cuda:0 has 24.0 GiB)"``, for the worst stage."""
-        s = self.worst_stage
-        return (f"needs {self.memory_bytes[s] / GiB:.1f} GiB on stage {s} "
-                f"({self.device_names[s]} has {self.capacity_bytes[s] / GiB:.1f} GiB)")
+        """``"needs 31.0 GiB on stage 0 (cuda:0 has 24.0 GiB)"``, for the worst device."""
+        r = self.worst_rank
+        held = self.rank_stages[r] if self.rank_stages else (r,)
+        where = f"stage {held[0]}" if len(held) == 1 else f"stages {', '.join(map(str, held))}"
+        return (f"needs {self.memory_bytes[r] / GiB:.1f} GiB on {where} "
+                f"({self.device_names[r]} has {self.capacity_bytes[r] / GiB:.1f} GiB)")
 
     def label(self) -> str:
         return f"{self.schedule} m={self.microbatches}: {format_seconds(self.step_time_s)}"
@@ -106,12 +111,12 @@ class ScheduleChoice:
 
     def format_table(self) -> str:
         """The candidates as a text table, the choice marked with ``*``."""
-        head = f"  {'schedule':<8} {'m':>5} {'step':>10} {'formula':>10} {'bubble':>7} {'peak mem':>10}  fits"
+        head = f"  {'schedule':<16} {'m':>5} {'step':>10} {'formula':>10} {'bubble':>7} {'peak mem':>10}  fits"
         rows = [head]
         for c in self.table_of_candidates:
             mark = "*" if (c.schedule, c.microbatches) == (self.kind, self.microbatches) else " "
             rows.append(
-                f"{mark} {c.schedule:<8} {c.microbatches:>5} {format_seconds(c.step_time_s):>10} "
+                f"{mark} {c.schedule:<16} {c.microbatches:>5} {format_seconds(c.step_time_s):>10} "
                 f"{format_seconds(c.closed_form_s):>10} {c.bubble_fraction:>7.1%} "
                 f"{max(c.memory_bytes) / GiB:>6.2f} GiB  {'yes' if c.fits else 'no: ' + c.memory_note()}"
             )
@@ -136,6 +141,7 @@ def explore(
     batch_size: int,
     schedules: Sequence[str] = ("gpipe", "1f1b"),
     microbatch_candidates: Sequence[int] | None = None,
+    looped: tuple[Sequence[Sequence[int]], Sequence[int]] | None = None,
 ) -> ScheduleChoice:
     """Pick the schedule and micro-batch count with the fastest simulated step that fits memory.
 
@@ -144,10 +150,13 @@ def explore(
         stages: ``[num_stages][*]`` block ids of each stage (as for :func:`fxsplit.ir.evaluate`).
         devices: ``[num_stages]`` device index of each stage; default ``0..num_stages-1``.
         batch_size: Samples per training step; every candidate ``m`` must be ``<= batch_size``.
-        schedules: Schedule kinds to try (names the cost model knows: ``"gpipe"``, ``"1f1b"``).
+        schedules: Schedule kinds to try (names the cost model knows: ``"gpipe"``, ``"1f1b"``,
+            ``"interleaved-1f1b"``). A (kind, m) pair the kind cannot run is left out.
         microbatch_candidates: Micro-batch counts to try; default :func:`default_microbatches`.
             A count that does not divide the batch is costed at its largest micro-batch,
             ``ceil(batch_size / m)`` samples.
+        looped: ``(stages, devices)`` of a looping placement (several stages per device) for the
+            looped kinds (:data:`~fxsplit.ir.problem.LOOPED_SCHEDULES`); they are skipped without it.
 
     Returns:
         The :class:`ScheduleChoice`. Ties go to the smaller peak memory, then the smaller ``m``.
@@ -160,12 +169,22 @@ def explore(
     devs = list(devices) if devices is not None else list(range(len(stages)))
     table, plans = [], {}
     for kind in schedules:
+        placement = looped if kind in LOOPED_SCHEDULES else (stages, devs)
+        if placement is None:
+            logger.debug("explore: no looping placement given, %s skipped", kind)
+            continue
         for m in candidates:
-            cand, plan, timeline = _try(problem, stages, devs, kind, m, batch_size)
+            try:
+                cand, plan, timeline = _try(problem, placement[0], list(placement[1]), kind, m, batch_size)
+            except ScheduleError as exc:  # e.g. interleaving m micro-batches that are no whole rounds
+                logger.debug("explore: %s m=%d cannot run: %s", kind, m, exc)
+                continue
             table.append(cand)
             plans[(kind, m)] = (plan, timeline)
             logger.debug("explore %s", cand.label())
     fitting = [c for c in table if c.fits]
+    if not table:
+        raise ConfigError(f"none of the schedules {list(schedules)} can run micro-batch counts {list(candidates)}")
     if not fitting:
         raise InfeasibleError(_infeasible_message(table, batch_size))
     best = min(fitting, key=lambda c: (round(c.step_time_s, 12), max(c.memory_bytes), c.microbatches))
@@ -193,7 +212,11 @@ def _check_args(batch_size: int, schedules: Sequence[str], candidates: Sequence[
 
 def _try(problem: Problem, stages: Sequence[Sequence[int]], devs: list[int], kind: str, m: int,
          batch_size: int) -> tuple[Candidate, Plan, Timeline]:
-    """Cost, simulate and size one (kind, m) candidate."""
+    """Cost, simulate and size one (kind, m) candidate.
+
+    Raises:
+        ScheduleError: when ``kind`` cannot run ``m`` micro-batches on this placement.
+    """
     fraction = math.ceil(batch_size / m) / batch_size
     graph = problem.graph.scaled(fraction)
     pb = problem.with_(graph=graph, microbatches=m, schedule=kind)
@@ -201,15 +224,22 @@ def _try(problem: Problem, stages: Sequence[Sequence[int]], devs: list[int], kin
     acts = [sum(graph.blocks[b].activation_bytes for b in blocks) + st.in_bytes
             for blocks, st in zip(stages, plan.stages, strict=True)]
     timeline = simulate_plan(plan, kind, m, activation_bytes=acts, training=problem.training)
+    # the cost model's in-flight count replaced by the schedule's own (exact for looped ones)
+    flight = [pb.in_flight(s, len(stages)) for s in range(len(stages))]
+    stage_bytes = [st.memory_bytes + a * (n - f) for st, a, n, f in
+                   zip(plan.stages, acts, timeline.peak_in_flight, flight, strict=True)]
+    ranks = list(dict.fromkeys(devs))
+    held = tuple(tuple(s for s, d in enumerate(devs) if d == r) for r in ranks)
     cand = Candidate(
         schedule=kind,
         microbatches=m,
         step_time_s=timeline.makespan_s,
         closed_form_s=plan.makespan_s,
         bubble_fraction=timeline.bubble_fraction,
-        memory_bytes=tuple(st.memory_bytes for st in plan.stages),
-        capacity_bytes=tuple(problem.devices[d].memory_bytes for d in devs),
-        device_names=tuple(problem.devices[d].name for d in devs),
+        memory_bytes=tuple(int(sum(stage_bytes[s] for s in h)) for h in held),
+        capacity_bytes=tuple(problem.devices[d].memory_bytes for d in ranks),
+        device_names=tuple(problem.devices[d].name for d in ranks),
+        rank_stages=held,
     )
     return cand, plan, timeline
 
@@ -233,7 +263,7 @@ def _infeasible_message(table: list[Candidate], batch_size: int) -> str:
         return max(m / cap for m, cap in zip(c.memory_bytes, c.capacity_bytes, strict=True))
 
     closest = min(table, key=overflow)
-    s = closest.worst_stage
+    s = closest.worst_rank
     return (
         f"no schedule and micro-batch count fits memory ({len(table)} candidates tried); the closest, "
         f"{closest.schedule} with m={closest.microbatches}, {closest.memory_note()}. Fix: split the "

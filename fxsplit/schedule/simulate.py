@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 from fxsplit.errors import ScheduleError
 from fxsplit.ir.plan import Plan
+from fxsplit.ir.problem import LOOPED_SCHEDULES
 from fxsplit.schedule.actions import Action, B, F, Schedule
 from fxsplit.schedule.engine import execute
 from fxsplit.schedule.generators import make
 from fxsplit.schedule.validate import validate
 
-__all__ = ["Event", "Timeline", "simulate", "simulate_plan"]
+__all__ = ["Event", "Timeline", "simulate", "simulate_plan", "plan_step_s"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,8 @@ def simulate_plan(
     With balanced stages the makespan equals ``plan.makespan_s``.
 
     Args:
-        plan: The plan; stage ``s`` runs on rank ``s``.
+        plan: The plan; its stages run on :attr:`~fxsplit.ir.Plan.stage_to_rank` (stage ``s`` on
+            rank ``s`` unless a looped schedule puts several stages on one device).
         schedule_kind: A registered schedule name; default ``plan.schedule``.
         microbatches: Micro-batches per step; default ``plan.microbatches``.
         activation_bytes: ``[num_stages]`` bytes kept per micro-batch, for peak-memory reporting.
@@ -201,12 +203,36 @@ def simulate_plan(
     """
     if not plan.stages:
         raise ScheduleError("plan has no stages; solve the problem first")
-    schedule = make(schedule_kind or plan.schedule, plan.num_stages, microbatches or plan.microbatches)
+    schedule = make(schedule_kind or plan.schedule, plan.num_stages, microbatches or plan.microbatches,
+                    num_ranks=plan.num_ranks)
     comm = [st.comm_s for st in plan.stages]
     fwd = [st.fwd_s + (0.0 if training else c) for st, c in zip(plan.stages, comm, strict=True)]
     bwd = [st.bwd_s if training else 0.0 for st in plan.stages]
     return simulate(schedule, fwd, bwd, activation_bytes=activation_bytes,
                     stage_comm_s=comm if training else None)
+
+
+def plan_step_s(plan: Plan) -> float:
+    """Predicted seconds of one training step of ``plan`` (per-micro-batch stage costs).
+
+    One stage per device (GPipe, 1F1B): the cost model's ``makespan_s``, ``Σ time_s + (m - 1) ·
+    bottleneck``, what the solvers minimise (exact for balanced stages). A looped schedule
+    (interleaved 1F1B) has no such closed form: its step is simulated (:func:`simulate_plan`).
+
+    Args:
+        plan: The plan, costs per micro-batch, run with ``plan.microbatches`` under ``plan.schedule``.
+
+    Example:
+        >>> from fxsplit.ir import CondensedGraph, DeviceSpec, Problem, evaluate
+        >>> pb = Problem(CondensedGraph.chain([1.0] * 4), (DeviceSpec("a"), DeviceSpec("b")), microbatches=4,
+        ...              schedule="interleaved-1f1b")
+        >>> plan = evaluate(pb, [[0], [1], [2], [3]], [0, 1, 0, 1])
+        >>> plan.makespan_s, plan_step_s(plan)
+        (7.0, 9.0)
+    """
+    if plan.schedule not in LOOPED_SCHEDULES:
+        return plan.makespan_s
+    return simulate_plan(plan).makespan_s
 
 
 def _per_stage(name: str, values: Sequence[float] | Sequence[int], n: int) -> list[float]:
