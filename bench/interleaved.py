@@ -4,7 +4,7 @@ The local pipeline's ``executor="threads"`` runs one worker thread per device; w
 thread each (``torch.set_num_threads(1)``) the two devices of this 2-core machine compute at the
 same time, so a schedule's bubble shows in the wall time. For each schedule the split is planned
 by fxsplit (profiled cost model, same micro-batch count), and the variants are measured in
-alternating rounds in one process: median step wall, the plan's predicted step
+alternating rounds in one process, with the unsplit model (one thread) as the baseline: median step wall, the plan's predicted step
 (:func:`fxsplit.schedule.plan_step_s`), and the step simulated on the stage times measured from
 the runtime trace (:func:`fxsplit.calibrate.pipelined_step_s`), which separates a wrong cost model
 from a runtime that does not overlap as the schedule says.
@@ -52,6 +52,19 @@ def one_round(pipe: Any, case: Any, batch: int, steps: int) -> tuple[list[float]
     return walls, per_step
 
 
+def eager_round(model: Any, case: Any, batch: int, steps: int) -> list[float]:
+    """The unsplit model's forward+backward on the whole batch, one thread."""
+    inputs, target = case.make_batch(batch, 0)
+    walls = []
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        case.loss_fn(model(*inputs), target).backward()
+        if i:
+            walls.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return walls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt")
@@ -66,9 +79,11 @@ def main() -> None:
     case = zoo.get(args.model, size=args.size, batch_size=args.batch)
     pipes = {kind: build(case, kind, args.microbatches) for kind in SCHEDULES}
     load_before = os.getloadavg()
-    walls: dict[str, list[float]] = {k: [] for k in SCHEDULES}
+    walls: dict[str, list[float]] = {k: [] for k in ("eager", *SCHEDULES)}
     traces: dict[str, list[Any]] = {k: [] for k in SCHEDULES}
+    model = copy.deepcopy(case.model)
     for _ in range(args.rounds):  # alternate the variants, round by round
+        walls["eager"] += eager_round(model, case, args.batch, args.steps)
         for kind, pipe in pipes.items():
             w, t = one_round(pipe, case, args.batch, args.steps)
             walls[kind] += w
@@ -80,6 +95,8 @@ def main() -> None:
                 "measured / predicted", "vs 1f1b (measured)"):
         table.add_column(col, justify="left" if col == "schedule" else "right")
     base = statistics.median(walls["1f1b"])
+    eager = statistics.median(walls["eager"])
+    table.add_row("eager (unsplit, 1 thread)", "1 on 1", "", "", f"{eager * 1e3:.2f}", "", f"{base / eager:.2f}x")
     for kind, pipe in pipes.items():
         rows = stage_rows(pipe.plan, traces[kind])
         sim = pipelined_step_s(rows, pipe.microbatches, pipe.schedule_kind, pipe.plan.num_ranks)
