@@ -31,6 +31,7 @@ from fxsplit.dist_calibrate import CompiledDistributedPipeline, DistContext
 from fxsplit.dist_plan import example_batch, plan_on_rank0
 from fxsplit.errors import ConfigError, NotPerSampleWarning
 from fxsplit.ir import Plan
+from fxsplit.ir.problem import LOOPED_SCHEDULES
 from fxsplit.runtime.dist_state import StageState, materialise
 from fxsplit.runtime.distributed import SCHEDULES, DistributedPipeline
 
@@ -71,6 +72,10 @@ def init_process_group(backend: str | None, timeout_s: float) -> tuple[int, int,
 
 
 def _check_args(schedule: str, microbatches: int, world: int, num_stages: int | None) -> None:
+    if schedule in LOOPED_SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r} runs several stages per rank, which fxsplit.distributed does not "
+                          f"yet (one stage per rank); use one of {sorted(SCHEDULES)}, or the local pipeline "
+                          "(fxsplit.compile) for interleaved 1F1B")
     if schedule not in SCHEDULES:
         raise ConfigError(f"schedule={schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
     if not isinstance(microbatches, int) or microbatches < 1:

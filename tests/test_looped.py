@@ -125,3 +125,26 @@ def test_interleaved_needs_the_blocks(gpt_case):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
     with pytest.raises((ConfigError, InfeasibleError), match="stages"):
         fxsplit.compile(model, ["cpu"] * 4, (torch.randn(8, 4),), schedule="interleaved-1f1b", cost_model="analytic")
+
+
+def test_calibrate_judges_an_interleaved_plan_by_its_own_schedule(gpt_case):
+    """calibrate on a looped plan: stage times measured per chunk, the plan re-solved (the auto
+    search weighs interleaving again), the step predicted by simulation; nothing is trained."""
+    torch.manual_seed(0)
+    model = copy.deepcopy(gpt_case.model)
+    reference = copy.deepcopy(model)
+    pipe = fxsplit.compile(model, ["cpu", "cpu"], gpt_case.example_inputs, schedule="interleaved-1f1b",
+                           microbatches=4, cost_model="analytic")
+    inputs, target = gpt_case.make_batch(8, 1)
+    report = pipe.calibrate(*inputs, target=target, loss_fn=gpt_case.loss_fn, steps=1, rounds=1)
+    assert len(report.before) == 4 and all(r.meas_fwd_s > 0 and r.meas_bwd_s > 0 for r in report.before)
+    assert pipe.schedule_kind == "interleaved-1f1b" and pipe.plan.num_ranks == 2
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(*inputs), reference(*inputs), rtol=1e-5, atol=1e-6)
+
+
+def test_the_distributed_runtime_says_it_runs_one_stage_per_rank():
+    from fxsplit.distributed import _check_args
+
+    with pytest.raises(ConfigError, match="one stage per rank"):
+        _check_args("interleaved-1f1b", 4, 2, None)
