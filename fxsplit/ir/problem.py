@@ -6,10 +6,11 @@ JSON schema (``Problem.to_json``)::
      "devices": [DeviceSpec.to_dict(), ...],          # pipeline order when device_order == "fixed"
      "link": {"bytes_per_s": float, "latency_s": float},   # default for every pair
      "links": [[i, j, {"bytes_per_s": ..., "latency_s": ...}], ...],   # per-pair overrides
-     "microbatches": int, "schedule": "gpipe" | "1f1b",
+     "microbatches": int, "schedule": "gpipe" | "1f1b" | "interleaved-1f1b",
      "objective": "bottleneck" | "makespan", "training": bool,
      "optimizer_state_factor": float, "grad_factor": float,
-     "device_order": "fixed" | "free", "allow_idle_devices": bool}
+     "device_order": "fixed" | "free", "allow_idle_devices": bool,
+     "stages_per_device": int}                        # > 1 only for "interleaved-1f1b"
 """
 
 from __future__ import annotations
