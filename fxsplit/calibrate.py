@@ -324,7 +324,7 @@ def _replan(pipe: CompiledPipeline, ctx: CompileContext, refit: Problem) -> tupl
     old = evaluate(per_microbatch(refit, pipe.microbatches, pipe.schedule_kind),
                    [st.blocks for st in pipe.plan.stages], [st.device for st in pipe.plan.stages])
     choice = plan_pipeline(refit, ctx.batch, ctx.microbatches, ctx.schedule, ctx.solver, ctx.options)
-    old_s = plan_step_s(old.with_(microbatches=pipe.microbatches, schedule=pipe.schedule_kind))
+    old_s = plan_step_s(old)
     return choice, (1.0 - plan_step_s(choice.plan) / old_s if old_s > 0 else 0.0)
 
 

@@ -140,7 +140,7 @@ def _solve(problem: Problem, solver: str, options: Any, m: int, kind: str) -> Pl
 def looped_problem(problem: Problem, options: Any) -> Problem | None:
     """``problem`` with ``options.stages_per_device`` stages on each device (looped schedules),
     or None when that cannot help: one device, or fewer blocks than stages."""
-    v = getattr(options, "stages_per_device", 2)
+    v = options.stages_per_device
     if problem.num_devices < 2 or v < 2 or len(problem.graph) < v * problem.num_devices:
         return None
     return problem.with_(stages_per_device=v)
@@ -179,7 +179,7 @@ def plan_pipeline(
     looped_kinds = [k for k in kinds if k in LOOPED_SCHEDULES]
     looped = looped_problem(problem, options) if looped_kinds else None
     if looped is None and not flat_kinds:
-        raise ConfigError(f"schedule {schedule!r} runs {getattr(options, 'stages_per_device', 2)} stages per device "
+        raise ConfigError(f"schedule {schedule!r} runs {options.stages_per_device} stages per device "
                           f"and needs at least 2 devices and that many stages' worth of blocks; the graph has "
                           f"{len(problem.graph)} blocks for {problem.num_devices} devices. Use schedule='1f1b'")
     first: dict[str, tuple[Problem, Plan]] = {}  # the first plan of each placement, by its kind

@@ -49,6 +49,7 @@ from fxsplit.ir import Plan, Problem, evaluate
 from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime.dist_state import StageState, get_tensor, materialise
 from fxsplit.runtime.distributed import DistributedPipeline, from_rank0
+from fxsplit.schedule import plan_step_s
 
 __all__ = ["CompiledDistributedPipeline", "DistContext", "exchange_state"]
 
@@ -136,8 +137,8 @@ class CompiledDistributedPipeline(DistributedPipeline):
         return Plan.from_dict(self.meta["plan"])
 
     def predicted_step_s(self) -> float:
-        """The plan's simulated step (makespan), seconds."""
-        return float(self.plan.makespan_s)
+        """The plan's predicted step (:func:`fxsplit.schedule.plan_step_s`), seconds."""
+        return float(plan_step_s(self.plan))
 
     def calibrate(
         self,
@@ -258,7 +259,8 @@ class CompiledDistributedPipeline(DistributedPipeline):
             choice = plan_pipeline(refit, ctx.batch, m, kind, ctx.solver, ctx.options) if min_gain is not None else None
         except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there as PlanError
             return {"error": f"{type(exc).__name__}: {exc}"}
-        gain = 1.0 - choice.plan.makespan_s / old.makespan_s if choice is not None and old.makespan_s > 0 else 0.0
+        old_s = plan_step_s(old)
+        gain = 1.0 - plan_step_s(choice.plan) / old_s if choice is not None and old_s > 0 else 0.0
         rebuild = choice is not None and min_gain is not None and gain > min_gain
         chosen = choice.plan if rebuild and choice is not None else old
         stats = {**running.stats, "calibrated": True}

@@ -39,7 +39,7 @@ def human_seconds(s: float) -> str:
     return f"{s * 1e6:.1f} us"
 
 
-def plan_summary(plan: object) -> str:
+def plan_summary(plan: Any) -> str:
     """One line under a plan's table: its predicted step, bottleneck and how close the split is
     to the solver's proven bound. A looped schedule's step is simulated and its bound is that of
     the split into chunks (the solvers' objective), so both are named apart.
@@ -50,12 +50,11 @@ def plan_summary(plan: object) -> str:
     from fxsplit.ir.problem import LOOPED_SCHEDULES
     from fxsplit.schedule import plan_step_s
 
-    p: Any = plan
-    step = f"step {human_seconds(plan_step_s(p))}, bottleneck {human_seconds(p.bottleneck_s)} (predicted)"
-    if p.schedule in LOOPED_SCHEDULES:
-        return (f"{step}; {p.num_stages // p.num_ranks} stages per device, split {p.status} for its {p.objective} "
-                f"{human_seconds(p.objective_s)} (lower bound {human_seconds(p.lower_bound_s)}, gap {p.gap:.1%})")
-    return f"{step}; lower bound {human_seconds(p.lower_bound_s)}, gap {p.gap:.1%}"
+    step = f"step {human_seconds(plan_step_s(plan))}, bottleneck {human_seconds(plan.bottleneck_s)} (predicted)"
+    if plan.schedule in LOOPED_SCHEDULES:
+        return (f"{step}; {plan.num_stages // plan.num_ranks} stages per device, split {plan.status} for its {plan.objective} "
+                f"{human_seconds(plan.objective_s)} (lower bound {human_seconds(plan.lower_bound_s)}, gap {plan.gap:.1%})")
+    return f"{step}; lower bound {human_seconds(plan.lower_bound_s)}, gap {plan.gap:.1%}"
 
 
 def to_dot(graph: CondensedGraph, color_of: Mapping[int, int] | None = None, title: str = "") -> str:

@@ -92,10 +92,13 @@ class Plan:
         return len({st.device for st in self.stages})
 
     @property
-    def stage_to_rank(self) -> tuple[int, ...]:
-        """``[num_stages]`` rank of each stage, ranks numbered by first appearance of the device."""
-        ranks: dict[int, int] = {}
-        return tuple(ranks.setdefault(st.device, len(ranks)) for st in self.stages)
+    def rank_stages(self) -> tuple[tuple[int, ...], ...]:
+        """``[num_ranks]`` the stages each device runs, devices in order of first appearance
+        (one stage each unless a looped schedule puts several on one device)."""
+        held: dict[int, list[int]] = {}
+        for s, st in enumerate(self.stages):
+            held.setdefault(st.device, []).append(s)
+        return tuple(tuple(h) for h in held.values())
 
     @property
     def gap(self) -> float:
@@ -146,9 +149,9 @@ class Plan:
                 faults.append(f"stages 0..{s} are not a downset: they need blocks {bad[:10]} from later stages")
         if faults:
             return faults
-        for d in dict.fromkeys(devs):
-            cap, held = problem.devices[d].memory_bytes, [s for s, x in enumerate(devs) if x == d]
-            need = sum(self.stages[s].memory_bytes for s in held)
+        for held in self.rank_stages:
+            d = devs[held[0]]
+            cap, need = problem.devices[d].memory_bytes, sum(self.stages[s].memory_bytes for s in held)
             if need > cap:
                 where = f"stage {held[0]}" if len(held) == 1 else f"stages {held}"
                 faults.append(f"{where} need(s) {need} bytes, device {d} ({problem.devices[d].name}) has {cap}")

@@ -24,7 +24,14 @@ from fxsplit.schedule.generators import (
     one_f_one_b,
     register,
 )
-from fxsplit.schedule.simulate import Event, Timeline, peak_in_flight, plan_step_s, simulate, simulate_plan
+from fxsplit.schedule.simulate import (
+    Event,
+    Timeline,
+    peak_in_flight,
+    plan_step_s,
+    simulate,
+    simulate_plan,
+)
 from fxsplit.schedule.validate import Fault, find_faults, validate
 
 __all__ = [

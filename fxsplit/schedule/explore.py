@@ -228,8 +228,8 @@ def _try(problem: Problem, stages: Sequence[Sequence[int]], devs: list[int], kin
     flight = [pb.in_flight(s, len(stages)) for s in range(len(stages))]
     stage_bytes = [st.memory_bytes + a * (n - f) for st, a, n, f in
                    zip(plan.stages, acts, timeline.peak_in_flight, flight, strict=True)]
-    ranks = list(dict.fromkeys(devs))
-    held = tuple(tuple(s for s, d in enumerate(devs) if d == r) for r in ranks)
+    held = plan.rank_stages
+    ranks = [devs[h[0]] for h in held]
     cand = Candidate(
         schedule=kind,
         microbatches=m,

@@ -188,7 +188,7 @@ def simulate_plan(
     With balanced stages the makespan equals ``plan.makespan_s``.
 
     Args:
-        plan: The plan; its stages run on :attr:`~fxsplit.ir.Plan.stage_to_rank` (stage ``s`` on
+        plan: The plan; its stages run on :attr:`~fxsplit.ir.Plan.rank_stages` (stage ``s`` on
             rank ``s`` unless a looped schedule puts several stages on one device).
         schedule_kind: A registered schedule name; default ``plan.schedule``.
         microbatches: Micro-batches per step; default ``plan.microbatches``.
