@@ -141,10 +141,11 @@ class Measurement:
 
 
 def stage_rows(plan: Any, per_step: Sequence[Sequence[dict[str, float]]]) -> list[StageTimes]:
-    """Each stage of ``plan``: its predicted times against the mean of ``per_step`` (one
-    ``[num_stages]`` list of ``{"fwd_s", "bwd_s"}`` per measured step)."""
-    return [StageTimes(s, st.fwd_s, st.bwd_s, statistics.mean(p[s]["fwd_s"] for p in per_step),
-                       statistics.mean(p[s]["bwd_s"] for p in per_step))
+    """Each stage of ``plan``: its predicted times against the median of ``per_step`` (one
+    ``[num_stages]`` list of ``{"fwd_s", "bwd_s"}`` per measured step; the median, so one step
+    the machine slowed does not move a stage)."""
+    return [StageTimes(s, st.fwd_s, st.bwd_s, statistics.median(p[s]["fwd_s"] for p in per_step),
+                       statistics.median(p[s]["bwd_s"] for p in per_step))
             for s, st in enumerate(plan.stages)]
 
 
@@ -265,6 +266,7 @@ Measured = tuple[list[StageTimes], tuple[float, float]]
 def calibration_loop(
     pipe: Any,
     rounds: int,
+    min_gain: float,
     measure: Callable[[], Measured],
     recalibrate: Callable[[list[Measurement], float], tuple[float, bool, tuple[float, float] | None]],
     go_back: Callable[[Any, list[Measurement]], tuple[float, float] | None],
@@ -277,8 +279,9 @@ def calibration_loop(
     refitted costs, returning ``(predicted gain, rebuilt, link latency (probed, fitted) or None)``;
     the plan is measured again, and the rounds stop at the first one that kept the plan. It ends
     on the fastest plan measured (by :func:`pipelined_step_s`): when the last rebuilt one is
-    slower, ``go_back(snapshot, measured)`` restores the ``snapshot(step s)`` taken when the
-    fastest ran and returns the latency.
+    slower by more than ``min_gain`` (the margin a rebuild had to promise, so a few noisy steps
+    do not undo a rebuild), ``go_back(snapshot, measured)`` restores the ``snapshot(step s)``
+    taken when the fastest ran and returns the latency.
     """
     def judged(rows: Sequence[StageTimes]) -> float:  # under the plan running now
         return pipelined_step_s(rows, pipe.microbatches, pipe.schedule_kind, pipe.plan.num_ranks)
@@ -293,11 +296,13 @@ def calibration_loop(
         gain, rebuilt, latency = recalibrate(measured, step[1])
         gains.append(gain)
         rows, step = measure()
+        log.info("calibrate: round %d: gain %+.1f%% predicted, %s; pipelined step of the measured stages %.3g s "
+                 "(best so far %.3g s)", len(gains), 100 * gain, "rebuilt" if rebuilt else "kept", judged(rows), best[0])
         if rebuilt and judged(rows) < best[0]:
             best = (judged(rows), tuple(st.blocks for st in pipe.plan.stages), snapshot(step[1]))
         if not rebuilt:
             break
-    if judged(rows) > best[0] and best[1] != tuple(st.blocks for st in pipe.plan.stages):
+    if judged(rows) > best[0] * (1 + min_gain) and best[1] != tuple(st.blocks for st in pipe.plan.stages):
         log.info("calibrate: the re-planned stages measured %.3g s per pipelined step, slower than %.3g s: "
                  "going back", judged(rows), best[0])
         measured.append(Measurement.of(pipe.plan, rows))
@@ -354,8 +359,8 @@ class CompiledPipeline(Pipeline):
         """Measure ``steps`` training steps, refit the stage costs, re-plan, and rebuild the
         pipeline in place when the new plan is predicted faster by more than ``min_gain``.
         It ends on the fastest plan it measured (by the pipelined step of its measured stages,
-        :func:`pipelined_step_s`): a rebuilt plan that measures slower than an earlier one is undone
-        (on a noisy machine a refit can mislead).
+        :func:`pipelined_step_s`): a rebuilt plan that measures slower than an earlier one by more
+        than ``min_gain`` is undone (on a noisy machine a refit can mislead).
 
         Call it before creating the optimizer: a rebuild makes new stages (tied copies are new
         tensors). Gradients are left cleared (``None``); parameters are not changed.
@@ -395,7 +400,7 @@ class CompiledPipeline(Pipeline):
             self.__dict__.update(saved)
             self._adopt_costs(self.context, refit_problem(base, measured, self.microbatches, self.schedule_kind))
 
-        report = calibration_loop(self, rounds, lambda: self._measure(args, kwargs, target, loss_fn, steps),
+        report = calibration_loop(self, rounds, min_gain, lambda: self._measure(args, kwargs, target, loss_fn, steps),
                                   recalibrate, go_back, lambda _step_s: dict(self.__dict__))
         log.info("calibrate:\n%s", report.format_table())
         return report

@@ -157,7 +157,8 @@ class CompiledDistributedPipeline(DistributedPipeline):
         Call it before creating the optimizer: a rebuild makes new stage tensors (their values
         moved between ranks). Gradients are left cleared (``None``); parameters keep their values.
         It ends on the fastest plan it measured, by the pipelined step of its measured stages (a
-        rebuilt plan that measures slower is undone; the wall of a few steps is noisier).
+        rebuilt plan that measures slower by more than ``min_gain`` is undone; the wall of a few
+        steps is noisier).
 
         Args:
             args, kwargs: A batch of the model's inputs (as for :meth:`train_step`).
@@ -196,7 +197,7 @@ class CompiledDistributedPipeline(DistributedPipeline):
             self._rebuild(Plan.from_dict(back["plan"]))
             return back["probed_latency_s"], back["fitted_latency_s"]
 
-        report = calibration_loop(self, rounds, lambda: self._measure(args, kwargs, target, loss_fn, steps),
+        report = calibration_loop(self, rounds, min_gain, lambda: self._measure(args, kwargs, target, loss_fn, steps),
                                   recalibrate, go_back, lambda step_s: (self.plan, step_s))
         if dist.get_rank() == 0:
             log.info("calibrate:\n%s", report.format_table())

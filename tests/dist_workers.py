@@ -462,7 +462,7 @@ def _calibration_case(name: str, batch: int) -> tuple[Any, Any, tuple, torch.Ten
 
 
 def calibrate_rebuilds(rank: int, world: int, out_dir: str, name: str, plan_json: str | None, min_gain: float,
-                       batch: int) -> dict[str, Any]:
+                       batch: int, microbatches: int = 2) -> dict[str, Any]:
     """Compile (analytic costs, or the given plan), calibrate, then check that one train step still
     equals the unsplit model's and that the stage holds the model's own values under its keys."""
     from fxsplit.ir import Plan
@@ -471,10 +471,10 @@ def calibrate_rebuilds(rank: int, world: int, out_dir: str, name: str, plan_json
     original = {k: v.clone() for k, v in model.state_dict().items()}
     ref_loss, ref_grads = reference_of(model, inputs, target, loss_fn)
     plan = Plan.from_json(plan_json) if plan_json is not None else None
-    pipe = fxd.compile(model_fn, inputs, schedule="gpipe", microbatches=2, state_dict=original, plan=plan,
+    pipe = fxd.compile(model_fn, inputs, schedule="gpipe", microbatches=microbatches, state_dict=original, plan=plan,
                        cost_model="analytic", timeout_s=60, options=CompileOptions(allow_idle_devices=False,
                                                                                     link=LinkSpec()))
-    report = pipe.calibrate(*inputs, target=target, loss_fn=loss_fn, steps=2, min_gain=min_gain, rounds=2)
+    report = pipe.calibrate(*inputs, target=target, loss_fn=loss_fn, steps=3, min_gain=min_gain, rounds=2)
     assert all(p.grad is None for p in pipe.parameters()), "calibrate left gradients behind"
     loss = pipe.train_step(*inputs, target=target, loss_fn=loss_fn)
     out = compare(pipe, loss, ref_loss, ref_grads, f"{name} after calibrate")
