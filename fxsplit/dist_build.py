@@ -1,10 +1,11 @@
-"""Building this rank's stage of a distributed pipeline from a checked plan.
+"""Building this rank's stages of a distributed pipeline from a checked plan.
 
 :func:`fxsplit.distributed.compile` and :meth:`~fxsplit.dist_calibrate.CompiledDistributedPipeline.calibrate`
 (which rebuilds on a new plan) share these steps: cut the captured graph by the plan
-(:func:`fxsplit.codegen.split_graph`), create one process group per tensor several stages hold
-(:func:`tied_groups`), fill the stage's tensors, and wrap the stage in its runtime
-(:func:`build_pipeline`).
+(:func:`fxsplit.codegen.split_graph`), create one process group per tensor several ranks hold
+(:func:`tied_groups`), fill the stages' tensors, and wrap the stages in their runtime
+(:func:`build_pipeline`). Rank ``r`` of ``R`` runs stages ``r, r + R, ...``
+(:func:`~fxsplit.runtime.distributed.rank_of`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from fxsplit.codegen.place import get_state
 from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState
-from fxsplit.runtime.distributed import DistributedPipeline, TiedGroup
+from fxsplit.runtime.distributed import DistributedPipeline, RankStage, TiedGroup, rank_of
 from fxsplit.runtime.microbatch import batch_size_of, microbatch_sizes
 
-__all__ = ["batched_flags", "broadcast_tied", "build_pipeline", "to_meta", "tied_groups"]
+__all__ = ["batched_flags", "broadcast_tied", "build_pipeline", "rank_stages", "to_meta", "tied_groups"]
 
 P = TypeVar("P", bound=DistributedPipeline)
 
@@ -33,9 +34,15 @@ def to_meta(values: Any) -> Any:
     return pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, values)
 
 
+def rank_stages(program: Any, rank: int, world: int) -> list[Any]:
+    """The stages of ``program`` that ``rank`` of ``world`` runs (looping placement)."""
+    return [st for st in program.stages if rank_of(st.index, world) == rank]
+
+
 def tied_groups(program: Any, world: int) -> list[TiedGroup]:
-    """One subgroup per tensor read by several stages; created on every rank, in name order
-    (``new_group`` is collective); returns the groups this rank belongs to."""
+    """The tensors read by several stages that this rank holds a copy of; one subgroup per
+    tensor held on several ranks, created on every rank in name order (``new_group`` is
+    collective)."""
     holders: dict[str, list[int]] = {}
     for st in program.stages:
         for name in st.state:
@@ -44,20 +51,26 @@ def tied_groups(program: Any, world: int) -> list[TiedGroup]:
                 holders.setdefault(name, []).append(st.index)
     groups = []
     for name in sorted(holders):
-        ranks = tuple(holders[name])
-        if len(ranks) > 1:
-            group = dist.new_group(ranks=list(ranks))
-            if dist.get_rank() in ranks:
-                groups.append(TiedGroup(name, ranks, group))
+        if len(holders[name]) < 2:
+            continue
+        ranks = tuple(sorted({rank_of(s, world) for s in holders[name]}))
+        group = dist.new_group(ranks=list(ranks)) if len(ranks) > 1 else None
+        if dist.get_rank() in ranks:
+            groups.append(TiedGroup(name, ranks, group))
     return groups
 
 
-def broadcast_tied(gm: Any, tied: list[TiedGroup]) -> None:
+def broadcast_tied(stages: Sequence[Any], tied: list[TiedGroup]) -> None:
     """Give every copy of a tied parameter the first holder's values: without a state dict each
-    rank initialises its copy with its own random stream, and the copies must start equal."""
+    stage initialises its copy with its own random stream, and the copies must start equal.
+    ``stages``: this rank's materialised stages (:func:`rank_stages`)."""
     with torch.no_grad():
         for group in tied:
-            dist.broadcast(get_state(gm, group.name).data, src=group.ranks[0], group=group.group)
+            copies = [get_state(st.gm, group.name).data for st in stages if group.name in st.state]
+            if group.group is not None:
+                dist.broadcast(copies[0], src=group.ranks[0], group=group.group)
+            for copy in copies[1:]:
+                copy.copy_(copies[0])
 
 
 def batched_flags(captured: Any, flat: Sequence[Any]) -> list[bool]:
@@ -70,26 +83,29 @@ def batched_flags(captured: Any, flat: Sequence[Any]) -> list[bool]:
     return [isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch for x in flat]
 
 
-def build_pipeline(stage: Any, captured: Any, inputs: tuple[tuple, dict], rank: int, world: int,
-                   device: torch.device, schedule: str, m: int, state: StageState, tied: list[TiedGroup], *,
+def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inputs: tuple[tuple, dict],
+                   num_stages: int, device: torch.device, schedule: str, m: int, tied: list[TiedGroup], *,
                    meta: dict[str, Any], state_order: list[str], timeout_s: float, watchdog: bool,
                    cls: type[P]) -> P:
     """This rank's runtime (``cls``, a :class:`DistributedPipeline`) around its materialised
-    stage; ``inputs`` is ``(args, kwargs)``."""
+    stages, ``(stage, state)`` pairs (:func:`rank_stages`); ``inputs`` is ``(args, kwargs)``."""
     flat = captured.flatten_inputs(*inputs)
     batched = batched_flags(captured, flat)
-    module = StageModule(stage.gm, first=rank == 0, last=rank == world - 1, batched=batched)
-    shapes = WireShapes(
-        captured.gm, to_meta(flat), batched, inputs=stage.inputs, outputs=stage.outputs,
-        in_layouts=module.in_layouts, out_layouts=module.out_layouts, first=rank == 0, last=rank == world - 1,
-        index=rank,
-    )
     batch = batch_size_of([x for x, b in zip(flat, batched, strict=True) if b] or flat)
-    for size in sorted({s for s in microbatch_sizes(batch, m) if s > 0}):
-        shapes.example_args(size, train=True)  # a boundary shape the data decides fails here, on every rank
+    held = []
+    for stage, state in stages:
+        first, last = stage.index == 0, stage.index == num_stages - 1
+        module = StageModule(stage.gm, first=first, last=last, batched=batched)
+        shapes = WireShapes(
+            captured.gm, to_meta(flat), batched, inputs=stage.inputs, outputs=stage.outputs,
+            in_layouts=module.in_layouts, out_layouts=module.out_layouts, first=first, last=last, index=stage.index,
+        )
+        for size in sorted({s for s in microbatch_sizes(batch, m) if s > 0}):
+            shapes.example_args(size, train=True)  # a boundary shape the data decides fails here, on every rank
+        held.append(RankStage(module, state, stage.index, shapes))
     return cls(
-        module, state=state, stage_index=rank, num_stages=world, device=device, schedule_kind=schedule,
+        held, num_stages=num_stages, device=device, schedule_kind=schedule,
         microbatches=m, in_spec=captured.in_spec, out_spec=captured.out_spec, tied=tied,
-        state_order=state_order, meta=meta, timeout_s=timeout_s, watchdog=watchdog, shapes=shapes,
+        state_order=state_order, meta=meta, timeout_s=timeout_s, watchdog=watchdog,
         batched_inputs=batched, batched_outputs=captured.batched_outputs, layout=captured.layout,
     )

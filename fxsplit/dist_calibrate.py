@@ -43,7 +43,7 @@ from fxsplit.calibrate import (
     stage_rows,
 )
 from fxsplit.codegen import split_graph
-from fxsplit.dist_build import build_pipeline, tied_groups
+from fxsplit.dist_build import build_pipeline, rank_stages, tied_groups
 from fxsplit.errors import ConfigError, PlanError
 from fxsplit.ir import Plan, Problem, evaluate
 from fxsplit.passes.measure import gc_paused
@@ -83,18 +83,18 @@ class DistContext:
     options: Any
 
 
-def exchange_state(module: nn.Module, old: Sequence[Sequence[str]], new: Sequence[Sequence[str]],
+def exchange_state(modules: Sequence[nn.Module], old: Sequence[Sequence[str]], new: Sequence[Sequence[str]],
                    like: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    """The tensors of this rank's new stage, each taken from this rank's old stage or received
-    from the first rank whose old stage held it; collective.
+    """The tensors of this rank's new stages, each taken from this rank's old stages or received
+    from the first rank whose old stages held it; collective.
 
     For every graph state name in sorted order, the first old holder sends it to each new
     holder that did not hold it, with blocking ``send``/``recv``: every rank walks the same global
     order, so each transfer's two ranks meet once both have finished the earlier ones.
 
     Args:
-        module: This rank's old stage GraphModule (its state, on ``device``).
-        old, new: Graph state names of every rank's old and new stage (``[world]`` lists).
+        modules: This rank's old stage GraphModules (their state, on ``device``).
+        old, new: Graph state names of every rank's old and new stages (``[world]`` lists).
         like: A module holding every name on the meta device (the capture), for shapes and dtypes.
         device: This rank's device.
 
@@ -106,6 +106,10 @@ def exchange_state(module: nn.Module, old: Sequence[Sequence[str]], new: Sequenc
     """
     rank = dist.get_rank()
     out: dict[str, torch.Tensor] = {}
+
+    def held(name: str) -> torch.Tensor:
+        return next(get_tensor(m, name) for m in modules if name in _names(m)).detach()
+
     for name in sorted({g for names in new for g in names}):
         holders = [r for r, names in enumerate(old) if name in names]
         if not holders:
@@ -114,15 +118,19 @@ def exchange_state(module: nn.Module, old: Sequence[Sequence[str]], new: Sequenc
         takers = [r for r, names in enumerate(new) if name in names and name not in old[r]]
         if rank == holders[0]:
             for r in takers:
-                dist.send(get_tensor(module, name).detach().contiguous(), dst=r)
+                dist.send(held(name).contiguous(), dst=r)
         if rank in takers:
             meta = get_tensor(like, name)
             buf = torch.empty(meta.shape, dtype=meta.dtype, device=device)
             dist.recv(buf, src=holders[0])
             out[name] = buf
         elif name in new[rank]:
-            out[name] = get_tensor(module, name).detach()
+            out[name] = held(name)
     return out
+
+
+def _names(module: nn.Module) -> set[str]:
+    return {n for n, _ in module.named_parameters(remove_duplicate=False)} | {n for n, _ in module.named_buffers()}
 
 
 class CompiledDistributedPipeline(DistributedPipeline):
@@ -269,28 +277,29 @@ class CompiledDistributedPipeline(DistributedPipeline):
                 "plan": chosen.with_(microbatches=m, schedule=kind, stats=stats).to_dict()}
 
     def _rebuild(self, plan: Plan) -> None:
-        """Become this rank's stage of ``plan``: cut it from the capture, move the state, wrap it."""
+        """Become this rank's stages of ``plan``: cut them from the capture, move the state, wrap them."""
         ctx = self.context
         if ctx is None:
             raise ConfigError("calibrate needs the compile context")
-        rank, world = self.stage_index, self.num_stages
-        program = split_graph(ctx.captured.gm, plan.stage_of_block(), [str(self.device)] * world)
+        rank, world = dist.get_rank(), self.num_ranks
+        program = split_graph(ctx.captured.gm, plan.stage_of_block(), [str(self.device)] * plan.num_stages)
         old: list[Any] = [None] * world
-        dist.all_gather_object(old, list(self.state.names))
-        values = exchange_state(self.module.gm, old, [st.state for st in program.stages], ctx.captured.gm,
-                                self.device)
+        dist.all_gather_object(old, sorted({g for st in self.stages for g in st.state.names}))
+        new_names = [sorted({g for st in rank_stages(program, r, world) for g in st.state}) for r in range(world)]
+        values = exchange_state([st.module.gm for st in self.stages], old, new_names, ctx.captured.gm, self.device)
         tied = tied_groups(program, world)
-        stage = program.stages[rank]
-        state = StageState(stage.state, ctx.captured.aliases)
-        source: Mapping[str, torch.Tensor] = {state.originals[g][0]: values[g] for g in state.names}
-        materialise(stage.gm, state, self.device, state_dict=source, init_fn=None, meta_model=ctx.meta_model,
-                    model_fn=None)
-        new = build_pipeline(stage, ctx.captured, ctx.inputs, rank, world, self.device, self.schedule_kind,
-                             self.microbatches, state, tied, meta={**self.meta, "plan": plan.to_dict()},
+        mine = [(stage, StageState(stage.state, ctx.captured.aliases)) for stage in rank_stages(program, rank, world)]
+        for stage, state in mine:
+            source: Mapping[str, torch.Tensor] = {state.originals[g][0]: values[g] for g in state.names}
+            materialise(stage.gm, state, self.device, state_dict=source, init_fn=None, meta_model=ctx.meta_model,
+                        model_fn=None)
+        new = build_pipeline(mine, ctx.captured, ctx.inputs, plan.num_stages, self.device, self.schedule_kind,
+                             self.microbatches, tied, meta={**self.meta, "plan": plan.to_dict()},
                              state_order=self.state_order, timeout_s=self.timeout_s,
                              watchdog=self.watchdog is not None, cls=type(self))
         new.context = ctx
         self.close()
         self.__dict__.update(new.__dict__)
-        log.info("rank %d: rebuilt stage %d on the calibrated plan (%d tensors)", rank, rank, len(values))
+        log.info("rank %d: rebuilt stage(s) %s on the calibrated plan (%d tensors)", rank, list(self.stage_indices),
+                 len(values))
 

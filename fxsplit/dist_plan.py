@@ -46,6 +46,7 @@ from fxsplit.runtime.dist_state import retarget_meta_devices
 from fxsplit.runtime.distributed import from_rank0
 from fxsplit.runtime.links import probe_pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
+from fxsplit.schedule import default_microbatches
 
 __all__ = ["DistPlan", "example_batch", "graph_digest", "plan_on_rank0", "per_sample_on_rank0", "reference_spec", "check_plan",
            "profiled_blocks", "fits_device"]
@@ -198,21 +199,22 @@ def _rank0_cost_model(captured: Any, flat: Sequence[Any], device: torch.device, 
 
 def _plan(front: tuple[Any, Any], inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
           links: tuple[tuple[int, int, LinkSpec], ...], reference: DeviceSpec, world: int, schedule: str,
-          microbatches: int, solver: str, options: Any) -> tuple[Plan, Problem]:
+          microbatches: int | str, solver: str, options: Any) -> tuple[Plan, Problem]:
     """Rank 0: the per-sample check (with several micro-batches) and the graph with the chosen
     cost model, solved, on one materialised copy of the graph; the plan records the cost model.
     Returns the plan and the problem (whole-batch costs) it was solved on."""
     captured, condensed = front
     flat, flags, batch = example_batch(captured, inputs)
     used = _rank0_cost_model(captured, flat, device, cost_model)
-    checked = microbatches > 1 and _real(flat) and fits_device(captured.gm, device)
+    checked = microbatches != 1 and _real(flat) and fits_device(captured.gm, device)
     work = _materialised(captured.gm, device) if used == "profiled" or checked else None
-    mixing = per_sample_on_rank0(captured, inputs, device, work=work) if microbatches > 1 else None
+    mixing = per_sample_on_rank0(captured, inputs, device, work=work) if microbatches != 1 else None
     graph = condensed.graph if used == "analytic" else profiled_blocks(
         captured.gm, condensed.graph, flat, flags, device, microbatches, options, work=work)
     problem = _problem(graph, reference, links, world, options)
-    plan = plan_pipeline(problem, batch, microbatches, schedule, solver, options).plan
-    log.info("rank 0 planned with the %s cost model", used)
+    choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
+    plan = choice.plan.with_(microbatches=choice.microbatches, schedule=choice.schedule)
+    log.info("rank 0 planned with the %s cost model: %s", used, choice.reason)
     stats: dict[str, Any] = {**plan.stats, "cost_model": used}
     if mixing is not None:
         stats["not_per_sample"] = mixing
@@ -250,7 +252,7 @@ def plan_on_rank0(
     world: int,
     device: torch.device,
     schedule: str,
-    microbatches: int,
+    microbatches: int | str,
     solver: str,
     plan: Plan | None,
     options: Any,
@@ -261,9 +263,10 @@ def plan_on_rank0(
     Args:
         meta_model: The model on the meta device.
         inputs: ``(args, kwargs)`` of the example batch (any device; only shapes are read).
-        rank, world: This rank and the number of ranks (= stages).
+        rank, world: This rank and the number of ranks.
         device: This rank's device (rank 0's is the reference the plan is costed on).
-        schedule, microbatches: How the pipeline runs (must agree across ranks).
+        schedule, microbatches: How the pipeline runs (must agree across ranks; ``"auto"``: rank
+            0 chooses, and the plan says what it chose).
         solver: The solver rank 0 runs.
         plan: A plan to use instead of solving (rank 0's copy is the one used).
         options: ``CompileOptions``.
@@ -383,7 +386,7 @@ def _materialised(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.Gr
 
 
 def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[Any], batched: tuple[bool, ...],
-                    device: torch.device, microbatches: int, options: Any, *,
+                    device: torch.device, microbatches: int | str, options: Any, *,
                     work: torch.fx.GraphModule | None = None) -> CondensedGraph:
     """``graph`` (the analytic blocks every rank also made) with block times profiled on
     ``device`` at the micro-batch size: the graph is materialised there with stand-in values,
@@ -398,7 +401,8 @@ def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[
     cache_dir = getattr(options, "profile_cache_dir", None)
     cache = None if cache_dir is False else ProfileCache(cache_dir or default_cache_dir(),
                                                          device_name(DeviceSpec("rank0", torch_device=str(device))))
-    profile_node_times(work, inputs, batched, profile_sizes(batch, microbatches), str(device), cache=cache)
+    counts = microbatches if isinstance(microbatches, int) else default_microbatches(batch)
+    profile_node_times(work, inputs, batched, profile_sizes(batch, counts), str(device), cache=cache)
     if cache is not None:
         cache.save()
     costs = {n.name: n.meta["fxsplit.cost"] for n in work.graph.nodes if n.op != "output"}

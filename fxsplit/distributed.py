@@ -1,13 +1,14 @@
 """Pipelines across processes and machines: ``fxsplit.distributed.compile`` on every rank.
 
-Launch one process per stage with ``torchrun`` (gloo on CPU, NCCL on GPUs)::
+Launch one process per device with ``torchrun`` (gloo on CPU, NCCL on GPUs)::
 
     torchrun --nproc_per_node=4 train.py          # train.py calls fxsplit.distributed.compile
 
 Every rank builds the model on the meta device and captures it; rank 0 alone plans, costed on
 the device it runs on, and broadcasts the plan, which every rank checks against its own capture
-(:mod:`fxsplit.dist_plan`). Each rank then materialises only its own stage: global rank ``i``
-runs stage ``i``. See :mod:`fxsplit.runtime.distributed` for the runtime.
+(:mod:`fxsplit.dist_plan`). Each rank then materialises only its own stages: global rank ``r`` of
+``R`` runs stage ``r`` (and ``r + R, r + 2R, ...`` under interleaved 1F1B). See
+:mod:`fxsplit.runtime.distributed` for the runtime.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from torch import nn
 from fxsplit.api import CompileOptions, with_batch_dim
 from fxsplit.checkpoint import load_shard, read_index
 from fxsplit.codegen import split_graph
-from fxsplit.dist_build import batched_flags, broadcast_tied, build_pipeline, tied_groups, to_meta
+from fxsplit.dist_build import (
+    batched_flags,
+    broadcast_tied,
+    build_pipeline,
+    rank_stages,
+    tied_groups,
+    to_meta,
+)
 from fxsplit.dist_calibrate import CompiledDistributedPipeline, DistContext
 from fxsplit.dist_plan import example_batch, plan_on_rank0
 from fxsplit.errors import ConfigError, NotPerSampleWarning
@@ -71,25 +79,37 @@ def init_process_group(backend: str | None, timeout_s: float) -> tuple[int, int,
     return rank, world, torch.device("cpu")
 
 
-def _check_args(schedule: str, microbatches: int, world: int, num_stages: int | None) -> None:
-    if schedule in LOOPED_SCHEDULES:
-        raise ConfigError(f"schedule={schedule!r} runs several stages per rank, which fxsplit.distributed does not "
-                          f"yet (one stage per rank); use one of {sorted(SCHEDULES)}, or the local pipeline "
-                          "(fxsplit.compile) for interleaved 1F1B")
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"schedule={schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ConfigError(f"microbatches={microbatches!r}; pass a positive int")
-    if num_stages is not None and num_stages != world:
+def _check_args(schedule: str, microbatches: int | str, world: int, num_stages: int | None) -> None:
+    if schedule not in SCHEDULES and schedule != "auto":
+        raise ConfigError(f"schedule={schedule!r} is unknown; choose 'auto' or one of {sorted(SCHEDULES)}")
+    if microbatches != "auto" and (not isinstance(microbatches, int) or microbatches < 1):
+        raise ConfigError(f"microbatches={microbatches!r}; pass a positive int or 'auto'")
+    if schedule == "auto" or microbatches == "auto":
+        return  # checked again once rank 0 has chosen
+    looped = schedule in LOOPED_SCHEDULES
+    if num_stages is not None and not looped and num_stages != world:
         raise ConfigError(
-            f"the plan has {num_stages} stages but {world} processes were launched; rank i runs stage i, "
-            f"so launch with --nproc_per_node={num_stages} (times --nnodes) or plan for {world} stages"
+            f"the plan has {num_stages} stages but {world} processes were launched; under {schedule} rank i runs "
+            f"stage i, so launch with --nproc_per_node={num_stages} (times --nnodes) or plan for {world} stages"
+        )
+    if num_stages is not None and looped and (num_stages % world or num_stages < 2 * world):
+        raise ConfigError(
+            f"the plan has {num_stages} stages for {world} processes; {schedule} runs several stages per rank "
+            f"(stage s on rank s mod {world}), so the stage count must be a multiple of {world}, at least "
+            f"{2 * world}: plan with stages_per_device >= 2, or use schedule='1f1b'"
         )
     if schedule == "1f1b" and microbatches < world:
         raise ConfigError(
             f"1f1b needs at least as many micro-batches as stages: microbatches={microbatches}, "
             f"{world} stages; use microbatches >= {world} or schedule='gpipe'"
         )
+
+
+def _chosen(schedule: str, microbatches: int | str, plan: Plan) -> tuple[str, int]:
+    """The schedule and micro-batch count that run: the ones asked for, or the plan's where
+    ``"auto"`` was asked."""
+    return (plan.schedule if schedule == "auto" else schedule,
+            plan.microbatches if microbatches == "auto" else int(microbatches))
 
 
 def _warn_if_not_per_sample(gm: torch.fx.GraphModule, m: int, rank: int, checked: Sequence[str] | None) -> None:
@@ -124,7 +144,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     schedule: str = "1f1b",
-    microbatches: int | None = None,
+    microbatches: int | str | None = None,
     backend: str | None = None,
     state_dict: Mapping[str, torch.Tensor] | str | None = None,
     init_fn: Callable[[str, torch.Tensor], None] | None = None,
@@ -144,8 +164,12 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
             state dict nor the model's initialisation fills.
         example_inputs: A representative batch, batch on dim 0 (fixes the micro-batch size).
         example_kwargs: Keyword inputs.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
-        microbatches: Micro-batches per step (default: the number of ranks).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` (``options.stages_per_device``
+            stages per rank, stage ``s`` on rank ``s mod R``; Narayanan et al., SC 2021), or
+            ``"auto"``: rank 0 chooses among them as :func:`fxsplit.compile` does (the step of each
+            candidate simulated on its costs) and every rank runs its choice.
+        microbatches: Micro-batches per step, or ``"auto"`` (rank 0 chooses); default: ``"auto"``
+            under ``schedule="auto"``, else the number of ranks.
         backend: ``"gloo"``, ``"nccl"`` or None (NCCL with CUDA, else gloo); used when this
             function creates the process group.
         state_dict: The original model's state dict, or a path to one (``torch.save``); each rank
@@ -156,7 +180,8 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
             ``_init_weights``, else each module's ``reset_parameters()``, else the value a second
             ``model_fn()`` gives; see :mod:`fxsplit.runtime.dist_init`); tied copies then take the
             first holder's values.
-        plan: A fixed plan (its stage count must equal the world size; rank 0's copy is used);
+        plan: A fixed plan (its stage count must equal the world size, or be a multiple of it
+            under interleaved 1F1B; rank 0's copy is used);
             default: rank 0 solves, costed on its own device (a measured CPU, or the preset of
             the detected GPU).
         solver: The solver rank 0 runs.
@@ -176,9 +201,9 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         :class:`DistributedPipeline` that can ``calibrate`` itself: measure, re-plan, rebuild).
 
     Raises:
-        ConfigError: for a launch without torchrun's environment, a plan whose stage count is
-            not the world size, a bad schedule or micro-batch count, or stage tensors no source
-            fills; on every rank, before any stage is built.
+        ConfigError: for a launch without torchrun's environment, a plan whose stage count does
+            not suit the world size and schedule, a bad schedule or micro-batch count, or stage
+            tensors no source fills; on every rank, before any stage is built.
         PlanError: on every rank, when a rank captured a different graph than rank 0, rank 0's
             plan does not fit a rank's capture, or capture or planning failed on another rank.
         CaptureError, InfeasibleError: as :func:`fxsplit.compile`.
@@ -192,36 +217,38 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         raise ConfigError(f"cost_model={cost_model!r}; choose 'auto', 'profiled' or 'analytic'")
     options = with_batch_dim(options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0), batch_dim)
     rank, world, device = init_process_group(backend, timeout_s)
-    m = microbatches if microbatches is not None else world
-    _check_args(schedule, m, world, None)
+    asked = microbatches if microbatches is not None else ("auto" if schedule == "auto" else world)
+    _check_args(schedule, asked, world, None)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     if plan is not None:
-        _check_args(schedule, m, world, plan.num_stages)  # before any collective
+        _check_args(*_chosen(schedule, asked, plan), world, plan.num_stages)  # before any collective
     with torch.device("meta"):
         meta_model = model_fn()
     planned = plan_on_rank0(meta_model, (args, kwargs), rank=rank, world=world, device=device, schedule=schedule,
-                            microbatches=m, solver=solver, plan=plan, options=options, cost_model=cost_model)
+                            microbatches=asked, solver=solver, plan=plan, options=options, cost_model=cost_model)
     captured, plan = planned.captured, planned.plan
+    schedule, m = _chosen(schedule, asked, plan)
     _check_args(schedule, m, world, plan.num_stages)
     _warn_if_not_per_sample(captured.gm, m, rank, plan.stats.get("not_per_sample"))
-    program = split_graph(captured.gm, plan.stage_of_block(), [str(device)] * world)
+    program = split_graph(captured.gm, plan.stage_of_block(), [str(device)] * plan.num_stages)
     tied = tied_groups(program, world)
-    stage = program.stages[rank]
-    state = StageState(stage.state, captured.aliases)
-    origin = materialise(stage.gm, state, device, state_dict=state_dict, init_fn=init_fn,
-                         meta_model=meta_model, model_fn=model_fn)
-    log.info("rank %d: stage %d state from %s", rank, rank, sorted(set(origin.values())))
-    broadcast_tied(stage.gm, tied)
+    mine = [(stage, StageState(stage.state, captured.aliases)) for stage in rank_stages(program, rank, world)]
+    for stage, state in mine:
+        origin = materialise(stage.gm, state, device, state_dict=state_dict, init_fn=init_fn,
+                             meta_model=meta_model, model_fn=model_fn)
+        log.info("rank %d: stage %d state from %s", rank, stage.index, sorted(set(origin.values())))
+    broadcast_tied([stage for stage, _ in mine], tied)
     meta = {"plan": plan.to_dict(), "schedule": schedule, "microbatches": m, "model": type(meta_model).__name__,
             "reference": planned.reference.to_dict()}
-    pipe = build_pipeline(stage, captured, (args, kwargs), rank, world, device, schedule, m, state, tied,
+    pipe = build_pipeline(mine, captured, (args, kwargs), plan.num_stages, device, schedule, m, tied,
                           meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s,
                           watchdog=watchdog, cls=CompiledDistributedPipeline)
     pipe.context = DistContext(model_fn, meta_model, captured, to_meta((args, kwargs)), planned.problem,
                                example_batch(captured, (args, kwargs))[2], solver, options)
     _barrier(timeout_s)
     if rank == 0:
-        log.info("pipeline over %d ranks: %s x %d, stage sizes %s", world, schedule, m, [len(s.blocks) for s in plan.stages])
+        log.info("pipeline of %d stages over %d ranks: %s x %d, stage sizes %s", plan.num_stages, world, schedule, m,
+                 [len(s.blocks) for s in plan.stages])
     return pipe
 
 

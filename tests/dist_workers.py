@@ -44,7 +44,7 @@ def compare(pipe: Any, loss: Any, ref_loss: float, ref_grads: dict[str, torch.Te
     """Check this rank's loss (last rank) and every gradient of its stage against the reference."""
     checked = []
     for name, p in pipe.named_parameters():
-        assert p.grad is not None, f"{tag}: {name} has no gradient on rank {pipe.stage_index}"
+        assert p.grad is not None, f"{tag}: {name} has no gradient on stage(s) {pipe.stage_indices}"
         torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-5,
                                    msg=lambda m, n=name: f"{tag}: gradient of {n}: {m}")
         checked.append(name)
@@ -74,6 +74,59 @@ def train_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, str, 
         out[tag]["trace"] = [(e.stage, e.kind, e.microbatch, e.start_s, e.end_s) for e in pipe.gather_trace()]
         pipe.trace(os.path.join(out_dir, f"trace-{schedule}-{m}-{batch}.json"))
         pipe.close()
+    return out
+
+
+def interleaved_equal(rank: int, world: int, out_dir: str, batches: list[int]) -> dict[str, Any]:
+    """Interleaved 1F1B, two stages per rank (stage s on rank s mod world), on the tied GPT: for
+    each batch size, a train step and a forward equal the unsplit model's; then the stage times
+    cover every stage and a save merges into the model's state dict."""
+    from fxsplit.checkpoint import consolidate, resolve
+
+    out: dict[str, Any] = {}
+    for batch in batches:
+        case = _case("gpt", batch)
+        inputs, target = case.make_batch(batch, 11)
+        ref_loss, ref_grads = reference(case, inputs, target)
+        pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="interleaved-1f1b",
+                           microbatches=4, state_dict=case.model.state_dict(), timeout_s=30, cost_model="analytic",
+                           options=CompileOptions(link=LinkSpec(), stages_per_device=2))
+        tag = f"gpt/interleaved/batch={batch}"
+        loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
+        out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
+        out[tag].update(stages=list(pipe.stage_indices), num_stages=pipe.num_stages, tied=[t.name for t in pipe.tied],
+                        stage_times_s=pipe.stage_times_s(), broadcast=float(loss))
+        with torch.no_grad():
+            output = pipe(*inputs)
+            if pipe.is_last:
+                torch.testing.assert_close(output, case.model(*inputs), rtol=1e-5, atol=1e-6)
+        ckpt = os.path.join(out_dir, f"ckpt-{batch}")
+        pipe.save(ckpt)
+        if rank == 0:
+            merged = consolidate(ckpt)
+            expected = case.model.state_dict()
+            assert list(merged) == list(expected), "the checkpoint's keys are not the model's, in order"
+            for key, value in expected.items():
+                torch.testing.assert_close(merged[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+            folder, _ = resolve(ckpt)
+            out[tag]["shards"] = sorted(f for f in os.listdir(folder) if f.startswith("stage"))
+        pipe.close()
+    return out
+
+
+def auto_equal(rank: int, world: int, out_dir: str, batch: int) -> dict[str, Any]:
+    """``schedule="auto"``: rank 0 chooses the schedule and micro-batch count, every rank runs
+    its choice, and one train step equals the unsplit model's."""
+    case = _case("gpt", batch)
+    inputs, target = case.make_batch(batch, 11)
+    ref_loss, ref_grads = reference(case, inputs, target)
+    pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="auto", state_dict=case.model.state_dict(),
+                       timeout_s=30, cost_model="analytic", options=CompileOptions(link=LinkSpec()))
+    loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
+    out = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, "gpt/auto")
+    out.update(schedule=pipe.schedule_kind, microbatches=pipe.microbatches, plan_schedule=pipe.plan.schedule,
+               plan_microbatches=pipe.plan.microbatches, stages=list(pipe.stage_indices), num_stages=pipe.num_stages)
+    pipe.close()
     return out
 
 
@@ -462,7 +515,7 @@ def _calibration_case(name: str, batch: int) -> tuple[Any, Any, tuple, torch.Ten
 
 
 def calibrate_rebuilds(rank: int, world: int, out_dir: str, name: str, plan_json: str | None, min_gain: float,
-                       batch: int, microbatches: int = 2) -> dict[str, Any]:
+                       batch: int, microbatches: int = 2, schedule: str = "gpipe") -> dict[str, Any]:
     """Compile (analytic costs, or the given plan), calibrate, then check that one train step still
     equals the unsplit model's and that the stage holds the model's own values under its keys."""
     from fxsplit.ir import Plan
@@ -471,7 +524,7 @@ def calibrate_rebuilds(rank: int, world: int, out_dir: str, name: str, plan_json
     original = {k: v.clone() for k, v in model.state_dict().items()}
     ref_loss, ref_grads = reference_of(model, inputs, target, loss_fn)
     plan = Plan.from_json(plan_json) if plan_json is not None else None
-    pipe = fxd.compile(model_fn, inputs, schedule="gpipe", microbatches=microbatches, state_dict=original, plan=plan,
+    pipe = fxd.compile(model_fn, inputs, schedule=schedule, microbatches=microbatches, state_dict=original, plan=plan,
                        cost_model="analytic", timeout_s=60, options=CompileOptions(allow_idle_devices=False,
                                                                                     link=LinkSpec()))
     report = pipe.calibrate(*inputs, target=target, loss_fn=loss_fn, steps=3, min_gain=min_gain, rounds=2)

@@ -33,6 +33,50 @@ def test_train_step_equals_unsplit_model(tmp_path, world):
         assert len(set(checked)) == len(checked) - (1 if tag.startswith("gpt") else 0)
 
 
+def test_interleaved_1f1b_runs_two_stages_per_rank_like_the_unsplit_model(tmp_path):
+    """Issue 9 (one schedule path): interleaved 1F1B across processes, the tied GPT on 2 ranks x
+    2 stages (stage s on rank s mod 2): loss and every gradient, a forward, each stage's times,
+    and a checkpoint with one shard per stage that merges into the model's state dict; batch 8
+    (micro-batches of 2) and 6 (uneven: two schedules of 2 micro-batches)."""
+    results = launch(w.interleaved_equal, 2, tmp_path, [8, 6], deadline_s=150)
+    check_ok(results)
+    for tag in results[0]["result"]:
+        r0, r1 = results[0]["result"][tag], results[1]["result"][tag]
+        assert (r0["stages"], r1["stages"], r0["num_stages"]) == ([0, 2], [1, 3], 4), tag
+        assert r0["broadcast"] == r1["broadcast"], tag
+        # the tied embedding (stage 0, rank 0) and LM head (stage 3, rank 1): one copy on each rank
+        assert r0["tied"] == r1["tied"] == ["lm_head.weight"], tag
+        checked = r0["checked"] + r1["checked"]
+        assert checked.count("tok_emb.weight") == 2 and len(set(checked)) == len(checked) - 1, tag
+        assert all(t["fwd_s"] > 0 and t["bwd_s"] > 0 for t in r0["stage_times_s"]), r0["stage_times_s"]
+        assert r0["shards"] == [f"stage{s:03d}.pt" for s in range(4)], r0["shards"]
+
+
+def test_auto_runs_the_schedule_rank_0_chose(tmp_path):
+    """``schedule="auto"``: every rank runs the schedule and micro-batch count of rank 0's plan
+    (the one its search simulated fastest), and the step equals the unsplit model's."""
+    results = launch(w.auto_equal, 2, tmp_path, 8, deadline_s=120)
+    check_ok(results)
+    r0, r1 = results[0]["result"], results[1]["result"]
+    for r in (r0, r1):
+        assert (r["schedule"], r["microbatches"]) == (r0["plan_schedule"], r0["plan_microbatches"]), r
+    assert r0["num_stages"] == r1["num_stages"] and sorted(r0["stages"] + r1["stages"]) == list(range(r0["num_stages"]))
+
+
+def test_calibrate_rebuilds_an_interleaved_pipeline_across_ranks(tmp_path):
+    """Calibrate on interleaved 1F1B moves the state of two stages per rank and keeps the
+    pipeline exact: afterwards a train step equals the unsplit model's, every stage holds the
+    model's own values, and both ranks run the same 4 stages."""
+    results = launch(w.calibrate_rebuilds, 2, tmp_path, "gpt", None, 0.0, 8, 4, "interleaved-1f1b", deadline_s=150)
+    check_ok(results)
+    r0, r1 = results[0]["result"], results[1]["result"]
+    assert len(r0["plan_stages"]) == 4 and r0["table"] == r1["table"], r0["table"]
+    assert [tuple(s) for s in r0["stages_after"]] == [tuple(s) for s in r1["stages_after"]]
+    import fxsplit.models as zoo
+
+    assert set(r0["keys"]) | set(r1["keys"]) == set(zoo.get("gpt", batch_size=8).model.state_dict())
+
+
 def test_save_on_three_ranks_load_on_two_then_step(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     check_ok(launch(w.save_then_load, 3, tmp_path / "save", ckpt, "save", deadline_s=90))

@@ -143,8 +143,16 @@ def test_calibrate_judges_an_interleaved_plan_by_its_own_schedule(gpt_case):
         torch.testing.assert_close(pipe(*inputs), reference(*inputs), rtol=1e-5, atol=1e-6)
 
 
-def test_the_distributed_runtime_says_it_runs_one_stage_per_rank():
+def test_the_distributed_runtime_checks_the_stage_count_of_an_interleaved_plan():
+    """Under interleaved 1F1B rank r of R runs stages r, r + R, ...: a plan's stage count must be
+    a multiple of R, at least 2R; one stage per rank is 1F1B's plan."""
     from fxsplit.distributed import _check_args
 
-    with pytest.raises(ConfigError, match="one stage per rank"):
-        _check_args("interleaved-1f1b", 4, 2, None)
+    _check_args("interleaved-1f1b", 4, 2, 4)
+    _check_args("interleaved-1f1b", 4, 2, 6)
+    with pytest.raises(ConfigError, match="multiple of 2"):
+        _check_args("interleaved-1f1b", 4, 2, 5)
+    with pytest.raises(ConfigError, match="stages_per_device >= 2"):
+        _check_args("interleaved-1f1b", 4, 2, 2)
+    with pytest.raises(ConfigError, match="rank i runs stage i"):
+        _check_args("1f1b", 4, 2, 4)

@@ -53,7 +53,8 @@ def _train(pipe: Any, case: Any, reference: Any, steps: int, lr: float, batch_si
 
 
 def _summary(pipe: Any, result: dict[str, Any], world: int) -> Table:
-    table = Table(title=f"distributed pipeline: {world} processes, {pipe.schedule_kind} x {pipe.microbatches}")
+    table = Table(title=f"distributed pipeline: {pipe.num_stages} stages on {world} processes, "
+                        f"{pipe.schedule_kind} x {pipe.microbatches}")
     table.add_column("quantity")
     table.add_column("value", justify="right")
     measured = result["step_s"][1:] or result["step_s"]
@@ -88,12 +89,11 @@ def run_distributed(
     console = Console(quiet=rank != 0)
     case = load_model(model, size=size, batch_size=batch_size)
     reference = case.model
-    m = int(microbatches) if microbatches.isdigit() else world
-    kind = "1f1b" if schedule == "auto" else schedule
-    with console.status(f"capturing {model} on the meta device and planning {world} stages ..."):
+    m: int | str = int(microbatches) if microbatches.isdigit() else "auto"
+    with console.status(f"capturing {model} on the meta device and planning it over {world} processes ..."):
         pipe = fxd.compile(
             lambda: load_model(model, size=size, batch_size=batch_size).model, case.example_inputs,
-            schedule=kind, microbatches=m, state_dict=reference.state_dict(), timeout_s=timeout_s,
+            schedule=schedule, microbatches=m, state_dict=reference.state_dict(), timeout_s=timeout_s,
         )
     if calibrate > 0:
         inputs, target = case.make_batch(batch_size, 999)

@@ -34,7 +34,7 @@ class Progress:
 
     Attributes:
         rank: Global rank.
-        stage: Stage index (= rank).
+        stage: Stage index of the latest action (the rank's first stage before any).
         device: torch device string.
         action: ``"forward"``, ``"backward"``, ``"receiving activations for"``, ...
         microbatch: Micro-batch of that action, or None between steps.
@@ -49,8 +49,11 @@ class Progress:
     microbatch: int | None = None
     started_s: float | None = None
 
-    def at(self, action: str, microbatch: int | None) -> None:
+    def at(self, action: str, microbatch: int | None, stage: int | None = None) -> None:
+        """Record ``action`` on ``microbatch`` (of ``stage``, when the rank runs several)."""
         self.action, self.microbatch = action, microbatch
+        if stage is not None:
+            self.stage = stage
         if self.started_s is not None:  # progress: the watchdog measures from the last one
             self.started_s = time.monotonic()
 

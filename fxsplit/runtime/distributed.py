@@ -1,6 +1,7 @@
-"""The distributed pipeline: this rank's stage under a ``torch.distributed.pipelining`` schedule.
+"""The distributed pipeline: this rank's stages under a ``torch.distributed.pipelining`` schedule.
 
-Global rank ``i`` runs stage ``i``. Communication is torch's, not ours:
+Global rank ``r`` of ``R`` runs stages ``r, r + R, r + 2R, ...`` (looping placement: one stage per
+rank, or several under interleaved 1F1B). Communication is torch's, not ours:
 
 * activations and their gradients travel through ``PipelineStage`` (built from
   :class:`~fxsplit.runtime.dist_stage.StageModule`, which puts lists, scalars and ``None`` crossing
@@ -15,14 +16,16 @@ Global rank ``i`` runs stage ``i``. Communication is torch's, not ours:
   buffers by the first one), so a batch that splits unevenly runs as two schedules, one per
   micro-batch size, over the same module (gradients accumulate across them);
 * tied tensors (a tied embedding and LM head in the first and last stage) get their gradients
-  summed with ``torch.distributed.all_reduce`` over a subgroup of the ranks holding a copy
-  (plain ``torch.distributed``: the schedules know nothing of tied weights);
+  summed over the copies a rank holds, then with ``torch.distributed.all_reduce`` over a subgroup
+  of the ranks holding a copy (plain ``torch.distributed``: the schedules know nothing of tied
+  weights);
 * the loss is broadcast from the last rank with ``torch.distributed.broadcast`` when asked.
 
 References:
     torch.distributed.pipelining, https://pytorch.org/docs/stable/distributed.pipelining.html;
     Huang et al., "GPipe", NeurIPS 2019; Narayanan et al., "Memory-efficient pipeline-parallel
-    DNN training" (1F1B), ICML 2021.
+    DNN training" (1F1B), ICML 2021; Narayanan et al., "Efficient large-scale language model
+    training on GPU clusters using Megatron-LM" (interleaved 1F1B), SC 2021.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
 
 from fxsplit.checkpoint import PLAN_FILE, commit, next_version, shard_name, write_atomic
 from fxsplit.errors import ConfigError, ExecutionError
@@ -61,15 +64,21 @@ from fxsplit.runtime.microbatch import (
 from fxsplit.runtime.state import ParameterAPI, check_loadable
 from fxsplit.runtime.trace import TraceEvent, TraceRecorder
 from fxsplit.schedule import available, make
-from fxsplit.schedule.generators import MULTI_STAGE
 
-__all__ = ["DistributedPipeline", "TiedGroup", "SCHEDULES", "from_rank0", "shard_name", "PLAN_FILE"]
+__all__ = ["DistributedPipeline", "RankStage", "TiedGroup", "SCHEDULES", "from_rank0", "rank_of", "shard_name",
+           "PLAN_FILE"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = tuple(k for k in available() if k not in MULTI_STAGE)
-"""Schedules the distributed runtime runs (one stage per rank; the looped ones run locally)."""
+SCHEDULES = tuple(available())
+"""Schedules the distributed runtime runs (the looped ones with several stages per rank)."""
 T = TypeVar("T")
+
+
+def rank_of(stage: int, num_ranks: int) -> int:
+    """The rank that runs ``stage``: looping placement, stage ``s`` on rank ``s mod R`` (torch's
+    ``generate_stage_to_rank_mapping`` default, the placement fxsplit's looped plans use)."""
+    return stage % num_ranks
 
 
 def from_rank0(make: Callable[[], T]) -> T:
@@ -81,36 +90,53 @@ def from_rank0(make: Callable[[], T]) -> T:
 
 @dataclass(frozen=True)
 class TiedGroup:
-    """A tensor with a copy on several ranks, and the process group that sums its gradient."""
+    """A tensor with a copy in several stages, and the process group that sums its gradient
+    across the ranks holding them (None when every copy is on this rank)."""
 
     name: str
     ranks: tuple[int, ...]
     group: Any
 
 
+@dataclass(frozen=True)
+class RankStage:
+    """One stage a rank runs.
+
+    Attributes:
+        module: Its :class:`StageModule` (materialised on the rank's device).
+        state: Names of its state (graph and original).
+        index: Its global stage index.
+        shapes: Its wire shapes at any micro-batch size; None lets ``PipelineStage`` infer them
+            (only safe when no Python scalar crosses a boundary).
+    """
+
+    module: StageModule
+    state: StageState
+    index: int
+    shapes: WireShapes | None = None
+
+
 class DistributedPipeline(ParameterAPI):
-    """This rank's stage of a pipeline that runs one stage per process.
+    """This rank's stages of a pipeline over processes (one stage per rank, or several in looping
+    placement under a looped schedule).
 
     Build it with :func:`fxsplit.distributed.compile` on every rank. ``train_step`` and
     ``__call__`` are collective: every rank calls them with the same batch (only the first rank
     reads the inputs and only the last reads the target).
 
     Args:
-        module: This rank's :class:`StageModule` (materialised on ``device``).
-        state: Names of its state (graph and original).
-        stage_index, num_stages: Position of this stage, and the pipeline length (= world size).
-        device: Where the stage runs.
-        schedule_kind: ``"gpipe"`` or ``"1f1b"``.
+        stages: The :class:`RankStage` s this rank runs (stage ``s`` on rank ``s mod R``).
+        num_stages: The pipeline length (a multiple of the world size ``R``).
+        device: Where the stages run.
+        schedule_kind: A name of :data:`SCHEDULES`.
         microbatches: Micro-batches per step.
         in_spec, out_spec: Pytree specs of the model's ``(args, kwargs)`` and outputs.
-        tied: Tensors whose gradient this rank all-reduces.
+        tied: Tensors with copies in several stages that this rank holds one of.
         state_order: The original model's ``state_dict`` keys, in order.
         meta: Plan and description written by :meth:`save`.
         timeout_s: Seconds a rank waits for a peer before failing; the watchdog ends the
             process past it plus a grace period.
         watchdog: Start the :class:`~fxsplit.runtime.dist_faults.Watchdog`.
-        shapes: The stage's wire shapes at any micro-batch size; None lets ``PipelineStage``
-            infer them (only safe when no Python scalar crosses a boundary).
         batched_inputs: Which flat inputs carry the batch on dim 0 (``[num_inputs]``, the same
             on every rank: every rank splits the batch into the same micro-batch sizes); None:
             the first stage's ``module.batched``, or every tensor input.
@@ -122,10 +148,8 @@ class DistributedPipeline(ParameterAPI):
 
     def __init__(
         self,
-        module: StageModule,
+        stages: Sequence[RankStage],
         *,
-        state: StageState,
-        stage_index: int,
         num_stages: int,
         device: torch.device,
         schedule_kind: str,
@@ -137,29 +161,31 @@ class DistributedPipeline(ParameterAPI):
         meta: Mapping[str, Any] | None = None,
         timeout_s: float = 60.0,
         watchdog: bool = True,
-        shapes: WireShapes | None = None,
         batched_inputs: Sequence[bool] | None = None,
         batched_outputs: Sequence[bool] | None = None,
         layout: BatchLayout | None = None,
     ) -> None:
-        self.module, self.state = module, state
-        self.stage_index, self.num_stages, self.device = stage_index, num_stages, device
+        if not stages:
+            raise ConfigError("a DistributedPipeline needs at least one stage on this rank")
+        self.stages = sorted(stages, key=lambda st: st.index)
+        self.num_stages, self.num_ranks, self.device = num_stages, dist.get_world_size(), device
         self.schedule_kind, self.microbatches = schedule_kind, microbatches
         self.in_spec, self.out_spec = in_spec, out_spec
         self.tied, self.state_order = tuple(tied), list(state_order)
         self.meta, self.timeout_s = dict(meta or {}), timeout_s
-        self.shapes, self.batched_outputs = shapes, batched_outputs
-        self.batched_inputs = list(batched_inputs) if batched_inputs is not None else (module.batched or None)
+        self.batched_outputs = batched_outputs
+        self.batched_inputs = (list(batched_inputs) if batched_inputs is not None
+                               else (self.stages[0].module.batched or None))
         self.layout = layout  # the model's own batch dimensions when not dim 0 (compile(batch_dim=...))
         self._target_dim: int | None = 0  # where the step's target has the batch (moved to dim 0 for torch)
-        self.progress = Progress(dist.get_rank(), stage_index, str(device))
+        self.progress = Progress(dist.get_rank(), self.stages[0].index, str(device))
         self.watchdog = Watchdog(self.progress, timeout_s) if watchdog else None
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._weight = 1.0 / microbatches
         self._loss_reductions = LossReductions()
         self._reduction: str | None = None  # the step's loss_fn: "mean" | "sum" | "unknown"; None: not yet found
         self._mb_size = 0
-        self._runners: dict[tuple[int, int, bool], tuple[PipelineStage, Any]] = {}  # built at first use
+        self._runners: dict[tuple[int, int, bool], Any] = {}  # schedules, built at first use
         # runtime trace of this rank's stage in the latest train_step (None: not recorded)
         self.recorder: TraceRecorder | None = TraceRecorder(auto_step=False)
         self._recording = False
@@ -168,36 +194,74 @@ class DistributedPipeline(ParameterAPI):
 
     # -- structure ---------------------------------------------------------------------------
     @property
+    def stage_indices(self) -> tuple[int, ...]:
+        """The global indices of the stages this rank runs, ascending."""
+        return tuple(st.index for st in self.stages)
+
+    @property
+    def stage_index(self) -> int:
+        """The stage this rank runs.
+
+        Raises:
+            ConfigError: when it runs several (a looped schedule); use :attr:`stages`.
+        """
+        return self._only().index
+
+    @property
+    def module(self) -> StageModule:
+        """The :class:`StageModule` this rank runs; ConfigError when it runs several."""
+        return self._only().module
+
+    @property
+    def state(self) -> StageState:
+        """The state names of the stage this rank runs; ConfigError when it runs several."""
+        return self._only().state
+
+    def _only(self) -> RankStage:
+        if len(self.stages) != 1:
+            raise ConfigError(f"rank {dist.get_rank()} runs stages {list(self.stage_indices)} "
+                              f"({self.schedule_kind}); use pipe.stages for each one's module, state and index")
+        return self.stages[0]
+
+    @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        """Whether this rank runs stage 0 (it reads the inputs)."""
+        return self.stages[0].index == 0
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        """Whether this rank runs the last stage (it reads the target and has the loss)."""
+        return self.stages[-1].index == self.num_stages - 1
 
-    def _runner(self, size: int, count: int, train: bool = True) -> tuple[PipelineStage, Any]:
-        """A ``PipelineStage`` and schedule for ``count`` micro-batches of ``size`` samples.
+    def _runner(self, size: int, count: int, train: bool = True) -> Any:
+        """The schedule for ``count`` micro-batches of ``size`` samples over this rank's stages.
 
         ``PipelineStage`` sizes its receive buffers from the first micro-batch it sees, so each
-        micro-batch size gets its own stage object (over the same module). The schedule is
+        micro-batch size gets its own stage objects (over the same modules). The schedule is
         fxsplit's own (:func:`fxsplit.schedule.make`, the actions the local pipeline runs and the
-        explorer simulated) on torch's runtime. Inference runs ``ScheduleGPipe`` without a loss:
-        every schedule's forward actions come in micro-batch order on each rank, which is GPipe's
-        forward (torch's runtime refuses an action list without backwards).
+        explorer simulated) on torch's runtime. Inference runs GPipe's forward without a loss
+        (torch's runtime refuses an action list without backwards): ``ScheduleGPipe`` on one
+        stage per rank, ``ScheduleLoopedBFS`` (looping placement, forwards in stage order) on
+        several.
         """
         key = (size, count, train)
         if key not in self._runners:
-            ins, outs = self.shapes.example_args(size, train) if self.shapes is not None else (None, None)
-            stage = PipelineStage(self.module, self.stage_index, self.num_stages, self.device,
-                                  input_args=ins, output_args=outs)
+            stages = []
+            for st in self.stages:
+                ins, outs = st.shapes.example_args(size, train) if st.shapes is not None else (None, None)
+                stage = PipelineStage(st.module, st.index, self.num_stages, self.device, input_args=ins,
+                                      output_args=outs)
+                self._instrument(stage, st.index)
+                stages.append(stage)
             schedule: Any
             if train:
-                actions = make(self.schedule_kind, self.num_stages, count)
-                schedule = lowered_schedule([stage], actions, self._loss, scale_grads=False)
+                actions = make(self.schedule_kind, self.num_stages, count, num_ranks=self.num_ranks)
+                schedule = lowered_schedule(stages, actions, self._loss, scale_grads=False)
+            elif len(stages) == 1:
+                schedule = ScheduleGPipe(stages[0], count, loss_fn=None, scale_grads=False)
             else:
-                schedule = ScheduleGPipe(stage, count, loss_fn=None, scale_grads=False)
-            self._instrument(stage)
-            self._runners[key] = (stage, schedule)
+                schedule = ScheduleLoopedBFS(stages, count, loss_fn=None, scale_grads=False)
+            self._runners[key] = schedule
         return self._runners[key]
 
     def _groups(self, batch: int) -> list[tuple[int, int, int]]:
@@ -215,12 +279,12 @@ class DistributedPipeline(ParameterAPI):
     def _slice_inputs(self, flat: Sequence[Any], start: int, stop: int) -> list[Any]:
         if not self.is_first:
             return []
-        flags = self.module.batched
+        flags = self.stages[0].module.batched
         return [v[start:stop] if b else v for v, b in zip(flat, flags, strict=True)]
 
-    def _instrument(self, stage: PipelineStage) -> None:
-        """Record the action in flight, so a failure names its micro-batch (see Progress), and
-        time every forward and backward of a training step into :attr:`recorder`."""
+    def _instrument(self, stage: PipelineStage, index: int) -> None:
+        """Record the action in flight, so a failure names its stage and micro-batch (see
+        Progress), and time every forward and backward of a training step into :attr:`recorder`."""
         for attr, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
             compute = getattr(stage, attr)
 
@@ -229,7 +293,7 @@ class DistributedPipeline(ParameterAPI):
                     return _m(chunk, *args, **kwargs)
                 start = time.perf_counter()
                 out = _m(chunk, *args, **kwargs)
-                self.recorder.add(self.stage_index, _k, chunk + self._mb_offset, start, time.perf_counter())
+                self.recorder.add(index, _k, chunk + self._mb_offset, start, time.perf_counter())
                 return out
 
             setattr(stage, attr, timed)
@@ -241,7 +305,7 @@ class DistributedPipeline(ParameterAPI):
             method = getattr(stage, attr)
 
             def traced(chunk: int, *args: Any, _m: Any = method, _a: str = action, **kwargs: Any) -> Any:
-                self.progress.at(_a, chunk)
+                self.progress.at(_a, chunk, index)
                 return _m(chunk, *args, **kwargs)
 
             setattr(stage, attr, traced)
@@ -295,7 +359,7 @@ class DistributedPipeline(ParameterAPI):
             self.progress.at("idle", None)
 
     def _step_args(self, flat: Sequence[Any]) -> list[Any]:
-        return self.module.bind_static(flat) if self.is_first else []
+        return self.stages[0].module.bind_static(flat) if self.is_first else []
 
     def train_step(
         self,
@@ -369,7 +433,7 @@ class DistributedPipeline(ParameterAPI):
         """Run ``count`` micro-batches of ``size`` samples from sample ``start``; their losses
         (last rank) or ``[]``."""
         stop = start + size * count
-        _, schedule = self._runner(size, count)
+        schedule = self._runner(size, count)
         self._weight, self._mb_size = size / batch, size  # each micro-batch loss times its share of the batch
         step_args = self._step_args(self._slice_inputs(flat, start, stop))
         group: list[torch.Tensor] = []  # the schedule clears the list it is given
@@ -391,11 +455,11 @@ class DistributedPipeline(ParameterAPI):
         Raises:
             ConfigError: when ``recorder`` is None.
         """
-        mine = self._recorder_or_raise().per_stage_s(self.stage_index + 1)[self.stage_index]
-        rows: list[Any] = [None] * self.num_stages
-        dist.all_gather_object(rows, (self.stage_index, mine))
+        times = self._recorder_or_raise().per_stage_s(self.num_stages)
+        rows: list[Any] = [None] * self.num_ranks
+        dist.all_gather_object(rows, [(s, times[s]) for s in self.stage_indices])
         out = [{"fwd_s": 0.0, "bwd_s": 0.0} for _ in range(self.num_stages)]
-        for stage, row in rows:
+        for stage, row in (pair for held in rows for pair in held):
             out[stage] = row
         return out
 
@@ -410,7 +474,7 @@ class DistributedPipeline(ParameterAPI):
             ConfigError: when ``recorder`` is None.
         """
         events = self._recorder_or_raise().events
-        parts: list[Any] = [None] * self.num_stages
+        parts: list[Any] = [None] * self.num_ranks
         dist.all_gather_object(parts, (self._wall_t0, events))
         t0 = min(w for w, _ in parts)
         out = [TraceEvent(e.stage, e.kind, e.microbatch, e.start_s + w - t0, e.duration_s) for w, evs in parts for e in evs]
@@ -428,7 +492,7 @@ class DistributedPipeline(ParameterAPI):
             raise ConfigError("no training step recorded yet; call pipe.train_step(...) before pipe.trace(path)")
         if dist.get_rank() == 0:
             view = TraceRecorder.from_events(events)
-            view.write(os.fspath(path), [f"stage {s} (rank {s})" for s in range(self.num_stages)])
+            view.write(os.fspath(path), [f"stage {s} (rank {rank_of(s, self.num_ranks)})" for s in range(self.num_stages)])
 
     def _recorder_or_raise(self) -> TraceRecorder:
         if self.recorder is None:
@@ -438,17 +502,24 @@ class DistributedPipeline(ParameterAPI):
 
     def _broadcast(self, loss: torch.Tensor | None) -> torch.Tensor:
         buf = loss.clone() if loss is not None else torch.zeros((), device=self.device)
-        dist.broadcast(buf, src=self.num_stages - 1)
+        dist.broadcast(buf, src=rank_of(self.num_stages - 1, self.num_ranks))
         return buf
 
+    def _copies(self, name: str) -> list[torch.Tensor]:
+        """This rank's copies of graph state ``name``, one per stage holding it."""
+        return [t for st in self.stages for g, _n, t in st.state.items(st.module.gm) if g == name]
+
     def _sync_tied(self) -> None:
+        """Give every copy of a tied tensor the sum of all copies' gradients: over this rank's
+        copies, then across the ranks holding one."""
         for tied in self.tied:
-            for g, _name, tensor in self.state.items(self.module.gm):
-                if g != tied.name:
-                    continue
-                grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
-                dist.all_reduce(grad, group=tied.group)
-                tensor.grad = grad
+            copies = self._copies(tied.name)
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in copies]
+            total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+            if tied.group is not None:
+                dist.all_reduce(total, group=tied.group)
+            for i, t in enumerate(copies):  # each copy its own tensor: optimizers change grads in place
+                t.grad = total if i == 0 else total.clone()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model on a batch, forward only; collective.
@@ -461,7 +532,7 @@ class DistributedPipeline(ParameterAPI):
         batch = self._check_batch(flat)
         parts: list[list[Any]] = []
         for start, size, count in self._groups(batch):
-            _, schedule = self._runner(size, count, train=False)
+            schedule = self._runner(size, count, train=False)
             step_args = self._step_args(self._slice_inputs(flat, start, start + size * count))
             with torch.no_grad():
                 out = self._run("a forward", functools.partial(schedule.step, *step_args))
@@ -475,38 +546,50 @@ class DistributedPipeline(ParameterAPI):
 
     # -- parameters and state ----------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """``(original name, parameter)`` of this stage's parameters (tied: the first alias)."""
-        for _g, name, tensor in self.state.items(self.module.gm):
-            if isinstance(tensor, nn.Parameter):
-                yield name, tensor
+        """``(original name, parameter)`` of this rank's stages' parameters (tied: the first
+        alias; a tied tensor in two of this rank's stages comes once per copy, as every copy
+        is trained)."""
+        for st in self.stages:
+            for _g, name, tensor in st.state.items(st.module.gm):
+                if isinstance(tensor, nn.Parameter):
+                    yield name, tensor
+
+    @staticmethod
+    def _stage_state_dict(st: RankStage, order: Sequence[str]) -> dict[str, torch.Tensor]:
+        values = {o: t.detach() for g, _n, t in st.state.items(st.module.gm) for o in st.state.originals[g]}
+        return {k: values[k] for k in (order or list(values)) if k in values}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's part of the original ``state_dict``: original keys (every alias of a
+        """This rank's part of the original ``state_dict``: original keys (every alias of a
         tied tensor), in the original order; non-persistent buffers left out."""
-        values = {o: t.detach() for g, _n, t in self.state.items(self.module.gm) for o in self.state.originals[g]}
+        values: dict[str, torch.Tensor] = {}
+        for st in self.stages:
+            for key, value in self._stage_state_dict(st, self.state_order).items():
+                values.setdefault(key, value)
         order = self.state_order or list(values)
         return {k: values[k] for k in order if k in values}
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Copy this stage's keys from an original-model state dict (other keys are ignored).
+        """Copy this rank's keys from an original-model state dict (other keys are ignored).
 
         Raises:
-            ConfigError: with ``strict``, naming this stage's keys the dict lacks; for any value
+            ConfigError: with ``strict``, naming this rank's keys the dict lacks; for any value
                 that is not a tensor of its target's shape, before any write (all or nothing).
         """
-        mine = self.state_dict()
-        missing = [k for k in mine if k not in state_dict]
+        where = f"stage(s) {list(self.stage_indices)}"
+        missing = [k for k in self.state_dict() if k not in state_dict]
         if strict and missing:
-            raise ConfigError(f"state dict lacks {len(missing)} key(s) of stage {self.stage_index}: {missing[:8]}")
-        writes = [(key, state_dict[key], t) for _g, _n, t, key in self.state.sources(self.module.gm, state_dict)
-                  if key is not None]
-        check_loadable(writes, f"stage {self.stage_index}")
+            raise ConfigError(f"state dict lacks {len(missing)} key(s) of {where}: {missing[:8]}")
+        writes = [(key, state_dict[key], t) for st in self.stages
+                  for _g, _n, t, key in st.state.sources(st.module.gm, state_dict) if key is not None]
+        check_loadable(writes, where)
         with torch.no_grad():
             for _key, value, t in writes:
                 t.copy_(value.to(t.device, t.dtype))
 
     def train(self, mode: bool = True) -> DistributedPipeline:
-        self.module.train(mode)
+        for st in self.stages:
+            st.module.train(mode)
         return self
 
     def eval(self) -> DistributedPipeline:
@@ -517,7 +600,7 @@ class DistributedPipeline(ParameterAPI):
         ``directory``, all or nothing (see :mod:`fxsplit.checkpoint`); collective.
 
         Each save goes to a fresh ``ckpt-NNNNNN`` folder (``stage{i:03d}.pt`` with original keys,
-        ``plan.json``), every file written to a temporary name, fsynced and renamed; when every
+        one per stage, ``plan.json``), every file written to a temporary name, fsynced and renamed; when every
         rank's shard is on disk, rank 0 marks the folder complete and points ``LATEST`` at it,
         then removes the complete checkpoints older than the newest ``keep``. A save cut short
         (a rank killed, a disk full) leaves the previous checkpoint as it was.
@@ -533,19 +616,23 @@ class DistributedPipeline(ParameterAPI):
         version = self._run("agreeing on the checkpoint folder", lambda: from_rank0(lambda: next_version(directory)))
         folder = os.path.join(directory, version)
         os.makedirs(folder, exist_ok=True)
-        sd = {k: v.cpu() for k, v in self.state_dict().items()}
-        self._run("writing this stage's shard", lambda: write_atomic(
-            os.path.join(folder, shard_name(self.stage_index)), lambda f: torch.save(sd, f)))
-        keys: list[Any] = [None] * self.num_stages
-        # every rank joins the gather after its shard is on disk: past it, every shard is
-        self._run("gathering the shard index", lambda: dist.all_gather_object(keys, list(sd)))
+        shards = {shard_name(st.index): {k: v.cpu() for k, v in self._stage_state_dict(st, self.state_order).items()}
+                  for st in self.stages}
+        for name, sd in shards.items():
+            self._run("writing this stage's shard", lambda name=name, sd=sd: write_atomic(
+                os.path.join(folder, name), lambda f: torch.save(sd, f)))
+        keys: list[Any] = [None] * self.num_ranks
+        # every rank joins the gather after its shards are on disk: past it, every shard is
+        mine = [(name, list(sd)) for name, sd in shards.items()]
+        self._run("gathering the shard index", lambda: dist.all_gather_object(keys, mine))
         if rank == 0:
-            index = {shard_name(s): k for s, k in enumerate(keys)}
+            index = dict(sorted(pair for held in keys for pair in held))
             doc = {**self.meta, "num_stages": self.num_stages, "state_order": self.state_order, "shards": index}
             write_atomic(os.path.join(folder, PLAN_FILE), lambda f: f.write(json.dumps(doc, indent=1).encode()))
             commit(directory, version, keep)
         self._run("waiting for the checkpoint to be committed", dist.barrier)
-        log.info("rank %d saved stage %d (%d tensors) to %s", rank, self.stage_index, len(sd), folder)
+        log.info("rank %d saved stage(s) %s (%d tensors) to %s", rank, list(self.stage_indices),
+                 sum(len(sd) for sd in shards.values()), folder)
 
     def close(self) -> None:
         """Stop the watchdog (the process group is the caller's to destroy)."""
@@ -555,7 +642,7 @@ class DistributedPipeline(ParameterAPI):
     def __repr__(self) -> str:
         n = sum(p.numel() for p in self.parameters())
         return (
-            f"DistributedPipeline(stage {self.stage_index}/{self.num_stages} on {self.device}, "
+            f"DistributedPipeline(stage(s) {list(self.stage_indices)}/{self.num_stages} on {self.device}, "
             f"{self.schedule_kind} x {self.microbatches} micro-batches, {n:,} parameters, "
             f"tied={[t.name for t in self.tied]})"
         )
