@@ -282,11 +282,22 @@ def calibration_loop(
     slower by more than ``min_gain`` (the margin a rebuild had to promise, so a few noisy steps
     do not undo a rebuild), ``go_back(snapshot, measured)`` restores the ``snapshot(step s)``
     taken when the fastest ran and returns the latency.
-    """
-    def judged(rows: Sequence[StageTimes]) -> float:  # under the plan running now
-        return pipelined_step_s(rows, pipe.microbatches, pipe.schedule_kind, pipe.plan.num_ranks)
 
+    Plans measured minutes apart are compared at one machine speed: each pipelined step is
+    scaled by the first plan's total stage time over its own. Every split runs the same
+    operators, so its total stage time is nearly the same; what moves it between measurements
+    is the machine (in CI the first plan of a 2-rank test, stages 5.8:1, measured 1.7x slower
+    after two rebuilds than before them, and the rebuilds were undone). A split is judged by its
+    balance, not by the moment it ran.
+    """
     before, step_before = measure()
+    reference_total_s = _total_s(before)
+
+    def judged(rows: Sequence[StageTimes]) -> float:  # under the plan running now, at the first plan's total
+        step_s = pipelined_step_s(rows, pipe.microbatches, pipe.schedule_kind, pipe.plan.num_ranks)
+        total_s = _total_s(rows)
+        return step_s * reference_total_s / total_s if total_s > 0 and reference_total_s > 0 else step_s
+
     stages_before = tuple(st.blocks for st in pipe.plan.stages)
     rows, step, gains, measured = before, step_before, [], []
     latency: tuple[float, float] | None = None
@@ -313,6 +324,11 @@ def calibration_loop(
         predicted_gains=tuple(gains), stages_before=stages_before,
         stages_after=tuple(st.blocks for st in pipe.plan.stages), link_latency_s=latency,
     )
+
+
+def _total_s(rows: Sequence[StageTimes]) -> float:
+    """Forward + backward seconds of all stages per micro-batch."""
+    return sum(r.meas_fwd_s + r.meas_bwd_s for r in rows)
 
 
 def check_calibrate_args(steps: int, min_gain: float, rounds: int) -> None:

@@ -192,10 +192,10 @@ def test_cli_compile_calibrates_before_training() -> None:
     assert "before    step" in result.output and "after     step" in result.output
 
 
-def test_calibrate_goes_back_when_a_new_plan_measures_slower(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A re-plan predicted faster but measured slower (a noisy machine misled the refit; CI saw
-    calibrate end on a plan 2.1x imbalanced from one 1.5x) is undone: calibrate ends on the
-    fastest plan it measured, and that pipeline still computes what the model computes."""
+def _calibrate_on_fixed_times(monkeypatch: pytest.MonkeyPatch, stage_ms: list[tuple[float, float]]) -> tuple:
+    """Calibrate a 2-stage pipeline whose re-plan is forced to another split "predicted" twice as
+    fast, with the stages measured at ``stage_ms`` (per-stage forward = backward ms: before, the
+    new plan, and the first plan again when calibrate goes back)."""
     import dataclasses
 
     import fxsplit.calibrate as cal
@@ -216,16 +216,35 @@ def test_calibrate_goes_back_when_a_new_plan_measures_slower(monkeypatch: pytest
         plan = evaluate_fixed(refit, other, [0, 1], p.microbatches, p.schedule_kind)
         return dataclasses.replace(choice, plan=plan.with_(microbatches=p.microbatches, schedule=p.schedule_kind)), 0.5
 
-    slowdown = iter([1.0, 10.0, 1.0])  # before, the new plan, back on the first
+    times = iter(stage_ms)
 
     def measured(self, *args):
         rows, step = real_measure(self, *args)
-        f = next(slowdown)
-        return [dataclasses.replace(r, meas_fwd_s=r.meas_fwd_s * f, meas_bwd_s=r.meas_bwd_s * f) for r in rows], step
+        ms = next(times)
+        return [dataclasses.replace(r, meas_fwd_s=t * 1e-3, meas_bwd_s=t * 1e-3) for r, t in zip(rows, ms, strict=True)], step
 
     monkeypatch.setattr(cal, "_replan", forced)
     monkeypatch.setattr(CompiledPipeline, "_measure", measured)
     report = pipe.calibrate(x, target=x, loss_fn=nn.functional.mse_loss, steps=1, rounds=1)
+    return report, before, pipe, model, x
+
+
+def test_calibrate_goes_back_when_a_new_plan_measures_slower(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-plan predicted faster but measured slower (a noisy machine misled the refit; CI saw
+    calibrate end on a plan 2.1x imbalanced from one 1.5x) is undone: calibrate ends on the
+    fastest plan it measured, and that pipeline still computes what the model computes."""
+    report, before, pipe, model, x = _calibrate_on_fixed_times(monkeypatch, [(1.0, 1.0), (10.0, 1.0), (1.0, 1.0)])
     assert report.stages_before == before and report.stages_after == before and not report.replanned
     assert report.predicted_gains == (0.5,)
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_calibrate_keeps_a_balanced_plan_measured_on_a_slower_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (CI, 2 ranks): the first plan's stages measured 5.8:1, the rebuilt plans were
+    measured while the machine ran 1.7x slower, and calibrate undid them, judging plans by raw
+    times taken minutes apart. Here the new plan is balanced (forward 2:2 ms against 3:1) but
+    measured on a machine 1.7x slower: its raw pipelined step is slower (20.4 ms against 14), at
+    the first plan's total stage time it is faster (12 ms), and calibrate keeps it."""
+    report, before, pipe, model, x = _calibrate_on_fixed_times(monkeypatch, [(3.0, 1.0), (3.4, 3.4)])
+    assert report.replanned and report.stages_after != before
     torch.testing.assert_close(pipe(x), model(x))
