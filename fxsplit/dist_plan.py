@@ -411,5 +411,6 @@ def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[
         parts = [costs[n] for n in b.nodes if n in costs]
         blocks.append(replace(b, fwd_s=sum(c.fwd_s for c in parts), bwd_s=sum(c.bwd_s for c in parts),
                               fwd_fixed_s=sum(c.fwd_fixed_s for c in parts),
-                              bwd_fixed_s=sum(c.bwd_fixed_s for c in parts)))
+                              bwd_fixed_s=sum(c.bwd_fixed_s for c in parts),
+                              bwd_weight_s=sum(c.bwd_weight_s for c in parts)))
     return CondensedGraph(tuple(blocks), graph.edges, graph.name)

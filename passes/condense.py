@@ -256,7 +256,7 @@ def _build_graph(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: li
     index = {node: i for i, node in enumerate(nodes)}
     acc: list[dict[str, Any]] = [
         {"nodes": [], "name": "", "replica_param_bytes": 0, "flops": 0.0, "fwd_s": 0.0, "bwd_s": 0.0, "param_bytes": 0, "buffer_bytes": 0,
-         "activation_bytes": 0, "output_bytes": 0, "fwd_fixed_s": 0.0, "bwd_fixed_s": 0.0}
+         "activation_bytes": 0, "output_bytes": 0, "fwd_fixed_s": 0.0, "bwd_fixed_s": 0.0, "bwd_weight_s": 0.0}
         for _ in range(n_blocks)
     ]
     edge_bytes: dict[tuple[int, int], int] = {}
@@ -267,7 +267,7 @@ def _build_graph(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: li
             a["name"] = node.name
         for key, value in (("flops", c.flops), ("fwd_s", c.fwd_s), ("bwd_s", c.bwd_s),
                            ("fwd_fixed_s", c.fwd_fixed_s), ("bwd_fixed_s", c.bwd_fixed_s),
-                           ("param_bytes", c.param_bytes), ("buffer_bytes", c.buffer_bytes),
+                           ("bwd_weight_s", c.bwd_weight_s), ("param_bytes", c.param_bytes), ("buffer_bytes", c.buffer_bytes),
                            ("activation_bytes", c.saved_bytes)):
             a[key] += value
         consumers = {block_of[index[u]] if u in index else -1 for u in node.users} - {b}
@@ -281,7 +281,7 @@ def _build_graph(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: li
               bwd_s=a["bwd_s"], param_bytes=a["param_bytes"], buffer_bytes=a["buffer_bytes"],
               activation_bytes=a["activation_bytes"], output_bytes=a["output_bytes"],
               replica_param_bytes=a["replica_param_bytes"], fwd_fixed_s=a["fwd_fixed_s"],
-              bwd_fixed_s=a["bwd_fixed_s"])
+              bwd_fixed_s=a["bwd_fixed_s"], bwd_weight_s=a["bwd_weight_s"])
         for i, a in enumerate(acc)
     )
     edges = tuple(Edge(s, d, nb) for (s, d), nb in sorted(edge_bytes.items()))

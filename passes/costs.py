@@ -36,6 +36,7 @@ import logging
 import operator
 import os
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,7 @@ from fxsplit.passes.measure import measure_node_times, median_time_s
 from fxsplit.passes.profile import profile_node_times
 from fxsplit.passes.shapes import fake_mode_of, fake_state
 
-__all__ = ["NodeCost", "AnnotateCosts", "annotate_costs", "measure_cpu_spec", "COST_MODELS", "node_cost"]
+__all__ = ["NodeCost", "AnnotateCosts", "annotate_costs", "measure_cpu_spec", "COST_MODELS", "node_cost", "weight_share"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,8 @@ class NodeCost:
         analytic_fwd_s, analytic_bwd_s: Roofline times, kept when the times are measured.
         fwd_fixed_s, bwd_fixed_s: The part of ``fwd_s`` / ``bwd_s`` paid by every micro-batch
             whatever its size (operator overhead; the intercept of a profiled fit).
+        bwd_weight_s: The part of ``bwd_s`` that computes parameter gradients (a zero-bubble
+            schedule's ``W``): :func:`weight_share` of it.
     """
 
     flops: float = 0.0
@@ -102,6 +105,12 @@ class NodeCost:
     analytic_bwd_s: float = 0.0
     fwd_fixed_s: float = 0.0
     bwd_fixed_s: float = 0.0
+    bwd_weight_s: float = 0.0
+
+    def with_bwd_s(self, bwd_s: float, **changes: Any) -> NodeCost:
+        """A copy with backward time ``bwd_s`` (measured, say), the weight part keeping its share."""
+        share = self.bwd_weight_s / self.bwd_s if self.bwd_s > 0 else 0.0
+        return dataclasses.replace(self, bwd_s=bwd_s, bwd_weight_s=bwd_s * share, **changes)
 
     @property
     def is_free(self) -> bool:
@@ -240,14 +249,31 @@ def _needs_grad(gm: torch.fx.GraphModule, trainable: set[str]) -> set[str]:
     return needs
 
 
+def weight_share(gm: torch.fx.GraphModule, node: torch.fx.Node, needs: set[str], trainable: set[str]) -> float:
+    """The share of ``node``'s backward that computes parameter gradients (analytic estimate).
+
+    A node that reads a trainable parameter computes its gradient: when no other input needs a
+    gradient (an embedding, a first layer) that is the whole backward (1); otherwise half (0.5:
+    for a matmul or convolution the weight-gradient product costs what the input-gradient product
+    costs; for a norm's affine weight it is an estimate). Nodes without parameters: 0.
+    """
+    params = [a for a in node.all_input_nodes if a.op == "get_attr" and str(a.target) in trainable]
+    owns = node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(node.target)).parameters())
+    if not (params or owns) or node.name not in needs:
+        return 0.0
+    others = [a for a in node.all_input_nodes if a not in params and a.name in needs]
+    return 0.5 if others else 1.0
+
+
 def node_cost(
     node: torch.fx.Node, flops: float, counted: bool, needs_grad: bool, state: tuple[int, int], device: DeviceSpec,
-    read_bytes: int | None = None,
+    read_bytes: int | None = None, weight_part: float = 0.0,
 ) -> NodeCost:
     """The analytic :class:`NodeCost` of one node (see the module docstring for the rules).
 
     ``state`` is the (param, buffer) bytes the node owns; ``read_bytes`` the state bytes it reads
-    for the roofline (default ``sum(state)``; larger for a tied weight owned by an earlier node).
+    for the roofline (default ``sum(state)``; larger for a tied weight owned by an earlier node);
+    ``weight_part`` the share of the backward that computes parameter gradients (:func:`weight_share`).
     """
     if not carries_value(node):  # a higher-order op's subgraph module: nothing to cost
         return NodeCost(is_view=True)
@@ -273,6 +299,7 @@ def node_cost(
         buffer_bytes=state[1], output_bytes=out_bytes, saved_bytes=out_bytes if needs_grad else 0,
         analytic_fwd_s=fwd_s, analytic_bwd_s=bwd_s,
         fwd_fixed_s=device.op_overhead_s, bwd_fixed_s=2 * device.op_overhead_s if needs_grad else 0.0,
+        bwd_weight_s=bwd_s * weight_part,
     )
 
 
@@ -334,7 +361,7 @@ class AnnotateCosts:
             read = sum(_state_bytes(gm, node, trainable, set()))
             node.meta["fxsplit.cost"] = node_cost(
                 node, flops.get(node.name, 0.0), counted.get(node.name, False), node.name in needs, state, self.device,
-                read_bytes=read,
+                read_bytes=read, weight_part=weight_share(gm, node, needs, trainable),
             )
         if self.cost_model != "analytic" and self.example_inputs is None:
             raise ConfigError(f"cost_model={self.cost_model!r} needs example_inputs (real tensors) to time nodes")

@@ -312,9 +312,7 @@ def measure_node_times(
     for node in gm.graph.nodes:
         if node.name in times:
             fwd_s, bwd_s = times[node.name]
-            node.meta["fxsplit.cost"] = dataclasses.replace(
-                node.meta["fxsplit.cost"], fwd_s=fwd_s * scale, bwd_s=bwd_s * scale, source="measured",
-                fwd_fixed_s=0.0, bwd_fixed_s=0.0,
-            )
+            node.meta["fxsplit.cost"] = node.meta["fxsplit.cost"].with_bwd_s(
+                bwd_s * scale, fwd_s=fwd_s * scale, source="measured", fwd_fixed_s=0.0, bwd_fixed_s=0.0)
     log.info("measured %d nodes on %s", len(times), device)
     return times

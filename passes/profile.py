@@ -279,9 +279,7 @@ def profile_node_times(
         f0, f1 = fit_affine(sizes, [r[node.name][0] for r in runs])
         b0, b1 = fit_affine(sizes, [r[node.name][1] for r in runs])
         fits[node.name] = (f0, f1, b0, b1)
-        node.meta["fxsplit.cost"] = dataclasses.replace(
-            node.meta["fxsplit.cost"], fwd_s=f0 + f1 * batch, bwd_s=b0 + b1 * batch, fwd_fixed_s=f0,
-            bwd_fixed_s=b0, source="profiled",
-        )
+        node.meta["fxsplit.cost"] = node.meta["fxsplit.cost"].with_bwd_s(
+            b0 + b1 * batch, fwd_s=f0 + f1 * batch, fwd_fixed_s=f0, bwd_fixed_s=b0, source="profiled")
     log.info("profiled %d nodes at micro-batch sizes %s on %s", len(fits), list(sizes), device)
     return fits

@@ -77,21 +77,24 @@ def train_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, str, 
     return out
 
 
-def interleaved_equal(rank: int, world: int, out_dir: str, batches: list[int]) -> dict[str, Any]:
-    """Interleaved 1F1B, two stages per rank (stage s on rank s mod world), on the tied GPT: for
-    each batch size, a train step and a forward equal the unsplit model's; then the stage times
-    cover every stage and a save merges into the model's state dict."""
+def interleaved_equal(rank: int, world: int, out_dir: str, batches: list[int],
+                      schedule: str = "interleaved-1f1b") -> dict[str, Any]:
+    """``schedule`` (interleaved ones: two stages per rank, stage s on rank s mod world) on the
+    tied GPT: for each batch size, a train step and a forward equal the unsplit model's; then the
+    stage times cover every stage and a save merges into the model's state dict."""
     from fxsplit.checkpoint import consolidate, resolve
+    from fxsplit.ir.problem import LOOPED_SCHEDULES
 
     out: dict[str, Any] = {}
     for batch in batches:
         case = _case("gpt", batch)
         inputs, target = case.make_batch(batch, 11)
         ref_loss, ref_grads = reference(case, inputs, target)
-        pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="interleaved-1f1b",
+        v = 2 if schedule in LOOPED_SCHEDULES else 1
+        pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule=schedule,
                            microbatches=4, state_dict=case.model.state_dict(), timeout_s=30, cost_model="analytic",
-                           options=CompileOptions(link=LinkSpec(), stages_per_device=2))
-        tag = f"gpt/interleaved/batch={batch}"
+                           options=CompileOptions(link=LinkSpec(), stages_per_device=v))
+        tag = f"gpt/{schedule}/batch={batch}"
         loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
         out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
         out[tag].update(stages=list(pipe.stage_indices), num_stages=pipe.num_stages, tied=[t.name for t in pipe.tied],

@@ -22,8 +22,8 @@ def test_every_action_keeps_its_place(kind: str, p: int, m: int) -> None:
 
 def test_an_action_torch_cannot_run_is_refused() -> None:
     schedule = Schedule(((Action(0, "F", 0), Action(0, "B", 0)),), 1, 1)
-    object.__setattr__(schedule.actions[0][1], "kind", "W")  # a kind fxsplit may add later
-    with pytest.raises(ScheduleError, match="torch's runtime has no 'W' action"):
+    object.__setattr__(schedule.actions[0][1], "kind", "Z")  # a kind fxsplit may add later
+    with pytest.raises(ScheduleError, match="torch's runtime has no 'Z' action"):
         torch_actions(schedule)
 
 
@@ -77,6 +77,22 @@ def test_interleaved_matches_torchs_order(p: int, v: int, m: int) -> None:
 
     ours = make("interleaved-1f1b", p * v, m, num_ranks=p)
     theirs = object.__new__(ScheduleInterleaved1F1B)  # the order alone: no process group, no stages
+    rounds = max(1, m // p)
+    theirs.pp_group_size, theirs.n_local_stages, theirs._n_microbatches = p, v, m
+    theirs.number_of_rounds, theirs.microbatches_per_round = rounds, m // rounds
+    for rank in range(p):
+        order = [str(a) for a in theirs._calculate_single_rank_operations(rank) if a is not None]
+        assert order == [str(a) for a in torch_actions(ours)[rank]]
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 1, 3), (4, 1, 8), (3, 1, 2), (2, 2, 4), (4, 2, 8), (3, 2, 9)])
+def test_zero_bubble_matches_torchs_order(p: int, v: int, m: int) -> None:
+    """fxsplit's zero-bubble schedule is torch's ``ScheduleInterleavedZeroBubble`` (ZB1P) action
+    for action, its ``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT`` as ``I`` / ``W`` (no-op slots dropped)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    ours = make("zero-bubble" if v == 1 else "interleaved-zero-bubble", p * v, m, num_ranks=p)
+    theirs = object.__new__(ScheduleInterleavedZeroBubble)  # the order alone: no process group, no stages
     rounds = max(1, m // p)
     theirs.pp_group_size, theirs.n_local_stages, theirs._n_microbatches = p, v, m
     theirs.number_of_rounds, theirs.microbatches_per_round = rounds, m // rounds

@@ -52,6 +52,25 @@ def test_interleaved_1f1b_runs_two_stages_per_rank_like_the_unsplit_model(tmp_pa
         assert r0["shards"] == [f"stage{s:03d}.pt" for s in range(4)], r0["shards"]
 
 
+@pytest.mark.parametrize(("schedule", "stages"), [("zero-bubble", ([0], [1], 2)),
+                                                  ("interleaved-zero-bubble", ([0, 2], [1, 3], 4))])
+def test_zero_bubble_splits_the_backward_across_ranks_like_the_unsplit_model(tmp_path, schedule, stages):
+    """Issue 9 item 5: zero-bubble schedules (the backward split into input and weight halves,
+    torch's BACKWARD_INPUT / BACKWARD_WEIGHT) on 2 ranks, one stage per rank and interleaved over
+    two: the tied GPT's loss and every gradient equal the unsplit model's, each stage's trace
+    holds both halves, and the checkpoint merges into the model's state dict."""
+    results = launch(w.interleaved_equal, 2, tmp_path, [8], schedule, deadline_s=150)
+    check_ok(results)
+    r0, r1 = (results[k]["result"][f"gpt/{schedule}/batch=8"] for k in (0, 1))
+    assert (r0["stages"], r1["stages"], r0["num_stages"]) == stages
+    assert r0["tied"] == r1["tied"] == ["lm_head.weight"]
+    checked = r0["checked"] + r1["checked"]
+    assert checked.count("tok_emb.weight") == 2 and len(set(checked)) == len(checked) - 1
+    times = r0["stage_times_s"]
+    assert all(t["bwd_s"] > t["bwd_weight_s"] > 0 for t in times[1:]), times  # I and W both ran
+    assert times[0]["bwd_weight_s"] > 0.5 * times[0]["bwd_s"], times  # the first stage: its I computes nothing
+
+
 def test_auto_runs_the_schedule_rank_0_chose(tmp_path):
     """``schedule="auto"``: every rank runs the schedule and micro-batch count of rank 0's plan
     (the one its search simulated fastest), and the step equals the unsplit model's."""

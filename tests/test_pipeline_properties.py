@@ -37,7 +37,7 @@ CASES = int(os.environ.get("FXSPLIT_TRANSPARENCY_CASES", "12"))
 
 @settings(max_examples=CASES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), num_stages=st.integers(2, 4), microbatches=st.integers(1, 4),
-       schedule=st.sampled_from(["gpipe", "1f1b"]))
+       schedule=st.sampled_from(["gpipe", "1f1b", "zero-bubble"]))
 def test_random_dag_random_plan(seed, num_stages, microbatches, schedule):
     assume(transparency_case(seed, 10, num_stages, microbatches, schedule))
 

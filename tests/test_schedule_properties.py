@@ -135,3 +135,50 @@ def test_interleaved_refuses_what_it_cannot_run():
         make("interleaved-1f1b", 8, 9, num_ranks=4)
     with pytest.raises(ScheduleError, match="runs one stage per rank"):
         make("1f1b", 8, 4, num_ranks=4)
+
+
+# -- zero bubble: the backward split into I and W --------------------------------------------
+zb_sizes = st.tuples(st.integers(1, 5), st.integers(1, 3), st.integers(1, 16)).filter(
+    lambda t: t[1] == 1 or stages_per_rank_ok(*t))
+
+
+@SETTINGS
+@given(pvm=zb_sizes)
+def test_zero_bubble_is_valid_and_holds_every_weight_half_until_after_its_input_half(pvm):
+    """make() validates (each micro-batch's F, I and W on its stage's rank, no deadlock); W
+    never comes before its I on a rank; one stage per rank holds min(m, p) micro-batches."""
+    p, v, m = pvm
+    kind = "zero-bubble" if v == 1 else "interleaved-zero-bubble"
+    schedule = make(kind, p * v, m, num_ranks=p)
+    assert Schedule.from_text(schedule.to_text()) == schedule
+    for rank in range(p):
+        order = [str(a) for a in schedule.actions[rank]]
+        for s in schedule.stages_of(rank):
+            for i in range(m):
+                assert order.index(f"{s}I{i}") < order.index(f"{s}W{i}")
+    if v == 1:
+        assert peak_in_flight(schedule) == (min(m, p),) * p
+
+
+@SETTINGS
+@given(pm=st.tuples(st.integers(1, 6), st.integers(1, 12)), weight=st.floats(0.0, 2.0))
+def test_zero_bubble_is_never_slower_than_1f1b_and_faster_when_weights_fill_its_bubble(pm, weight):
+    """Balanced stages (F 1, B 2 of which ``weight`` computes weight gradients): deferring W
+    into 1F1B's cool-down never lengthens the step, and shortens it as soon as there is a
+    bubble (p >= 2) and weight work to fill it (Qi et al., ZB-H1)."""
+    p, m = pm
+    zb = simulate(make("zero-bubble", p, m), [1.0] * p, [2.0] * p, bwd_weight_s=[weight] * p).makespan_s
+    plain = simulate(make("1f1b", p, m), [1.0] * p, [2.0] * p).makespan_s
+    assert zb <= plain + 1e-9
+    if p >= 2 and m >= 2 and weight > 1e-3:
+        assert zb < plain - 1e-9
+
+
+def test_a_backward_written_twice_or_half_missing_is_a_fault():
+    both = Schedule.from_text("schedule bad: stages=1 microbatches=1 stage_to_rank=0\nstep rank0\n0 0F0\n1 0B0\n2 0I0\n3 0W0\n")
+    assert any("both compute that backward" in f.message for f in find_faults(both))
+    half = Schedule.from_text("schedule bad: stages=1 microbatches=1 stage_to_rank=0\nstep rank0\n0 0F0\n1 0I0\n")
+    assert any("missing actions: 0W0" in f.message for f in find_faults(half))
+    mixed = Schedule.from_text("schedule bad: stages=2 microbatches=1 stage_to_rank=0,1\nstep rank0 rank1\n"
+                               "0 0F0 1F0\n1 0I0 1B0\n2 0W0 .\n")
+    assert any("which no rank runs" in f.message for f in find_faults(mixed))

@@ -27,7 +27,7 @@ def compiled(request):
 
 
 @pytest.mark.parametrize("num_stages", [2, 3, 4])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
 def test_zoo_model_trains_like_the_original(compiled, num_stages, schedule):
     pipe = compiled.pipeline(num_stages, schedule, microbatches=2 if schedule == "gpipe" else 4)
     assert pipe.num_stages == num_stages

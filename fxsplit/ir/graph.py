@@ -32,6 +32,8 @@ class Block:
         fwd_fixed_s, bwd_fixed_s: The part of ``fwd_s`` / ``bwd_s`` that does not shrink with
             the micro-batch (operator launch and dispatch, the intercept ``t0`` of a profiled
             ``t(b) = t0 + t1 * b``), seconds; :meth:`CondensedGraph.scaled` keeps it whole.
+        bwd_weight_s: The part of ``bwd_s`` that computes parameter gradients (a zero-bubble
+            schedule's ``W``; the rest is ``I``), seconds; it keeps its share when times scale.
         param_bytes: Bytes of trainable parameters the block owns.
         replica_param_bytes: Bytes of trainable parameters the block reads but another block
             owns (tied weights): a stage holding this block keeps its own copy, so its memory
@@ -52,6 +54,7 @@ class Block:
     replica_param_bytes: int = 0
     fwd_fixed_s: float = 0.0
     bwd_fixed_s: float = 0.0
+    bwd_weight_s: float = 0.0
     activation_bytes: int = 0
     output_bytes: int = 0
 
@@ -161,7 +164,8 @@ class CondensedGraph:
         f = batch_fraction
         blocks = tuple(
             replace(b, flops=b.flops * f, fwd_s=b.fwd_fixed_s + (b.fwd_s - b.fwd_fixed_s) * f,
-                    bwd_s=b.bwd_fixed_s + (b.bwd_s - b.bwd_fixed_s) * f,
+                    bwd_s=(bwd := b.bwd_fixed_s + (b.bwd_s - b.bwd_fixed_s) * f),
+                    bwd_weight_s=b.bwd_weight_s * bwd / b.bwd_s if b.bwd_s > 0 else 0.0,
                     activation_bytes=int(b.activation_bytes * f), output_bytes=int(b.output_bytes * f))
             for b in self.blocks
         )
@@ -190,7 +194,8 @@ class CondensedGraph:
             if bad:
                 raise PlanError(f"{label} must be positive and finite; block {bad[0][0]} has {bad[0][1]!r}")
         blocks = tuple(
-            replace(b, fwd_s=b.fwd_s * f, fwd_fixed_s=b.fwd_fixed_s * f, bwd_s=b.bwd_s * g, bwd_fixed_s=b.bwd_fixed_s * g)
+            replace(b, fwd_s=b.fwd_s * f, fwd_fixed_s=b.fwd_fixed_s * f, bwd_s=b.bwd_s * g, bwd_fixed_s=b.bwd_fixed_s * g,
+                    bwd_weight_s=b.bwd_weight_s * g)
             for b, f, g in zip(self.blocks, fwd_factors, bwd_factors, strict=True)
         )
         return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name)
@@ -203,16 +208,16 @@ class CondensedGraph:
             if b.id != i:
                 faults.append(f"block at position {i} has id {b.id}; ids must be 0..n-1 in order")
             for attr in ("flops", "fwd_s", "bwd_s", "param_bytes", "buffer_bytes", "replica_param_bytes",
-                         "activation_bytes", "output_bytes", "fwd_fixed_s", "bwd_fixed_s"):
+                         "activation_bytes", "output_bytes", "fwd_fixed_s", "bwd_fixed_s", "bwd_weight_s"):
                 value = getattr(b, attr)
                 if not math.isfinite(value):
                     faults.append(f"block {i} ({b.name!r}) has {attr}={value}; costs must be finite numbers")
                 elif value < 0:
                     faults.append(f"block {i} ({b.name!r}) has negative {attr}={value}")
-            for part, whole in (("fwd_fixed_s", "fwd_s"), ("bwd_fixed_s", "bwd_s")):
+            for part, whole in (("fwd_fixed_s", "fwd_s"), ("bwd_fixed_s", "bwd_s"), ("bwd_weight_s", "bwd_s")):
                 if getattr(b, part) > getattr(b, whole) * (1 + 1e-9):
                     faults.append(f"block {i} ({b.name!r}) has {part}={getattr(b, part)} > {whole}={getattr(b, whole)}; "
-                                  "the fixed part is a share of the whole time")
+                                  f"{part} is a share of {whole}")
         n = len(self.blocks)
         for e in self.edges:
             if not (0 <= e.src < n and 0 <= e.dst < n):

@@ -38,7 +38,8 @@ STATUSES = ("optimal", "feasible")
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage: which blocks, on which device, and what it costs per micro-batch."""
+    """One pipeline stage: which blocks, on which device, and what it costs per micro-batch
+    (``bwd_weight_s``: the part of ``bwd_s`` that computes parameter gradients)."""
 
     device: int
     blocks: tuple[int, ...]
@@ -48,6 +49,7 @@ class StagePlan:
     in_bytes: int = 0
     out_bytes: int = 0
     memory_bytes: int = 0
+    bwd_weight_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -246,7 +248,8 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
             + (sum(b.activation_bytes for b in bl) + in_bytes) * flight
             + out_bytes
         )
-        out.append(StagePlan(d, tuple(blocks), fwd, bwd, k * comm, in_bytes, out_bytes, int(mem)))
+        weight = sum(b.bwd_weight_s for b in bl) / speed if problem.training else 0.0
+        out.append(StagePlan(d, tuple(blocks), fwd, bwd, k * comm, in_bytes, out_bytes, int(mem), weight))
         in_bytes = out_bytes
     return out
 

@@ -6,11 +6,12 @@ JSON schema (``Problem.to_json``)::
      "devices": [DeviceSpec.to_dict(), ...],          # pipeline order when device_order == "fixed"
      "link": {"bytes_per_s": float, "latency_s": float},   # default for every pair
      "links": [[i, j, {"bytes_per_s": ..., "latency_s": ...}], ...],   # per-pair overrides
-     "microbatches": int, "schedule": "gpipe" | "1f1b" | "interleaved-1f1b",
+     "microbatches": int, "schedule": "gpipe" | "1f1b" | "interleaved-1f1b" | "zero-bubble"
+                     | "interleaved-zero-bubble",
      "objective": "bottleneck" | "makespan", "training": bool,
      "optimizer_state_factor": float, "grad_factor": float,
      "device_order": "fixed" | "free", "allow_idle_devices": bool,
-     "stages_per_device": int}                        # > 1 only for "interleaved-1f1b"
+     "stages_per_device": int}                        # > 1 only for the interleaved ones
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, LinkSpec
 from fxsplit.ir.graph import Block, CondensedGraph
 
-__all__ = ["Problem", "SCHEDULES", "LOOPED_SCHEDULES", "OBJECTIVES"]
+__all__ = ["Problem", "SCHEDULES", "LOOPED_SCHEDULES", "SIMULATED_SCHEDULES", "OBJECTIVES"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "interleaved-zero-bubble")
 #: Schedules that run several stages per device in looping placement (stage ``s`` on the
 #: ``s mod r``-th of ``r`` devices); :func:`fxsplit.schedule.make` generates them.
-LOOPED_SCHEDULES = ("interleaved-1f1b",)
+LOOPED_SCHEDULES = ("interleaved-1f1b", "interleaved-zero-bubble")
+#: Schedules whose step has no closed form in the stage times: :func:`fxsplit.schedule.plan_step_s`
+#: simulates them (the looped ones, and zero-bubble's split backward).
+SIMULATED_SCHEDULES = (*LOOPED_SCHEDULES, "zero-bubble")
 OBJECTIVES = ("bottleneck", "makespan")
 
 
@@ -47,7 +51,9 @@ class Problem:
         schedule: ``"gpipe"`` (all ``m`` micro-batches in flight), ``"1f1b"`` (stage ``s`` of
             ``p`` holds ``min(m, p - s)``) or ``"interleaved-1f1b"`` (several stages per device,
             each costed with ``m`` in flight: a bound, the first chunk holds up to ``m``; the
-            schedule search checks the exact counts).
+            schedule search checks the exact counts), ``"zero-bubble"`` (ZB-H1: backward split
+            into input and weight halves; every stage holds ``min(m, p)``) or
+            ``"interleaved-zero-bubble"`` (its looped form, costed as interleaved 1F1B).
         objective: ``"bottleneck"`` (slowest stage per micro-batch) or ``"makespan"`` (one
             training step: ``sum(stage times) + (m - 1) * bottleneck``).
         training: False plans inference: no backward, gradients or optimizer state.
@@ -94,6 +100,8 @@ class Problem:
             return 1
         if self.schedule == "gpipe" or self.schedule in LOOPED_SCHEDULES:
             return self.microbatches
+        if self.schedule == "zero-bubble":  # weight halves held back: every stage as 1F1B's first
+            return min(self.microbatches, num_stages)
         return min(self.microbatches, num_stages - stage)
 
     def state_bytes_per_param_byte(self) -> float:

@@ -1,8 +1,8 @@
 """One schedule path: fxsplit's action lists run on ``torch.distributed.pipelining``'s runtime.
 
 The schedule the explorer picked and simulated (:class:`fxsplit.schedule.Schedule`: per-rank
-lists of ``"0F1"`` / ``"1B0"`` actions) is lowered to torch's schedule IR (``_Action`` with
-``FORWARD`` / ``FULL_BACKWARD``) and handed to ``_PipelineScheduleRuntime``, which adds the
+lists of ``"0F1"`` / ``"1B0"`` / ``"1I0"`` / ``"1W0"`` actions) is lowered to torch's schedule IR
+(``_Action`` with ``FORWARD`` / ``FULL_BACKWARD`` / ``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT``) and handed to ``_PipelineScheduleRuntime``, which adds the
 send/receive actions itself (``_prepare_schedule_with_comms``, the same lowering torch applies to
 its CSV schedules). So there is no second schedule world: what fxsplit simulates is what runs,
 and any schedule fxsplit can generate and validate (several stages per rank included) runs
@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
     FORWARD,
     FULL_BACKWARD,
     _Action,
@@ -30,7 +32,7 @@ from fxsplit.schedule import Schedule, validate
 
 __all__ = ["torch_actions", "lowered_schedule"]
 
-_KIND = {"F": FORWARD, "B": FULL_BACKWARD}
+_KIND = {"F": FORWARD, "B": FULL_BACKWARD, "I": BACKWARD_INPUT, "W": BACKWARD_WEIGHT}
 
 
 def torch_actions(schedule: Schedule) -> dict[int, list[_Action | None]]:

@@ -39,6 +39,7 @@ import torch.fx
 from torch import nn
 
 from fxsplit.errors import PlanError
+from fxsplit.runtime.split_backward import detachable
 
 __all__ = ["Layout", "SCALAR_DTYPES", "StageModule", "layout_of", "boundary_layouts", "encode", "decode"]
 
@@ -202,4 +203,6 @@ class StageModule(nn.Module):
         if self.last:
             return out
         device = next((t.device for t in wire if isinstance(t, torch.Tensor)), torch.device("cpu"))
-        return encode(out, self.out_layouts, device)
+        # torch's input-gradient half (zero-bubble) detaches the sent tensors in place: aliases, so
+        # a tensor the weight half still reads stays intact
+        return tuple(detachable(encode(out, self.out_layouts, device)))

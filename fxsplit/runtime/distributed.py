@@ -285,7 +285,7 @@ class DistributedPipeline(ParameterAPI):
     def _instrument(self, stage: PipelineStage, index: int) -> None:
         """Record the action in flight, so a failure names its stage and micro-batch (see
         Progress), and time every forward and backward of a training step into :attr:`recorder`."""
-        for attr, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
+        for attr, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
             compute = getattr(stage, attr)
 
             def timed(chunk: int, *args: Any, _m: Any = compute, _k: str = kind, **kwargs: Any) -> Any:
@@ -293,7 +293,8 @@ class DistributedPipeline(ParameterAPI):
                     return _m(chunk, *args, **kwargs)
                 start = time.perf_counter()
                 out = _m(chunk, *args, **kwargs)
-                self.recorder.add(index, _k, chunk + self._mb_offset, start, time.perf_counter())
+                k = "I" if _k == "B" and kwargs.get("full_backward") is False else _k  # a zero-bubble input half
+                self.recorder.add(index, k, chunk + self._mb_offset, start, time.perf_counter())
                 return out
 
             setattr(stage, attr, timed)
@@ -458,7 +459,7 @@ class DistributedPipeline(ParameterAPI):
         times = self._recorder_or_raise().per_stage_s(self.num_stages)
         rows: list[Any] = [None] * self.num_ranks
         dist.all_gather_object(rows, [(s, times[s]) for s in self.stage_indices])
-        out = [{"fwd_s": 0.0, "bwd_s": 0.0} for _ in range(self.num_stages)]
+        out = [{"fwd_s": 0.0, "bwd_s": 0.0, "bwd_weight_s": 0.0} for _ in range(self.num_stages)]
         for stage, row in (pair for held in rows for pair in held):
             out[stage] = row
         return out

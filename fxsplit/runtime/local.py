@@ -36,6 +36,7 @@ from fxsplit.runtime.microbatch import (
     split_microbatches,
     split_target,
 )
+from fxsplit.runtime.split_backward import PendingWeights, backward_input, backward_weight
 from fxsplit.runtime.state import ParameterAPI, StateMap
 from fxsplit.runtime.threads import run_threaded
 from fxsplit.runtime.trace import TraceRecorder
@@ -53,7 +54,7 @@ def execution_order(schedule: Schedule) -> list[Action]:
     start time (ties by rank), which interleaves the per-device lists the way the devices would.
     """
     p = schedule.num_stages
-    timeline = simulate(schedule, [1.0] * p, [2.0] * p)
+    timeline = simulate(schedule, [1.0] * p, [2.0] * p, bwd_weight_s=[1.0] * p)
     return [e.action for e in sorted(timeline.events, key=lambda e: (e.start_s, e.rank))]
 
 
@@ -86,6 +87,7 @@ class _Slot:
 
     inputs: Sequence[Any]
     outputs: tuple[Any, ...]
+    pending: PendingWeights | None = None  # between a zero-bubble schedule's I and W
 
 
 @dataclass(slots=True)
@@ -294,13 +296,15 @@ class Pipeline(ParameterAPI):
         return step.total_loss()
 
     def _run_action(self, action: Action, step: _Step) -> None:
-        """Run one F or B action; the recorder (runtime trace) gets its start and end times."""
+        """Run one F, B, I or W action; the recorder (runtime trace) gets its start and end times."""
         s, kind, i = action.stage, action.kind, action.microbatch
         start = time.perf_counter()
         if kind == "F":
             self._forward(s, i, step)
+        elif kind == "W":
+            self._guarded(s, i, "weight-gradient backward", lambda: backward_weight(step.slots.pop((s, i)).pending))
         else:
-            self._backward(s, i, step)
+            self._backward(s, i, step, split=kind == "I")
         if self.recorder is not None:
             self.recorder.add(s, kind, i, start, time.perf_counter())
 
@@ -327,31 +331,41 @@ class Pipeline(ParameterAPI):
             weight = step.weights[i]
             step.losses[i] = loss if weight == 1.0 else loss * weight  # x * 1.0 == x: skip the op
 
-    def _backward(self, s: int, i: int, step: _Step) -> None:
-        slot = step.slots.pop((s, i))
+    def _backward(self, s: int, i: int, step: _Step, split: bool = False) -> None:
+        """A full backward (B), or with ``split`` its input half (I), whose weight half W runs later."""
+        last = s == self.num_stages - 1
+        slot = step.slots[(s, i)] if split else step.slots.pop((s, i))
+        outputs, grads = ([step.losses[i]], None) if last else (_tensor_leaves(slot.outputs), step.grads.pop((s, i)))
+        if split:
+            weights = [p for p in self.program.stages[s].gm.parameters() if p.requires_grad]
+            in_grads, slot.pending = self._guarded(
+                s, i, "input-gradient backward", lambda: backward_input(outputs, grads, _tensor_leaves(slot.inputs), weights))
+        else:
+            loss = step.losses[i] if last else None
+            self._guarded(s, i, "backward", lambda: (loss.backward() if loss is not None and loss.requires_grad else None)
+                          if last else self._backward_from(outputs, grads))
+            in_grads = [t.grad if t is not None and t.requires_grad else None for t in _tensor_leaves(slot.inputs)]
+        if s > 0:
+            step.grads[(s - 1, i)] = in_grads
+        if last and (loss := step.losses[i]) is not None:
+            step.losses[i] = loss.detach()  # frees the graph's reference to the loss
+
+    def _guarded(self, s: int, i: int, what: str, run: Callable[[], Any]) -> Any:
+        """``run()``, its failure raised as an :class:`ExecutionError` naming the stage and micro-batch."""
         try:
-            if s == self.num_stages - 1:
-                loss = step.losses[i]
-                if loss is not None and loss.requires_grad:
-                    loss.backward()
-            else:
-                self._backward_from(slot.outputs, step.grads.pop((s, i)))
+            return run()
         except Exception as exc:
             device = self.program.stages[s].device
             raise ExecutionError(
-                f"backward of stage {s} failed on micro-batch {i} on {device}: {type(exc).__name__}: {exc}",
+                f"{what} of stage {s} failed on micro-batch {i} on {device}: {type(exc).__name__}: {exc}",
                 stage=s, microbatch=i, device=device,
             ) from exc
-        if s > 0:
-            step.grads[(s - 1, i)] = [t.grad if t is not None and t.requires_grad else None for t in _tensor_leaves(slot.inputs)]
-        if s == self.num_stages - 1 and (loss := step.losses[i]) is not None:
-            step.losses[i] = loss.detach()  # frees the graph's reference to the loss
 
     @staticmethod
     def _backward_from(outputs: Sequence[Any], grads: Sequence[Any]) -> None:
-        """One ``torch.autograd.backward`` over every output that has a gradient."""
+        """One ``torch.autograd.backward`` over every output leaf that has a gradient."""
         roots, root_grads = [], []
-        for o, g in zip(_tensor_leaves(outputs), grads, strict=True):
+        for o, g in zip(outputs, grads, strict=True):
             if o is not None and g is not None and o.requires_grad:
                 roots.append(o)
                 root_grads.append(g if g.device == o.device else g.to(o.device))

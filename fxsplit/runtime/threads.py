@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from fxsplit.errors import ExecutionError
-from fxsplit.schedule import Action, Schedule
+from fxsplit.schedule import Action, Schedule, dependencies
 
 __all__ = ["run_threaded", "action_dependencies"]
 
@@ -33,14 +33,9 @@ _POLL_S = 0.05
 
 
 def action_dependencies(action: Action, num_stages: int) -> list[_Key]:
-    """The ``(stage, kind, micro-batch)`` actions that must finish before ``action`` starts."""
-    s, i = action.stage, action.microbatch
-    if action.kind == "F":
-        return [(s - 1, "F", i)] if s > 0 else []
-    deps = [(s, "F", i)]
-    if s < num_stages - 1:
-        deps.append((s + 1, "B", i))
-    return deps
+    """The ``(stage, kind, micro-batch)`` actions that must finish before ``action`` starts
+    (:func:`fxsplit.schedule.dependencies`)."""
+    return [(a.stage, a.kind, a.microbatch) for a in dependencies(action, num_stages)]
 
 
 @contextlib.contextmanager

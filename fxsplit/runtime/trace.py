@@ -120,14 +120,16 @@ class TraceRecorder:
         return max((e.end_s for e in self.events), default=0.0)
 
     def per_stage_s(self, num_stages: int) -> list[dict[str, float]]:
-        """``[num_stages]`` dicts ``{"fwd_s", "bwd_s"}``: mean seconds per micro-batch."""
+        """``[num_stages]`` dicts ``{"fwd_s", "bwd_s", "bwd_weight_s"}``: mean seconds per
+        micro-batch; a backward split into ``I`` and ``W`` (zero-bubble) counts both halves in
+        ``bwd_s`` and its ``W`` in ``bwd_weight_s``."""
         out = []
         for s in range(num_stages):
-            row = {}
-            for kind, key in (("F", "fwd_s"), ("B", "bwd_s")):
+            mean = {}
+            for kind in ("F", "B", "I", "W"):
                 times = [e.duration_s for e in self.events if e.stage == s and e.kind == kind]
-                row[key] = sum(times) / len(times) if times else 0.0
-            out.append(row)
+                mean[kind] = sum(times) / len(times) if times else 0.0
+            out.append({"fwd_s": mean["F"], "bwd_s": mean["B"] + mean["I"] + mean["W"], "bwd_weight_s": mean["W"]})
         return out
 
     def to_chrome(self, stage_names: Sequence[str] | None = None, process_name: str = "fxsplit pipeline") -> dict[str, Any]:

@@ -26,13 +26,18 @@ from dataclasses import dataclass
 
 from fxsplit.errors import ScheduleError
 
-__all__ = ["F", "B", "KINDS", "Action", "Schedule", "parse_actions", "format_actions"]
+__all__ = ["F", "B", "I", "W", "KINDS", "Action", "Schedule", "parse_actions", "format_actions"]
 
 F = "F"
 B = "B"
-#: Known action kinds and what they compute. New kinds (``"I"``: input gradient, ``"W"``: weight
-#: gradient, for zero-bubble schedules) are added here and in :func:`engine.dependencies`.
-KINDS: Mapping[str, str] = {F: "forward", B: "backward (input and weight gradients)"}
+I = "I"  # noqa: E741 (torch's name for the action kind)
+W = "W"
+#: Known action kinds and what they compute. A zero-bubble schedule splits each backward ``B``
+#: into ``I`` (the gradient of the stage's inputs, which the previous stage waits for) and ``W``
+#: (the gradients of its parameters, which nobody waits for and can fill a bubble); Qi et al.,
+#: "Zero Bubble Pipeline Parallelism", ICLR 2024. Dependencies: :func:`engine.dependencies`.
+KINDS: Mapping[str, str] = {F: "forward", B: "backward (input and weight gradients)",
+                            I: "backward, input gradients only", W: "backward, weight gradients only"}
 
 _ACTION_RE = re.compile(r"^(\d+)([A-Z]+)(\d+)$")
 _HEADER_RE = re.compile(

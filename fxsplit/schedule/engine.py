@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fxsplit.errors import ScheduleError
-from fxsplit.schedule.actions import Action, B, F, Schedule
+from fxsplit.schedule.actions import Action, B, F, I, Schedule, W
 
 __all__ = ["dependencies", "Execution", "execute"]
 
@@ -23,17 +23,23 @@ def dependencies(action: Action, num_stages: int) -> tuple[Action, ...]:
     Forward of stage ``s`` needs the forward of ``s - 1`` (its input activation); backward of
     ``s`` needs its own forward (saved activations) and the backward of ``s + 1`` (the gradient of
     its output). The last stage's backward starts from the loss, i.e. after its own forward.
+    In a zero-bubble schedule the input-gradient half ``I`` takes the place of ``B`` (``sI`` needs
+    ``sF`` and ``(s+1)I``), and the weight-gradient half ``sW`` needs ``sI`` alone.
 
     Example:
         >>> [str(a) for a in dependencies(Action.parse("1B3"), num_stages=3)]
         ['1F3', '2B3']
+        >>> [str(a) for a in dependencies(Action.parse("1W3"), num_stages=3)]
+        ['1I3']
     """
     s, i = action.stage, action.microbatch
     if action.kind == F:
         return (Action(s - 1, F, i),) if s > 0 else ()
-    if action.kind == B:
+    if action.kind in (B, I):
         own = Action(s, F, i)
-        return (own, Action(s + 1, B, i)) if s < num_stages - 1 else (own,)
+        return (own, Action(s + 1, action.kind, i)) if s < num_stages - 1 else (own,)
+    if action.kind == W:
+        return (Action(s, I, i),)
     raise ScheduleError(f"no dependency rule for action kind {action.kind!r}")  # pragma: no cover
 
 

@@ -10,20 +10,24 @@ References:
     Megatron-LM", SC 2021, §2.2.2 (interleaved 1F1B: ``v`` model chunks per rank, the bubble
     shrinks by ``v``); torch.distributed.pipelining's ``ScheduleInterleaved1F1B`` (the "flexible"
     variant: ``m`` need not be a multiple of the ranks).
+    Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §3 (ZB-H1: the backward split into
+    input and weight gradients, the weight halves delayed into the cool-down's bubbles);
+    torch.distributed.pipelining's ``ScheduleInterleavedZeroBubble`` (ZB1P over ``v`` chunks).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 from fxsplit.errors import ScheduleError
-from fxsplit.schedule.actions import Action, B, F, Schedule
+from fxsplit.schedule.actions import Action, B, F, I, Schedule, W
 from fxsplit.schedule.validate import validate
 
 __all__ = ["ScheduleGenerator", "register", "available", "make", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "MULTI_STAGE", "stages_per_rank_ok"]
+           "zero_bubble", "interleaved_zero_bubble", "MULTI_STAGE", "stages_per_rank_ok"]
 
 logger = logging.getLogger(__name__)
 
@@ -238,3 +242,75 @@ def interleaved_1f1b(num_ranks: int, stages_per_rank: int, num_microbatches: int
 
 
 MULTI_STAGE["interleaved-1f1b"] = interleaved_1f1b
+
+
+def zero_bubble(num_ranks: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
+    """Zero-bubble 1F1B (ZB-H1; with ``v >= 2`` chunks per rank, torch's interleaved ZB1P).
+
+    Every backward is split in two: ``I``, the gradient of the stage's inputs, which the previous
+    stage waits for, and ``W``, the gradients of its weights, which nobody waits for. Rank ``r``
+    runs the (interleaved) 1F1B order with ``I`` in place of ``B``, a warm-up of ``(v - 1) g + (p -
+    1 - r)`` forwards (one per hop instead of two), and holds its first ``r`` weight halves back:
+    from then on each ``I`` is followed by the oldest pending ``W``, and the pending ones close the
+    list, where 1F1B's cool-down leaves the rank idle. With ``W`` about a third of the backward the
+    bubble shrinks to about a third of 1F1B's, for activations kept until ``W`` rather than ``B``.
+    The first stage has no input gradient: its ``I`` is empty and its ``W`` runs the whole
+    backward (as torch's stage does).
+
+    The action lists are those of torch's ``ScheduleInterleavedZeroBubble`` without its no-op
+    slots (checked in the tests), so the distributed runtime runs what was simulated.
+
+    Args:
+        num_ranks: ``p >= 1``.
+        stages_per_rank: ``v >= 1``, stage ``s`` on rank ``s mod p``.
+        num_microbatches: ``m >= 1``; with ``v >= 2`` a multiple of ``max(1, m // p)``
+            (:func:`stages_per_rank_ok`).
+
+    Raises:
+        ScheduleError: for sizes below 1 or, with ``v >= 2``, an ``m`` that is not a whole number of rounds.
+
+    Example:
+        >>> [str(a) for a in zero_bubble(2, 1, 3).actions[0]]
+        ['0F0', '0F1', '0I0', '0W0', '0F2', '0I1', '0W1', '0I2', '0W2']
+    """
+    p, v, m = num_ranks, stages_per_rank, num_microbatches
+    if min(p, v, m) < 1 or (v > 1 and not stages_per_rank_ok(p, v, m)):
+        raise ScheduleError(f"zero-bubble needs ranks, stages per rank and micro-batches >= 1, and with several "
+                            f"stages per rank the micro-batches a multiple of max(1, m // ranks); got p={p}, v={v}, "
+                            f"m={m}: use m <= {p} or a multiple of m // {p}")
+    per_round = m // max(1, m // p)
+    ranks = []
+    for r in range(p):
+        warmup = min((v - 1) * per_round + (p - 1 - r), v * m)
+        next_mb: dict[tuple[str, int], int] = {}
+
+        def act(kind: str, local: int, r: int = r, next_mb: dict[tuple[str, int], int] = next_mb) -> Action:
+            stage = local * p + r
+            i = next_mb.get((kind, stage), 0)
+            next_mb[(kind, stage)] = i + 1
+            return Action(stage, kind, i)
+
+        def bwd_local(k: int, warmup: int = warmup) -> int:
+            return v - 1 - ((k - warmup) // per_round) % v
+
+        acts = [act(F, (k // per_round) % v) for k in range(warmup)]
+        backward_ks: list[int] = []
+        for k in range(warmup, v * m + warmup):
+            if k < v * m:
+                acts.append(act(F, (k // per_round) % v))
+            acts.append(act(I, bwd_local(k)))
+            backward_ks.append(k)
+            if k - warmup >= r:
+                acts.append(act(W, bwd_local(backward_ks[len(backward_ks) - 1 - r])))
+        acts += [act(W, bwd_local(k)) for k in backward_ks[len(backward_ks) - min(r, len(backward_ks)):]]
+        ranks.append(tuple(acts))
+    return Schedule(tuple(ranks), p * v, m, stage_to_rank=tuple(s % p for s in range(p * v)), name="zero-bubble")
+
+
+def interleaved_zero_bubble(num_ranks: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
+    """:func:`zero_bubble` over ``v`` stages per rank in looping placement, by its own name."""
+    return replace(zero_bubble(num_ranks, stages_per_rank, num_microbatches), name="interleaved-zero-bubble")
+
+
+MULTI_STAGE["zero-bubble"] = zero_bubble
+MULTI_STAGE["interleaved-zero-bubble"] = interleaved_zero_bubble

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from fxsplit.errors import ScheduleError
 from fxsplit.ir.plan import Plan
-from fxsplit.ir.problem import LOOPED_SCHEDULES
-from fxsplit.schedule.actions import Action, B, F, Schedule
+from fxsplit.ir.problem import SIMULATED_SCHEDULES
+from fxsplit.schedule.actions import Action, B, F, I, Schedule, W
 from fxsplit.schedule.engine import execute
 from fxsplit.schedule.generators import make
 from fxsplit.schedule.validate import validate
@@ -93,6 +93,7 @@ def simulate(
     activation_bytes: Sequence[int] | None = None,
     *,
     stage_comm_s: Sequence[float] | None = None,
+    bwd_weight_s: Sequence[float] | None = None,
 ) -> Timeline:
     """Simulate one training step of ``schedule``.
 
@@ -107,6 +108,9 @@ def simulate(
             forward to its backward; default None (peak bytes reported as 0).
         stage_comm_s: ``[num_stages]`` communication a stage's rank is busy with per micro-batch
             (a :class:`~fxsplit.ir.StagePlan`'s ``comm_s``), half added to each F and half to each B.
+        bwd_weight_s: ``[num_stages]`` the part of ``bwd_s`` that computes weight gradients: a
+            zero-bubble schedule's ``W`` takes it and its ``I`` the rest (default 0: ``I`` is the
+            whole backward). Ignored by ``B`` actions.
 
     Returns:
         The :class:`Timeline`.
@@ -127,9 +131,12 @@ def simulate(
     busy = _per_stage("stage_comm_s", stage_comm_s if stage_comm_s is not None else [0.0] * p, p)
     link = _per_stage("comm_s", [comm_s] * (p - 1) if isinstance(comm_s, (int, float)) else comm_s, p - 1)
     acts = _per_stage("activation_bytes", activation_bytes if activation_bytes is not None else [0] * p, p)
+    weight = _per_stage("bwd_weight_s", bwd_weight_s if bwd_weight_s is not None else [0.0] * p, p)
+    part = {F: fwd, B: bwd, I: [b - min(w, b) for b, w in zip(bwd, weight, strict=True)],
+            W: [min(w, b) for b, w in zip(bwd, weight, strict=True)]}
 
-    def duration(a: Action) -> float:
-        return (fwd if a.kind == F else bwd)[a.stage] + busy[a.stage] / 2
+    def duration(a: Action) -> float:  # communication: half on the forward, half on the backward's first part
+        return part[a.kind][a.stage] + (busy[a.stage] / 2 if a.kind != W else 0.0)
 
     def delay(dep: Action, a: Action) -> float:
         if dep.stage == a.stage or schedule.stage_to_rank[dep.stage] == schedule.stage_to_rank[a.stage]:
@@ -156,7 +163,8 @@ def simulate(
 
 
 def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
-    """``[num_stages]`` most micro-batches each stage holds between forward and backward.
+    """``[num_stages]`` most micro-batches each stage holds between forward and backward (its
+    ``W`` in a zero-bubble schedule: the weight gradients read the saved inputs).
 
     Depends on the order alone, not on timing: a rank runs its list in order.
 
@@ -167,8 +175,8 @@ def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
     """
     now = [0] * schedule.num_stages
     peak = [0] * schedule.num_stages
-    for _, _, a in schedule:
-        now[a.stage] += 1 if a.kind == F else -1 if a.kind == B else 0
+    for _, _, a in schedule:  # a zero-bubble schedule frees a micro-batch's activations at its W
+        now[a.stage] += 1 if a.kind == F else -1 if a.kind in (B, W) else 0
         peak[a.stage] = max(peak[a.stage], now[a.stage])
     return tuple(peak)
 
@@ -208,8 +216,10 @@ def simulate_plan(
     comm = [st.comm_s for st in plan.stages]
     fwd = [st.fwd_s + (0.0 if training else c) for st, c in zip(plan.stages, comm, strict=True)]
     bwd = [st.bwd_s if training else 0.0 for st in plan.stages]
+    # the first stage has no input gradient to compute: its W is its whole backward (torch's too)
+    weight = [b if s == 0 else min(st.bwd_weight_s, b) for s, (st, b) in enumerate(zip(plan.stages, bwd, strict=True))]
     return simulate(schedule, fwd, bwd, activation_bytes=activation_bytes,
-                    stage_comm_s=comm if training else None)
+                    stage_comm_s=comm if training else None, bwd_weight_s=weight)
 
 
 def plan_step_s(plan: Plan) -> float:
@@ -217,7 +227,8 @@ def plan_step_s(plan: Plan) -> float:
 
     One stage per device (GPipe, 1F1B): the cost model's ``makespan_s``, ``Σ time_s + (m - 1) ·
     bottleneck``, what the solvers minimise (exact for balanced stages). A looped schedule
-    (interleaved 1F1B) has no such closed form: its step is simulated (:func:`simulate_plan`).
+    (interleaved 1F1B) and a zero-bubble one have no such closed form: their step is simulated
+    (:func:`simulate_plan`).
 
     Args:
         plan: The plan, costs per micro-batch, run with ``plan.microbatches`` under ``plan.schedule``.
@@ -230,7 +241,7 @@ def plan_step_s(plan: Plan) -> float:
         >>> plan.makespan_s, plan_step_s(plan)
         (7.0, 9.0)
     """
-    if plan.schedule not in LOOPED_SCHEDULES:
+    if plan.schedule not in SIMULATED_SCHEDULES:
         return plan.makespan_s
     return simulate_plan(plan).makespan_s
 

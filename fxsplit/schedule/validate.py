@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxsplit.errors import ScheduleError
-from fxsplit.schedule.actions import Action, B, F, Schedule
+from fxsplit.schedule.actions import Action, B, F, I, Schedule, W
 from fxsplit.schedule.engine import dependencies, execute
 
 __all__ = ["Fault", "find_faults", "validate"]
@@ -107,24 +107,33 @@ def _coverage_faults(schedule: Schedule) -> list[Fault]:
             faults.append(Fault(f"{a} appears twice (first at rank {r0} step {s0})", rank, step))
         else:
             where[a] = (rank, step)
-        if a.kind == B and a.stage < schedule.num_stages:
+        if a.kind in (B, I) and a.stage < schedule.num_stages:
             own = where.get(Action(a.stage, F, a.microbatch))
             if own is None or own[0] != rank:
                 later = "is missing" if own is None else f"is on rank {own[0]}"
                 faults.append(Fault(f"{a} comes before its forward {a.stage}F{a.microbatch}, which "
                                     f"{later} or comes later", rank, step))
-    missing = [
-        Action(s, kind, i)
-        for s in range(schedule.num_stages)
-        for kind in (F, B)
-        for i in range(schedule.num_microbatches)
-        if Action(s, kind, i) not in where
-    ]
+    missing = [a for s in range(schedule.num_stages) for i in range(schedule.num_microbatches)
+               for a in _backward_faults(s, i, where, faults)]
     if missing:
         shown = ", ".join(str(a) for a in missing[:_MAX_LISTED])
         more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
         faults.append(Fault(f"missing actions: {shown}{more} (add them to their stage's rank)"))
     return faults
+
+
+def _backward_faults(s: int, i: int, where: dict[Action, tuple[int, int]], faults: list[Fault]) -> list[Action]:
+    """The actions missing for micro-batch ``i`` on stage ``s``: its forward, and either one full
+    backward ``B`` or both halves ``I`` and ``W`` (a backward in both forms is a fault)."""
+    missing = [Action(s, F, i)] if Action(s, F, i) not in where else []
+    halves = [Action(s, k, i) for k in (I, W)]
+    if Action(s, B, i) in where:
+        for h in halves:
+            if h in where:
+                faults.append(Fault(f"{h} and {s}B{i} both compute that backward (use B, or I and W)", *where[h]))
+        return missing
+    present = [h for h in halves if h in where]
+    return missing + ([Action(s, B, i)] if not present else [h for h in halves if h not in where])
 
 
 def _deadlock_faults(schedule: Schedule) -> list[Fault]:
@@ -138,6 +147,10 @@ def _deadlock_faults(schedule: Schedule) -> list[Fault]:
         action = schedule.actions[rank][step]
         for dep in dependencies(action, schedule.num_stages):
             if dep in done:
+                continue
+            if dep not in where:
+                faults.append(Fault(f"deadlock: {action} waits for {dep}, which no rank runs (a backward "
+                                    f"written as B on one stage and as I on the next?)", rank, step))
                 continue
             r2, s2 = where[dep]
             if r2 == rank:
