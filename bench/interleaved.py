@@ -1,4 +1,4 @@
-"""Interleaved 1F1B against 1F1B and GPipe: predicted and measured, on 2 CPU "devices" that overlap.
+"""Interleaved 1F1B and zero-bubble against 1F1B and GPipe: predicted and measured, on 2 CPU "devices" that overlap.
 
 The local pipeline's ``executor="threads"`` runs one worker thread per device; with one intra-op
 thread each (``torch.set_num_threads(1)``) the two devices of this 2-core machine compute at the
@@ -36,7 +36,7 @@ from fxsplit.api import CompileOptions
 from fxsplit.calibrate import pipelined_step_s, stage_rows
 from fxsplit.schedule import plan_step_s
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b", "interleaved-zero-bubble")
 
 
 def build(case: Any, kind: str, m: int) -> Any:

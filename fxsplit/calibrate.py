@@ -26,6 +26,7 @@ from torch import nn
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir import DeviceSpec, LinkSpec, Problem, evaluate
+from fxsplit.ir.problem import SIMULATED_SCHEDULES
 from fxsplit.passes.capture import Captured
 from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime import Pipeline
@@ -64,13 +65,16 @@ class CompileContext:
 
 @dataclass(frozen=True)
 class StageTimes:
-    """One stage per micro-batch: predicted and measured forward / backward seconds."""
+    """One stage per micro-batch: predicted and measured forward / backward seconds (and the
+    backward's weight-gradient part, which a zero-bubble schedule runs apart)."""
 
     stage: int
     pred_fwd_s: float
     pred_bwd_s: float
     meas_fwd_s: float
     meas_bwd_s: float
+    pred_bwd_weight_s: float = 0.0
+    meas_bwd_weight_s: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -145,7 +149,8 @@ def stage_rows(plan: Any, per_step: Sequence[Sequence[dict[str, float]]]) -> lis
     ``[num_stages]`` list of ``{"fwd_s", "bwd_s"}`` per measured step; the median, so one step
     the machine slowed does not move a stage)."""
     return [StageTimes(s, st.fwd_s, st.bwd_s, statistics.median(p[s]["fwd_s"] for p in per_step),
-                       statistics.median(p[s]["bwd_s"] for p in per_step))
+                       statistics.median(p[s]["bwd_s"] for p in per_step), st.bwd_weight_s,
+                       statistics.median(p[s].get("bwd_weight_s", 0.0) for p in per_step))
             for s, st in enumerate(plan.stages)]
 
 
@@ -196,7 +201,20 @@ def refit_problem(problem: Problem, measurements: Sequence[Measurement], microba
         y = np.linalg.lstsq(a, np.array(rhs), rcond=None)[0] if a.any() else np.zeros(len(groups))
         x = np.maximum(1.0 + y, 1e-3)
         factors.append([float(x[group_of[b]]) for b in range(n)])
-    return problem.with_(graph=problem.graph.with_time_factors(factors[0], factors[1]))
+    graph = problem.graph.with_time_factors(factors[0], factors[1])
+    return problem.with_(graph=graph.with_weight_shares(_measured_weight_shares(measurements[-1], n)))
+
+
+def _measured_weight_shares(meas: Measurement, num_blocks: int) -> list[float | None]:
+    """``[num_blocks]`` the weight-gradient share of the backward each block's stage measured
+    (a zero-bubble run times ``W`` apart), None where nothing says: no ``W`` was timed, or the
+    first stage, whose ``W`` runs its whole backward since it has no input gradient to compute."""
+    shares: list[float | None] = [None] * num_blocks
+    for s, (blocks, t) in enumerate(zip(meas.stages, meas.times, strict=True)):
+        if s > 0 and t.meas_bwd_weight_s > 0 and t.meas_bwd_s > 0:
+            for b in blocks:
+                shares[b] = min(1.0, t.meas_bwd_weight_s / t.meas_bwd_s)
+    return shares
 
 
 def _links_shifted(problem: Problem, extra_s: float) -> Problem:
@@ -250,13 +268,15 @@ def pipelined_step_s(rows: Sequence[StageTimes], microbatches: int, kind: str = 
     pipeline runs its stages in turn, in one thread, and its wall is the same for every split.
 
     One stage per rank: ``sum + (m - 1) x max`` of their forward+backward per micro-batch (the
-    plan's makespan). A looped schedule (``kind`` with ``num_ranks`` < stages): its simulated step
-    on the measured forward and backward times (:func:`fxsplit.schedule.simulate`)."""
+    plan's makespan). A looped schedule (``kind`` with ``num_ranks`` < stages) or a zero-bubble
+    one: its simulated step on the measured forward, backward and weight-gradient times
+    (:func:`fxsplit.schedule.simulate`)."""
     t = [r.meas_fwd_s + r.meas_bwd_s for r in rows]
-    if num_ranks is None or num_ranks == len(rows):
+    if (num_ranks is None or num_ranks == len(rows)) and kind not in SIMULATED_SCHEDULES:
         return sum(t) + (microbatches - 1) * max(t)
     schedule = make(kind, len(rows), microbatches, num_ranks=num_ranks)
-    return simulate(schedule, [r.meas_fwd_s for r in rows], [r.meas_bwd_s for r in rows]).makespan_s
+    return simulate(schedule, [r.meas_fwd_s for r in rows], [r.meas_bwd_s for r in rows],
+                    bwd_weight_s=[min(r.meas_bwd_weight_s, r.meas_bwd_s) for r in rows]).makespan_s
 
 
 Measured = tuple[list[StageTimes], tuple[float, float]]

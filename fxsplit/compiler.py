@@ -202,7 +202,7 @@ def plan_pipeline(
     choice = explore(problem, *flat, batch_size=batch, schedules=tried, microbatch_candidates=candidates,
                      looped=placement.get(True))
     m, kind = choice.microbatches, choice.kind
-    pb = first[kind][0] if kind in first else problem
+    pb = looped if kind in LOOPED_SCHEDULES and looped is not None else problem  # the winner's placement
     plan = first[kind][1] if (kind in first and m == m0) else _solve(pb, solver, options, m, kind)
     return PlanChoice(plan, pb.with_(microbatches=m, schedule=kind), kind, m, choice.reason, choice.format_table())
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -51,6 +53,26 @@ def test_one_plan_scales_each_stage_by_its_ratio(times: list[float], factor: flo
     refit = refit_problem(problem, [_measure(problem, true, stages)], 1, "gpipe")
     for b, block in enumerate(refit.graph.blocks):
         assert block.fwd_s == pytest.approx(times[b] * true[b], rel=1e-9)
+
+
+@settings(max_examples=50, deadline=None)
+@given(share=st.floats(0.0, 1.0), cut=st.integers(1, 3))
+def test_a_zero_bubble_measurement_sets_the_weight_share_of_its_stages_blocks(share: float, cut: int) -> None:
+    """Zero-bubble times W apart: the refit gives the blocks of every stage but the first (whose
+    W is its whole backward, having no input gradient to compute) the measured share of their
+    backward; the first stage's blocks keep the cost model's (here 0)."""
+    graph = CondensedGraph(tuple(replace(b, bwd_s=2.0) for b in CondensedGraph.chain([1.0] * 4).blocks),
+                           CondensedGraph.chain([1.0] * 4).edges)
+    problem = Problem(graph, (DeviceSpec("a"), DeviceSpec("b")), microbatches=1, schedule="zero-bubble")
+    stages = [list(range(cut)), list(range(cut, 4))]
+    plan = evaluate(problem, stages)
+    rows = [StageTimes(s, st.fwd_s, st.bwd_s, st.fwd_s, st.bwd_s, 0.0, st.bwd_s * (1.0 if s == 0 else share))
+            for s, st in enumerate(plan.stages)]
+    refit = refit_problem(problem, [Measurement((tuple(stages[0]), tuple(stages[1])), (0, 1), tuple(rows))], 1,
+                          "zero-bubble")
+    for b, block in enumerate(refit.graph.blocks):
+        assert block.bwd_s == pytest.approx(2.0)
+        assert block.bwd_weight_s == pytest.approx(0.0 if b < cut else 2.0 * share)
 
 
 @settings(max_examples=50, deadline=None)

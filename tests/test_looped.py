@@ -156,3 +156,19 @@ def test_the_distributed_runtime_checks_the_stage_count_of_an_interleaved_plan()
         _check_args("interleaved-1f1b", 4, 2, 2)
     with pytest.raises(ConfigError, match="rank i runs stage i"):
         _check_args("1f1b", 4, 2, 4)
+
+
+def test_the_winning_looped_schedule_runs_on_the_looping_placement():
+    """Regression: with two looped kinds under ``auto``, the winner that was not the first looped
+    kind was solved again on the one-stage-per-device problem (interleaved zero-bubble won and ran
+    3 stages on 3 devices, its step simulated on 6)."""
+    from fxsplit.compiler import plan_pipeline
+
+    graph = CondensedGraph(tuple(replace(b, bwd_s=2.0, bwd_weight_s=1.0) for b in CondensedGraph.chain([1.0] * 12).blocks),
+                           CondensedGraph.chain([1.0] * 12).edges)
+    pb = Problem(graph, (DeviceSpec("a"), DeviceSpec("b"), DeviceSpec("c")), allow_idle_devices=False)
+    choice = plan_pipeline(pb, 8, "auto", "auto", "dp", CompileOptions(stages_per_device=2),
+                           schedules=("interleaved-1f1b", "interleaved-zero-bubble"))
+    assert choice.schedule == "interleaved-zero-bubble"  # the weight halves fill interleaved 1F1B's bubble
+    assert choice.plan.num_stages == 6 and choice.plan.num_ranks == 3
+    assert choice.plan.schedule == "interleaved-zero-bubble"

@@ -46,7 +46,7 @@ def test_recorder_keeps_the_latest_step() -> None:
     assert [e.name for e in rec.events] == ["0F0", "1F0", "1B0", "0B0"]
     assert rec.events[0].start_s == 0.0
     assert all(b.start_s >= a.start_s for a, b in zip(rec.events, rec.events[1:], strict=False))
-    assert rec.per_stage_s(2)[1].keys() == {"fwd_s", "bwd_s"}
+    assert rec.per_stage_s(2)[1].keys() == {"fwd_s", "bwd_s", "bwd_weight_s"}
 
 
 def test_span_without_recorder_is_a_no_op() -> None:
@@ -71,4 +71,4 @@ def test_a_rank_recorder_steps_only_at_begin() -> None:
         rec.add(0, "F", 1, t0 + 2.0, t0 + 2.25)
     assert [(e.name, e.start_s, e.duration_s) for e in rec.events] == [("0F0", 1.0, 0.5), ("0F1", 2.0, 0.25)]
     copy = TraceRecorder.from_events(rec.events)
-    assert copy.events == rec.events and copy.per_stage_s(1) == [{"fwd_s": 0.375, "bwd_s": 0.0}]
+    assert copy.events == rec.events and copy.per_stage_s(1) == [{"fwd_s": 0.375, "bwd_s": 0.0, "bwd_weight_s": 0.0}]

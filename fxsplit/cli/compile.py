@@ -89,7 +89,7 @@ def register(app: typer.Typer) -> None:
         devices: Annotated[str, typer.Option(help="a count of CPU devices (4) or a list (cuda:0,cuda:1)")] = "4",
         steps: Annotated[int, typer.Option(min=1, help="training steps on synthetic data")] = 5,
         microbatches: Annotated[str, typer.Option(help="micro-batches per step, or auto")] = "auto",
-        schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, interleaved-1f1b (2 stages per device) or auto")] = "auto",
+        schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, zero-bubble, interleaved-1f1b or interleaved-zero-bubble (2 stages per device), or auto")] = "auto",
         solver: Annotated[str, typer.Option(help="dp, cpsat, auto, uniform, params, blockpartition, greedy")] = "auto",
         size: Annotated[str, typer.Option(help="zoo size preset: tiny, small, base")] = "small",
         batch_size: Annotated[int, typer.Option(help="samples per step")] = 8,

@@ -74,7 +74,7 @@ def plan_command(
     meta: Annotated[bool, typer.Option(help="build the model on the meta device (no memory)")] = False,
     batch_size: Annotated[int, typer.Option(help="samples per step")] = 8,
     microbatches: Annotated[str, typer.Option(help="micro-batches per step, or auto")] = "auto",
-    schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, interleaved-1f1b (2 stages per device) or auto")] = "auto",
+    schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, zero-bubble, interleaved-1f1b or interleaved-zero-bubble (2 stages per device), or auto")] = "auto",
     solver: Annotated[str, typer.Option(help="auto, dp, cpsat, uniform, params, blockpartition, greedy")] = "auto",
     objective: Annotated[str, typer.Option(help="makespan or bottleneck")] = "makespan",
     time_limit: Annotated[float, typer.Option(help="solver time limit, seconds")] = 30.0,

@@ -200,6 +200,23 @@ class CondensedGraph:
         )
         return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name)
 
+    def with_weight_shares(self, shares: Sequence[float | None]) -> CondensedGraph:
+        """Each block's ``bwd_weight_s`` set to ``shares[b] x bwd_s`` (None keeps it): the part
+        of the backward that computes weight gradients, as measured (zero-bubble's ``W``).
+
+        Raises:
+            PlanError: for a list of the wrong length or a share outside ``[0, 1]``.
+
+        Example:
+            >>> CondensedGraph((Block(0, "b", bwd_s=2.0),)).with_weight_shares([0.5]).blocks[0].bwd_weight_s
+            1.0
+        """
+        if len(shares) != len(self.blocks) or any(x is not None and not 0.0 <= x <= 1.0 for x in shares):
+            raise PlanError(f"weight shares {list(shares)[:8]}... must be one per block ({len(self.blocks)}), "
+                            "each in [0, 1] or None")
+        blocks = tuple(b if x is None else replace(b, bwd_weight_s=b.bwd_s * x) for b, x in zip(self.blocks, shares, strict=True))
+        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name)
+
     # -- checks and serialisation ----------------------------------------------------------
     def validate(self) -> list[str]:
         """Return every structural fault of the graph (empty when valid)."""
