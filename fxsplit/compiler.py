@@ -24,7 +24,7 @@ from fxsplit.codegen import BatchNormTracker, defer_batch_norm, place_stages, sp
 from fxsplit.codegen.buffers import defer_buffer_updates
 from fxsplit.errors import ConfigError, InfeasibleError, NotPerSampleWarning
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
-from fxsplit.ir.problem import LOOPED_SCHEDULES, SCHEDULES
+from fxsplit.ir.problem import AUTO_SCHEDULES, LOOPED_SCHEDULES
 from fxsplit.passes.batch_layout import primary_input
 from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
@@ -153,7 +153,7 @@ def evaluate_fixed(problem: Problem, stages: Sequence[Sequence[int]], devices: S
 
 def plan_pipeline(
     problem: Problem, batch: int, microbatches: int | str, schedule: str, solver: str, options: Any,
-    schedules: Sequence[str] = SCHEDULES,
+    schedules: Sequence[str] = AUTO_SCHEDULES,
 ) -> PlanChoice:
     """Solve the split and choose the schedule and micro-batch count.
 
