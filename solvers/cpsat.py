@@ -190,7 +190,7 @@ def _run(cp_model: Any, problem: Problem, data: CpData, hint_plan: Plan | None, 
                              "cp_wall_s": solver.WallTime(), "hinted": hint_plan is not None}
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return status, name, None, stats
-    values = {key: bool(solver.BooleanValue(v)) for key, v in var.x.items()}
+    values = {key: (v if isinstance(v, int) else solver.Value(v)) == 1 for key, v in var.x.items()}
     units = {s: t for (s, t), v in var.use.items() if solver.BooleanValue(v)}
     stages, devices = _extract(problem, data, values, units)
     bound = max(trivial_lower_bound(problem), solver.BestObjectiveBound() * data.quantum_s)

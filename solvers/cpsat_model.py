@@ -90,7 +90,8 @@ class CpData:
 class CpVars:
     """Model variables, keyed like the data."""
 
-    x: dict[tuple[int, int], Any] = field(default_factory=dict)          # block b in stage s
+    pre: dict[tuple[int, int], Any] = field(default_factory=dict)        # block b in stages 0..s (s < S - 1)
+    x: dict[tuple[int, int], Any] = field(default_factory=dict)          # block b in stage s: pre[b,s] - pre[b,s-1]
     nonempty: dict[int, Any] = field(default_factory=dict)               # stage s has blocks
     use: dict[tuple[int, int], Any] = field(default_factory=dict)        # stage s runs on unit t
     pipe: dict[int, Any] = field(default_factory=dict)                   # exactly q stages (1F1B)
@@ -101,20 +102,30 @@ class CpVars:
 
 
 def _prefix(v: CpVars, b: int, s: int) -> Any:
-    """``a[b, s]``: 1 when block ``b`` is in stages ``0..s``."""
-    return sum(v.x[b, r] for r in range(s + 1))
+    """``pre[b, s]``: 1 when block ``b`` is in stages ``0..s`` (the last prefix holds every block)."""
+    return v.pre.get((b, s), 1)
 
 
 def add_assignment(m: Any, d: CpData, v: CpVars) -> None:
-    """Each block in exactly one stage; stages used in order (empty ones last)."""
+    """Stages as a chain of downsets (ALGORITHMS.md, "CP-SAT on wide graphs"): ``pre[b, s]`` says
+    block ``b`` lies in the first ``s + 1`` stages, monotone in ``s``, the last prefix holding
+    every block; block ``b`` is in stage ``s`` exactly when ``pre[b, s] - pre[b, s - 1] = 1``.
+    Only implications between Booleans, which CP-SAT propagates well, where a one-hot stage per
+    block with stage-index sums on every edge propagated weakly on wide graphs. Stages are used in
+    order (empty ones last)."""
     n, S = len(d.static_bytes), d.num_stages
     for b in range(n):
+        for s in range(S - 1):
+            v.pre[b, s] = m.NewBoolVar(f"pre[{b},{s}]")
+            if s > 0:
+                m.AddImplication(v.pre[b, s - 1], v.pre[b, s])
         for s in range(S):
-            v.x[b, s] = m.NewBoolVar(f"x[{b},{s}]")
-        m.AddExactlyOne(v.x[b, s] for s in range(S))
+            v.x[b, s] = _prefix(v, b, s) - (_prefix(v, b, s - 1) if s > 0 else 0)
     for s in range(S):
         v.nonempty[s] = m.NewBoolVar(f"nonempty[{s}]")
-        m.AddMaxEquality(v.nonempty[s], [v.x[b, s] for b in range(n)])
+        for b in range(n):
+            m.Add(v.nonempty[s] >= v.x[b, s])
+        m.Add(v.nonempty[s] <= sum(v.x[b, s] for b in range(n)))
         if s > 0:
             m.Add(v.nonempty[s] <= v.nonempty[s - 1])
     if not d.problem.allow_idle_devices:
@@ -123,10 +134,10 @@ def add_assignment(m: Any, d: CpData, v: CpVars) -> None:
 
 
 def add_precedence(m: Any, d: CpData, v: CpVars) -> None:
-    """Stage index never decreases along an edge, so every stage prefix is a downset."""
-    S = d.num_stages
+    """Every stage prefix is a downset: a block in the first ``s + 1`` stages has its producers there too."""
     for e in d.problem.graph.edges:
-        m.Add(sum(s * v.x[e.src, s] for s in range(S)) <= sum(s * v.x[e.dst, s] for s in range(S)))
+        for s in range(d.num_stages - 1):
+            m.AddImplication(v.pre[e.dst, s], v.pre[e.src, s])
 
 
 def add_units(m: Any, d: CpData, v: CpVars) -> None:
@@ -181,11 +192,14 @@ def add_boundaries(m: Any, d: CpData, v: CpVars) -> None:
 
 
 def add_loads(m: Any, d: CpData, v: CpVars) -> None:
-    """Stage time on its unit: compute plus communication in and out (twice in training)."""
+    """Stage time on its unit: compute plus communication in and out (twice in training). The
+    bottleneck is at least the slowest block and the mean stage, each block on its fastest unit."""
     n, k, S = len(d.static_bytes), 2 if d.problem.training else 1, d.num_stages
     comm_max = max((_max_comm_q(d, s) for s in range(S - 1)), default=0)
     horizon = max(sum(tq) for tq in d.time_q) + 2 * k * comm_max
-    v.bottleneck = m.NewIntVar(0, horizon, "bottleneck")
+    cheapest = [min(tq[b] for tq in d.time_q) for b in range(n)]  # each block on its fastest unit
+    floor = max(max(cheapest, default=0), -(-sum(cheapest) // S))  # the slowest block; the mean stage
+    v.bottleneck = m.NewIntVar(min(floor, horizon), horizon, "bottleneck")
     for s in range(S):
         v.load[s] = m.NewIntVar(0, horizon, f"load[{s}]")
         comm = (v.comm_q[s - 1] if s > 0 else 0) + (v.comm_q[s] if s < S - 1 else 0)
@@ -231,8 +245,8 @@ def add_objective(m: Any, d: CpData, v: CpVars) -> None:
 def add_hint(m: Any, d: CpData, v: CpVars, plan: Plan) -> None:
     """Start from ``plan`` (its stage of each block and unit of each stage)."""
     stage_of = plan.stage_of_block()
-    for (b, s), var in v.x.items():
-        m.AddHint(var, int(stage_of.get(b) == s))
+    for (b, s), var in v.pre.items():
+        m.AddHint(var, int(stage_of.get(b, d.num_stages) <= s))
     unit_of_device = {dev: t for t, devs in enumerate(d.unit_devices) for dev in devs}
     for (s, t), var in v.use.items():
         m.AddHint(var, int(s < plan.num_stages and unit_of_device.get(plan.stages[s].device, -1) == t))
@@ -252,4 +266,8 @@ def build_model(cp_model: Any, d: CpData, hint: Plan | None) -> tuple[Any, CpVar
     add_objective(m, d, v)
     if hint is not None and math.isfinite(hint.objective_s):
         add_hint(m, d, v, hint)
+        free_comm = all(lat == 0 and per_byte == 0 for lat, per_byte in d.comm_q)
+        if d.problem.objective == "bottleneck" and free_comm and not hint.validate(d.problem):
+            # loads are block times rounded down, so a valid hint's bottleneck bounds the optimum's
+            m.Add(v.bottleneck <= math.ceil(hint.bottleneck_s / d.quantum_s))
     return m, v
