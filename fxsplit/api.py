@@ -22,6 +22,7 @@ from torch import nn
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec
+from fxsplit.options import CompileOptions
 from fxsplit.passes.batch_layout import check_batch_dim
 from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
@@ -231,55 +232,6 @@ def _check_writable(folder: str | Path | None) -> None:
 
 
 # -- compile -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CompileOptions:
-    """Knobs of :func:`compile` beyond its arguments.
-
-    Attributes:
-        capture_method: ``"auto"``, ``"export"`` or ``"symbolic_trace"``.
-        dynamic_batch: Export with a symbolic batch dimension so any micro-batch size runs.
-        time_limit_s: Solver time limit.
-        max_ideals: Budget of the ideal enumeration (``auto`` switches to CP-SAT past it).
-        copy_tied: Give every stage its own copy of tied tensors even on one device (tests).
-        reference: The reference device of the cost annotation (default: first device).
-        link: Links between the devices: a ``LinkSpec`` for every pair, ``"probe"`` to measure
-            every pair (:func:`fxsplit.runtime.links.pipeline_links`), or ``"auto"`` (probe when
-            the cost model times the devices, else the ``LinkSpec`` default).
-        training: Plan for training (True) or inference.
-        allow_idle_devices: Let the plan use fewer stages than devices (False: one stage each).
-        executor: ``"auto"`` (threads when a stage is on CUDA), ``"threads"`` (one worker thread
-            per device, stages overlap) or ``"sequential"``.
-        deferred_batch_norm: With several micro-batches, update BatchNorm running statistics
-            once per step with the whole batch's statistics, as the unsplit model does; and run
-            buffer updates that read no input (a step counter) once per step
-            (:mod:`fxsplit.codegen.buffers`).
-        profile_cache_dir: Folder of the profiled cost model's timing cache (default
-            ``~/.cache/fxsplit/profiles``); ``False`` times every node afresh and keeps nothing.
-        progress: ``progress(done, total)`` called after each micro-batch size the profiled
-            cost model times (the CLI draws a progress bar with it).
-        batch_dim: The batch dimension of the first input (``compile(batch_dim=...)``).
-        stages_per_device: Stages each device runs under a looped schedule
-            (``schedule="interleaved-1f1b"``, which ``"auto"`` also tries): ``v >= 2`` model
-            chunks per device in looping placement (Megatron-LM's interleaved 1F1B).
-    """
-
-    capture_method: str = "auto"
-    dynamic_batch: bool = True
-    time_limit_s: float | None = 30.0
-    max_ideals: int = 20_000
-    copy_tied: bool = False
-    reference: DeviceSpec | None = None
-    link: Any = "auto"
-    training: bool = True
-    allow_idle_devices: bool = True
-    executor: str = "auto"
-    deferred_batch_norm: bool = True
-    profile_cache_dir: str | Path | bool | None = None
-    progress: Any = None
-    batch_dim: int = 0
-    stages_per_device: int = 2
-
-
 MAX_DEVICES = 1024
 """The most devices (pipeline stages) one plan takes: a bound, so a typo such as ``devices=10**7``
 is an error rather than out-of-memory."""

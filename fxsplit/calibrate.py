@@ -27,6 +27,7 @@ from torch import nn
 from fxsplit.errors import ConfigError
 from fxsplit.ir import DeviceSpec, LinkSpec, Problem, evaluate
 from fxsplit.ir.problem import SIMULATED_SCHEDULES
+from fxsplit.options import CompileOptions
 from fxsplit.passes.capture import Captured
 from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime import Pipeline
@@ -60,7 +61,7 @@ class CompileContext:
     microbatches: int | str
     schedule: str
     solver: str
-    options: Any
+    options: CompileOptions
 
 
 @dataclass(frozen=True)
@@ -417,13 +418,11 @@ class CompiledPipeline(Pipeline):
             ConfigError: for ``steps < 1``, a negative ``min_gain``, or a pipeline not made by
                 :func:`fxsplit.compile`.
         """
-        if self.context is None:
-            raise ConfigError("calibrate needs the pipeline fxsplit.compile returns (it keeps what it planned from)")
+        base = self._context().problem
         check_calibrate_args(steps, min_gain, rounds)
-        base = self.context.problem
 
         def recalibrate(measured: list[Measurement], _step_s: float) -> tuple[float, bool, None]:
-            ctx = self.context
+            ctx = self._context()
             refit = refit_problem(base, measured, self.microbatches, self.schedule_kind)
             choice, gain = _replan(self, ctx, refit)
             if gain > min_gain:
@@ -434,12 +433,18 @@ class CompiledPipeline(Pipeline):
 
         def go_back(saved: dict[str, Any], measured: list[Measurement]) -> None:
             self.__dict__.update(saved)
-            self._adopt_costs(self.context, refit_problem(base, measured, self.microbatches, self.schedule_kind))
+            self._adopt_costs(self._context(), refit_problem(base, measured, self.microbatches, self.schedule_kind))
 
         report = calibration_loop(self, rounds, min_gain, lambda: self._measure(args, kwargs, target, loss_fn, steps),
                                   recalibrate, go_back, lambda _step_s: dict(self.__dict__))
         log.info("calibrate:\n%s", report.format_table())
         return report
+
+    def _context(self) -> CompileContext:
+        """The context this pipeline was compiled (or last rebuilt) from."""
+        if self.context is None:
+            raise ConfigError("calibrate needs the pipeline fxsplit.compile returns (it keeps what it planned from)")
+        return self.context
 
     def _measure(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, steps: int) -> Measured:
         """Per-stage mean times over ``steps`` steps (after one warm-up) and the median step."""

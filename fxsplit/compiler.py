@@ -25,6 +25,7 @@ from fxsplit.codegen.buffers import defer_buffer_updates
 from fxsplit.errors import ConfigError, InfeasibleError, NotPerSampleWarning
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
 from fxsplit.ir.problem import AUTO_SCHEDULES, LOOPED_SCHEDULES
+from fxsplit.options import CompileOptions
 from fxsplit.passes.batch_layout import primary_input
 from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
@@ -58,7 +59,7 @@ class PlanChoice:
 
 
 def front_end(
-    model: nn.Module, args: tuple, kwargs: dict, reference: DeviceSpec, cost_model: str, options: Any,
+    model: nn.Module, args: tuple, kwargs: dict, reference: DeviceSpec, cost_model: str, options: CompileOptions,
     microbatches: int | str = "auto",
     captured: Captured | None = None,
 ) -> tuple[Captured, Condensed, list[Any]]:
@@ -94,7 +95,7 @@ def front_end(
     return captured, pm.artifacts["condense_antichains"], flat
 
 
-def _capture(model: nn.Module, args: tuple, kwargs: dict, options: Any) -> Captured:
+def _capture(model: nn.Module, args: tuple, kwargs: dict, options: CompileOptions) -> Captured:
     return capture(model, args, kwargs, method=options.capture_method, dynamic_batch=options.dynamic_batch,
                    batch_dim=options.batch_dim)
 
@@ -108,15 +109,15 @@ def _load_per_core() -> float:
 
 
 def _profile_options(captured: Captured, flat: Sequence[Any], reference: DeviceSpec, microbatches: int | str,
-                     options: Any) -> dict[str, Any]:
+                     options: CompileOptions) -> dict[str, Any]:
     """Options of the profiled cost model: sizes from the micro-batch counts that may run."""
     batched = None if captured.batched_inputs is None else tuple(captured.batched_inputs)
     batch = batch_size_of([x for x, b in zip(flat, batched or [True] * len(flat), strict=True) if b] or flat)
     counts = microbatches if isinstance(microbatches, int) else default_microbatches(batch)
-    cache_dir = getattr(options, "profile_cache_dir", None)
+    cache_dir = options.profile_cache_dir
     cache = None if cache_dir is False else ProfileCache(cache_dir or default_cache_dir(), device_name(reference))
     return {"batched": batched, "profile_sizes": profile_sizes(batch, counts), "profile_cache": cache,
-            "progress": getattr(options, "progress", None)}
+            "progress": options.progress}
 
 
 def check_microbatches(microbatches: int | str, batch: int) -> None:
@@ -133,11 +134,11 @@ def per_microbatch(problem: Problem, m: int, kind: str) -> Problem:
     return problem.with_(graph=problem.graph.scaled(1.0 / m), microbatches=m, schedule=kind)
 
 
-def _solve(problem: Problem, solver: str, options: Any, m: int, kind: str) -> Plan:
+def _solve(problem: Problem, solver: str, options: CompileOptions, m: int, kind: str) -> Plan:
     return solvers.solve(per_microbatch(problem, m, kind), solver, time_limit_s=options.time_limit_s)
 
 
-def looped_problem(problem: Problem, options: Any) -> Problem | None:
+def looped_problem(problem: Problem, options: CompileOptions) -> Problem | None:
     """``problem`` with ``options.stages_per_device`` stages on each device (looped schedules),
     or None when that cannot help: one device, or fewer blocks than stages."""
     v = options.stages_per_device
@@ -152,7 +153,7 @@ def evaluate_fixed(problem: Problem, stages: Sequence[Sequence[int]], devices: S
 
 
 def plan_pipeline(
-    problem: Problem, batch: int, microbatches: int | str, schedule: str, solver: str, options: Any,
+    problem: Problem, batch: int, microbatches: int | str, schedule: str, solver: str, options: CompileOptions,
     schedules: Sequence[str] = AUTO_SCHEDULES,
 ) -> PlanChoice:
     """Solve the split and choose the schedule and micro-batch count.
@@ -207,7 +208,7 @@ def plan_pipeline(
     return PlanChoice(plan, pb.with_(microbatches=m, schedule=kind), kind, m, choice.reason, choice.format_table())
 
 
-def _first_looped(problem: Problem, solver: str, options: Any, m: int, kind: str, *, required: bool) -> Plan | None:
+def _first_looped(problem: Problem, solver: str, options: CompileOptions, m: int, kind: str, *, required: bool) -> Plan | None:
     """The looping placement at ``m`` micro-batches; None when none fits and another placement
     is tried too (``required=False``)."""
     try:
@@ -219,11 +220,11 @@ def _first_looped(problem: Problem, solver: str, options: Any, m: int, kind: str
         return None
 
 
-def _links(specs: Sequence[DeviceSpec], options: Any, cost_model: str) -> tuple[LinkSpec, tuple]:
+def _links(specs: Sequence[DeviceSpec], options: CompileOptions, cost_model: str) -> tuple[LinkSpec, tuple]:
     """The default link and per-pair links of the problem: ``options.link`` when it is a
     :class:`LinkSpec`; measured between the devices (:func:`pipeline_links`) for ``"probe"``, and
     for ``"auto"`` when the devices are here to be timed (a timed cost model); else the default."""
-    chosen = getattr(options, "link", None) or "auto"
+    chosen = options.link or "auto"
     if isinstance(chosen, LinkSpec):
         return chosen, ()
     if chosen not in ("auto", "probe"):
@@ -249,7 +250,7 @@ def compile_pipeline(
     solver: str,
     cost_model: str,
     objective: str,
-    options: Any,
+    options: CompileOptions,
 ) -> Pipeline:
     """Capture, plan, split and wrap ``model``; see :func:`fxsplit.compile`."""
     t0 = time.perf_counter()
@@ -307,7 +308,7 @@ def example_batch_size(args: tuple, kwargs: dict, batch_dim: int = 0) -> int:
     return int(primary_input(args, kwargs, batch_dim)[1].shape[batch_dim])  # type: ignore[index]
 
 
-def _batch_dim_hint(model: nn.Module, args: tuple, kwargs: dict, options: Any, mixing: Sequence[Any]) -> str:
+def _batch_dim_hint(model: nn.Module, args: tuple, kwargs: dict, options: CompileOptions, mixing: Sequence[Any]) -> str:
     """When dim 0 is not the batch (a sequence-first model): the dimensions of the first input
     that no op mixes, found by capturing with each as the batch and checking that capture as
     :func:`_not_per_sample` does. Never applied, only said: the user decides (``batch_dim=``)."""
@@ -365,7 +366,7 @@ def _defer_updates(program: Any, captured: Captured, model: nn.Module) -> BatchN
 
 
 def assemble_compiled(
-    model: nn.Module, captured: Captured, choice: PlanChoice, specs: Sequence[DeviceSpec], options: Any,
+    model: nn.Module, captured: Captured, choice: PlanChoice, specs: Sequence[DeviceSpec], options: CompileOptions,
     context: CompileContext,
 ) -> CompiledPipeline:
     """:func:`assemble` for ``choice``, as the :class:`CompiledPipeline` that keeps ``context``."""
@@ -382,7 +383,7 @@ def assemble(
     specs: Sequence[DeviceSpec],
     schedule: str,
     microbatches: int,
-    options: Any,
+    options: CompileOptions,
     cls: type[P] = Pipeline,  # type: ignore[assignment]
 ) -> P:
     """Codegen and runtime for a given plan (any valid plan, not only a solver's).
@@ -408,6 +409,6 @@ def assemble(
         program, in_spec=captured.in_spec, out_spec=captured.out_spec, state=state,
         schedule_kind=schedule, microbatches=microbatches, plan=plan,
         report={"device_names": [specs[st.device].name for st in plan.stages], "training": model.training},
-        executor=getattr(options, "executor", "auto"), bn_tracker=tracker,
+        executor=options.executor, bn_tracker=tracker,
         batched_inputs=captured.batched_inputs, batched_outputs=captured.batched_outputs, layout=captured.layout,
     )

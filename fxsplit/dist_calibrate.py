@@ -46,6 +46,7 @@ from fxsplit.codegen import split_graph
 from fxsplit.dist_build import build_pipeline, rank_stages, tied_groups
 from fxsplit.errors import ConfigError, PlanError
 from fxsplit.ir import Plan, Problem, evaluate
+from fxsplit.options import CompileOptions
 from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime.dist_state import StageState, get_tensor, materialise
 from fxsplit.runtime.distributed import DistributedPipeline, from_rank0
@@ -80,7 +81,7 @@ class DistContext:
     problem: Problem | None
     batch: int
     solver: str
-    options: Any
+    options: CompileOptions
 
 
 def exchange_state(modules: Sequence[nn.Module], old: Sequence[Sequence[str]], new: Sequence[Sequence[str]],

@@ -35,6 +35,7 @@ from torch import nn
 from fxsplit.compiler import front_end, plan_pipeline
 from fxsplit.errors import ConfigError, InternalError, PlanError
 from fxsplit.ir import CondensedGraph, DeviceSpec, LinkSpec, Plan, Problem
+from fxsplit.options import CompileOptions
 from fxsplit.passes.profile import (
     ProfileCache,
     default_cache_dir,
@@ -170,10 +171,10 @@ def _error(exc: BaseException | None) -> str:
 
 
 def _problem(graph: CondensedGraph, reference: DeviceSpec, links: tuple[tuple[int, int, LinkSpec], ...],
-             world: int, options: Any) -> Problem:
+             world: int, options: CompileOptions) -> Problem:
     """Rank 0's planning problem: ``world`` stages on copies of ``reference``, over the measured links."""
     specs = tuple(reference.with_(name=f"rank{i}") for i in range(world))
-    link = getattr(options, "link", None)
+    link = options.link
     default = link if isinstance(link, LinkSpec) else LinkSpec()
     return Problem(graph, specs, default, links=links, allow_idle_devices=False).check()
 
@@ -199,7 +200,7 @@ def _rank0_cost_model(captured: Any, flat: Sequence[Any], device: torch.device, 
 
 def _plan(front: tuple[Any, Any], inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
           links: tuple[tuple[int, int, LinkSpec], ...], reference: DeviceSpec, world: int, schedule: str,
-          microbatches: int | str, solver: str, options: Any) -> tuple[Plan, Problem]:
+          microbatches: int | str, solver: str, options: CompileOptions) -> tuple[Plan, Problem]:
     """Rank 0: the per-sample check (with several micro-batches) and the graph with the chosen
     cost model, solved, on one materialised copy of the graph; the plan records the cost model.
     Returns the plan and the problem (whole-batch costs) it was solved on."""
@@ -255,7 +256,7 @@ def plan_on_rank0(
     microbatches: int | str,
     solver: str,
     plan: Plan | None,
-    options: Any,
+    options: CompileOptions,
     cost_model: str = "auto",
 ) -> DistPlan:
     """Capture on every rank, plan on rank 0, check the plan on every rank; collective.
@@ -334,10 +335,10 @@ def plan_on_rank0(
     return DistPlan(front[0], chosen, reference, problem)
 
 
-def _links(options: Any, device: torch.device, world: int) -> tuple[tuple[int, int, LinkSpec], ...]:
+def _links(options: CompileOptions, device: torch.device, world: int) -> tuple[tuple[int, int, LinkSpec], ...]:
     """The links between neighbouring ranks: measured (collective, every rank takes part) unless
     ``options.link`` is a ``LinkSpec``, which then holds for every pair."""
-    link = getattr(options, "link", "auto")
+    link = options.link
     if isinstance(link, LinkSpec) or world == 1:
         return ()
     if link not in ("auto", "probe"):
@@ -386,7 +387,7 @@ def _materialised(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.Gr
 
 
 def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[Any], batched: tuple[bool, ...],
-                    device: torch.device, microbatches: int | str, options: Any, *,
+                    device: torch.device, microbatches: int | str, options: CompileOptions, *,
                     work: torch.fx.GraphModule | None = None) -> CondensedGraph:
     """``graph`` (the analytic blocks every rank also made) with block times profiled on
     ``device`` at the micro-batch size: the graph is materialised there with stand-in values,
@@ -398,7 +399,7 @@ def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[
     work = work if work is not None else _materialised(gm, device)
     inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
     batch = batch_size_of([x for x, b in zip(inputs, batched, strict=True) if b] or inputs)
-    cache_dir = getattr(options, "profile_cache_dir", None)
+    cache_dir = options.profile_cache_dir
     cache = None if cache_dir is False else ProfileCache(cache_dir or default_cache_dir(),
                                                          device_name(DeviceSpec("rank0", torch_device=str(device))))
     counts = microbatches if isinstance(microbatches, int) else default_microbatches(batch)

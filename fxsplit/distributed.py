@@ -98,7 +98,7 @@ def _check_args(schedule: str, microbatches: int | str, world: int, num_stages: 
             f"(stage s on rank s mod {world}), so the stage count must be a multiple of {world}, at least "
             f"{2 * world}: plan with stages_per_device >= 2, or use schedule='1f1b'"
         )
-    if schedule == "1f1b" and microbatches < world:
+    if schedule == "1f1b" and isinstance(microbatches, int) and microbatches < world:
         raise ConfigError(
             f"1f1b needs at least as many micro-batches as stages: microbatches={microbatches}, "
             f"{world} stages; use microbatches >= {world} or schedule='gpipe'"

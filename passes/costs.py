@@ -32,11 +32,11 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import os
 from collections.abc import Sequence
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 

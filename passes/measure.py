@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import dataclasses
 import gc
 import logging
 import statistics

@@ -21,7 +21,6 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging

@@ -56,3 +56,22 @@ def test_import_linter_contracts() -> None:
 
 def test_version() -> None:
     assert fxsplit.__version__
+
+
+def _tool(name: str) -> pathlib.Path:
+    path = pathlib.Path(sys.executable).with_name(name)
+    if not path.exists():
+        pytest.skip(f"{name} is not installed (pip install -e .[dev])")
+    return path
+
+
+def test_mypy_is_clean_on_the_package() -> None:
+    """The package type-checks (``[tool.mypy]`` in pyproject.toml), so a wrong type fails CI."""
+    out = subprocess.run([str(_tool("mypy"))], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_ruff_is_clean() -> None:
+    out = subprocess.run([str(_tool("ruff")), "check", "fxsplit", "passes", "solvers", "tests", "bench"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

@@ -161,7 +161,7 @@ def parameters_on_meta(
             return None  # keep it as it is
         return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
-    handle = register_module_parameter_registration_hook(to_meta)
+    handle = register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]  # torch's stub says None; a Parameter replaces
     try:
         yield
     finally:

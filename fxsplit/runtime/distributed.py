@@ -260,7 +260,7 @@ class DistributedPipeline(ParameterAPI):
             elif len(stages) == 1:
                 schedule = ScheduleGPipe(stages[0], count, loss_fn=None, scale_grads=False)
             else:
-                schedule = ScheduleLoopedBFS(stages, count, loss_fn=None, scale_grads=False)
+                schedule = ScheduleLoopedBFS(list[Any](stages), count, loss_fn=None, scale_grads=False)
             self._runners[key] = schedule
         return self._runners[key]
 
@@ -620,8 +620,10 @@ class DistributedPipeline(ParameterAPI):
         shards = {shard_name(st.index): {k: v.cpu() for k, v in self._stage_state_dict(st, self.state_order).items()}
                   for st in self.stages}
         for name, sd in shards.items():
-            self._run("writing this stage's shard", lambda name=name, sd=sd: write_atomic(
-                os.path.join(folder, name), lambda f: torch.save(sd, f)))
+            def write(name: str = name, sd: dict[str, torch.Tensor] = sd) -> None:
+                write_atomic(os.path.join(folder, name), lambda f: torch.save(sd, f))
+
+            self._run("writing this stage's shard", write)
         keys: list[Any] = [None] * self.num_ranks
         # every rank joins the gather after its shards are on disk: past it, every shard is
         mine = [(name, list(sd)) for name, sd in shards.items()]

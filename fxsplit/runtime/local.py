@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit.codegen.split import StagedProgram
-from fxsplit.errors import ConfigError, ExecutionError
+from fxsplit.errors import ConfigError, ExecutionError, InternalError
 from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
 from fxsplit.runtime.microbatch import (
     LossReductions,
@@ -302,7 +302,7 @@ class Pipeline(ParameterAPI):
         if kind == "F":
             self._forward(s, i, step)
         elif kind == "W":
-            self._guarded(s, i, "weight-gradient backward", lambda: backward_weight(step.slots.pop((s, i)).pending))
+            self._guarded(s, i, "weight-gradient backward", lambda: backward_weight(self._pending(s, i, step)))
         else:
             self._backward(s, i, step, split=kind == "I")
         if self.recorder is not None:
@@ -331,6 +331,14 @@ class Pipeline(ParameterAPI):
             weight = step.weights[i]
             step.losses[i] = loss if weight == 1.0 else loss * weight  # x * 1.0 == x: skip the op
 
+    @staticmethod
+    def _pending(s: int, i: int, step: _Step) -> PendingWeights:
+        """What the input half of stage ``s``, micro-batch ``i`` left for its weight half."""
+        pending = step.slots.pop((s, i)).pending
+        if pending is None:  # the validator orders every W after its I: a bug if it is missing
+            raise InternalError(f"{s}W{i} ran before {s}I{i}: this is a bug in fxsplit's schedule validation")
+        return pending
+
     def _backward(self, s: int, i: int, step: _Step, split: bool = False) -> None:
         """A full backward (B), or with ``split`` its input half (I), whose weight half W runs later."""
         last = s == self.num_stages - 1
@@ -340,10 +348,12 @@ class Pipeline(ParameterAPI):
             weights = [p for p in self.program.stages[s].gm.parameters() if p.requires_grad]
             in_grads, slot.pending = self._guarded(
                 s, i, "input-gradient backward", lambda: backward_input(outputs, grads, _tensor_leaves(slot.inputs), weights))
+        elif last:
+            loss = step.losses[i]
+            self._guarded(s, i, "backward", lambda: loss.backward() if loss is not None and loss.requires_grad else None)
         else:
-            loss = step.losses[i] if last else None
-            self._guarded(s, i, "backward", lambda: (loss.backward() if loss is not None and loss.requires_grad else None)
-                          if last else self._backward_from(outputs, grads))
+            self._guarded(s, i, "backward", lambda: self._backward_from(outputs, grads or []))
+        if not split:
             in_grads = [t.grad if t is not None and t.requires_grad else None for t in _tensor_leaves(slot.inputs)]
         if s > 0:
             step.grads[(s - 1, i)] = in_grads

@@ -71,7 +71,7 @@ class PendingWeights:
         roots, root_grads: For the whole backward run by ``W`` (the first stage), else empty.
     """
 
-    weights: list[torch.Tensor]
+    weights: list[torch.nn.Parameter]
     param_groups: list[dict[str, Any]] | None = None
     roots: Sequence[torch.Tensor] = ()
     root_grads: Sequence[torch.Tensor] = ()
@@ -90,7 +90,7 @@ def _roots(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
     return roots, root_grads
 
 
-def _splittable(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> bool:
+def _splittable(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], weights: Sequence[torch.nn.Parameter]) -> bool:
     """Whether torch's parameter groups cover every weight the outputs' graph reaches."""
     reverse = construct_reverse_graph([fn for fn in map(_get_grad_fn_or_grad_acc, roots) if fn is not None])
     input_fns = [fn for fn in map(_get_grad_fn_or_grad_acc, inputs) if fn is not None]
@@ -105,7 +105,7 @@ def backward_input(
     outputs: Sequence[torch.Tensor | None],
     grads: Sequence[torch.Tensor | None] | None,
     inputs: Sequence[torch.Tensor | None],
-    weights: Sequence[torch.Tensor],
+    weights: Sequence[torch.nn.Parameter],
 ) -> tuple[list[torch.Tensor | None], PendingWeights]:
     """Run ``I``: the gradients of ``inputs`` from ``outputs`` (their gradients ``grads``; None
     for a loss), keeping what :func:`backward_weight` needs.

@@ -1,0 +1,64 @@
+"""Options of :func:`fxsplit.compile` beyond its arguments, importable by every layer.
+
+The compiler, calibration and the distributed path all read them; keeping the one definition
+here (and not in :mod:`fxsplit.api`) lets them be typed without importing the front door.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fxsplit.ir.devices import DeviceSpec, LinkSpec
+
+__all__ = ["CompileOptions"]
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Knobs of :func:`compile` beyond its arguments.
+
+    Attributes:
+        capture_method: ``"auto"``, ``"export"`` or ``"symbolic_trace"``.
+        dynamic_batch: Export with a symbolic batch dimension so any micro-batch size runs.
+        time_limit_s: Solver time limit.
+        max_ideals: Budget of the ideal enumeration (``auto`` switches to CP-SAT past it).
+        copy_tied: Give every stage its own copy of tied tensors even on one device (tests).
+        reference: The reference device of the cost annotation (default: first device).
+        link: Links between the devices: a ``LinkSpec`` for every pair, ``"probe"`` to measure
+            every pair (:func:`fxsplit.runtime.links.pipeline_links`), or ``"auto"`` (probe when
+            the cost model times the devices, else the ``LinkSpec`` default).
+        training: Plan for training (True) or inference.
+        allow_idle_devices: Let the plan use fewer stages than devices (False: one stage each).
+        executor: ``"auto"`` (threads when a stage is on CUDA), ``"threads"`` (one worker thread
+            per device, stages overlap) or ``"sequential"``.
+        deferred_batch_norm: With several micro-batches, update BatchNorm running statistics
+            once per step with the whole batch's statistics, as the unsplit model does; and run
+            buffer updates that read no input (a step counter) once per step
+            (:mod:`fxsplit.codegen.buffers`).
+        profile_cache_dir: Folder of the profiled cost model's timing cache (default
+            ``~/.cache/fxsplit/profiles``); ``False`` times every node afresh and keeps nothing.
+        progress: ``progress(done, total)`` called after each micro-batch size the profiled
+            cost model times (the CLI draws a progress bar with it).
+        batch_dim: The batch dimension of the first input (``compile(batch_dim=...)``).
+        stages_per_device: Stages each device runs under a looped schedule
+            (``schedule="interleaved-1f1b"``, which ``"auto"`` also tries): ``v >= 2`` model
+            chunks per device in looping placement (Megatron-LM's interleaved 1F1B).
+    """
+
+    capture_method: str = "auto"
+    dynamic_batch: bool = True
+    time_limit_s: float | None = 30.0
+    max_ideals: int = 20_000
+    copy_tied: bool = False
+    reference: DeviceSpec | None = None
+    link: LinkSpec | str = "auto"
+    training: bool = True
+    allow_idle_devices: bool = True
+    executor: str = "auto"
+    deferred_batch_norm: bool = True
+    profile_cache_dir: str | Path | bool | None = None
+    progress: Callable[[int, int], None] | None = None
+    batch_dim: int = 0
+    stages_per_device: int = 2
