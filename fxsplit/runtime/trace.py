@@ -47,7 +47,7 @@ class TraceEvent:
 
     Attributes:
         stage: Pipeline stage (the row of the trace).
-        kind: ``"F"`` (forward) or ``"B"`` (backward).
+        kind: ``"F"`` (forward), ``"B"`` (backward), or a zero-bubble backward's halves ``"I"`` / ``"W"``.
         microbatch: Micro-batch index.
         start_s: Seconds from the start of the step (the start of ``0F0``).
         duration_s: Seconds the action took, ``>= 0``.
