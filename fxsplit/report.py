@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fxsplit.ir.graph import CondensedGraph
+from fxsplit.ir.units import format_bytes, format_seconds
 
 __all__ = ["to_dot", "write_dot", "human_bytes", "human_seconds", "plan_summary"]
 
@@ -21,22 +22,10 @@ _PALETTE = (
 )
 
 
-def human_bytes(n: float) -> str:
-    """``1536 -> '1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def human_seconds(s: float) -> str:
-    """``0.0123 -> '12.30 ms'``."""
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} us"
+human_bytes = format_bytes
+"""``1536 -> '1.5 KiB'`` (:func:`fxsplit.ir.units.format_bytes`)."""
+human_seconds = format_seconds
+"""``0.0123 -> '12.30 ms'`` (:func:`fxsplit.ir.units.format_seconds`)."""
 
 
 def plan_summary(plan: Any) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 from fxsplit.errors import ConfigError
 from fxsplit.ir.graph import CondensedGraph
 from fxsplit.ir.plan import Plan
+from fxsplit.ir.units import bytes_unit
 from fxsplit.report import human_bytes, human_seconds, to_dot
 
 __all__ = ["draw_plan", "gantt", "draw_pipeline", "stage_colors"]
@@ -187,7 +188,7 @@ def _stage_bars(fig: Any, plan: Plan, colors: Sequence[Any]) -> None:
     ax_t.set_title("time per micro-batch (ms)", fontsize=9)
     ax_t.legend(fontsize=7)
     peak = max((st.memory_bytes for st in plan.stages), default=0)
-    unit, scale = next(((u, k) for u, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if peak >= k), ("B", 1))
+    unit, scale = bytes_unit(peak)
     ax_m.bar(xs, [st.memory_bytes / scale for st in plan.stages], color=colors)
     ax_m.set_title(f"memory ({unit})", fontsize=9)
     for ax in (ax_t, ax_m):

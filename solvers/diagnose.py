@@ -17,6 +17,7 @@ from fxsplit.errors import InfeasibleError, SolverError
 from fxsplit.ir.devices import DeviceSpec
 from fxsplit.ir.plan import evaluate
 from fxsplit.ir.problem import Problem
+from fxsplit.ir.units import format_bytes
 from fxsplit.solvers.dpcore import DPResult
 
 __all__ = ["fmt_bytes", "infeasible_error", "stage_count_error"]
@@ -28,11 +29,8 @@ RunExcess = Callable[[Problem, float], DPResult]
 
 
 def fmt_bytes(n: float) -> str:
-    """Human-readable bytes: ``fmt_bytes(3 * 2**30) == '3.00 GiB'``."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+    """Bytes to two decimals: ``fmt_bytes(3 * 2**30) == '3.00 GiB'`` (:func:`fxsplit.ir.units.format_bytes`)."""
+    return format_bytes(n, decimals=2)
 
 
 def stage_count_error(problem: Problem) -> InfeasibleError:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fxsplit.ir import units
+
 if TYPE_CHECKING:
     from fxsplit.schedule.simulate import Timeline
 
@@ -22,16 +24,13 @@ __all__ = ["render_gantt", "format_seconds"]
 
 
 def format_seconds(seconds: float) -> str:
-    """A duration with a readable unit.
+    """A duration to three significant digits (:func:`fxsplit.ir.units.format_seconds`).
 
     Example:
         >>> format_seconds(0.0123), format_seconds(2.5), format_seconds(4.2e-5)
         ('12.3 ms', '2.5 s', '42 us')
     """
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(seconds) >= scale or unit == "us":
-            return f"{seconds / scale:.3g} {unit}"
-    raise AssertionError("unreachable")  # pragma: no cover
+    return units.format_seconds(seconds, significant=3)
 
 
 def render_gantt(timeline: Timeline, width: int = 80) -> str:

@@ -1,0 +1,50 @@
+"""Bytes and seconds for people: the one place fxsplit formats them (torch-free).
+
+Every layer that shows a size or a duration (error messages of the solvers, the schedule's tables
+and Gantt charts, the reports, the pictures) formats it here, in binary units for bytes and
+s / ms / us for seconds.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BINARY_UNITS", "bytes_unit", "format_bytes", "format_seconds"]
+
+#: Binary byte units, largest first.
+BINARY_UNITS: tuple[tuple[str, int], ...] = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def bytes_unit(n: float) -> tuple[str, int]:
+    """The largest binary unit that ``n`` bytes fill at least once, and its size.
+
+    Example:
+        >>> bytes_unit(3 * 2**30), bytes_unit(100)
+        (('GiB', 1073741824), ('B', 1))
+    """
+    return next(((unit, size) for unit, size in BINARY_UNITS if abs(n) >= size), ("B", 1))
+
+
+def format_bytes(n: float, decimals: int = 1) -> str:
+    """``n`` bytes in the largest unit it fills (whole bytes below 1 KiB).
+
+    Example:
+        >>> format_bytes(1536), format_bytes(3 * 2**30, decimals=2), format_bytes(12)
+        ('1.5 KiB', '3.00 GiB', '12 B')
+    """
+    unit, size = bytes_unit(n)
+    return f"{n:.0f} B" if unit == "B" else f"{n / size:.{decimals}f} {unit}"
+
+
+def format_seconds(seconds: float, significant: int | None = None) -> str:
+    """A duration in s, ms or us: two decimals (one in us), or ``significant`` digits.
+
+    Example:
+        >>> format_seconds(0.0123), format_seconds(2.5), format_seconds(4.2e-5)
+        ('12.30 ms', '2.50 s', '42.0 us')
+        >>> format_seconds(0.0123, significant=3), format_seconds(4.2e-5, significant=3)
+        ('12.3 ms', '42 us')
+    """
+    for unit, scale, decimals in (("s", 1.0, 2), ("ms", 1e-3, 2), ("us", 1e-6, 1)):
+        if abs(seconds) >= scale or unit == "us":
+            value = seconds / scale
+            return f"{value:.{significant}g} {unit}" if significant else f"{value:.{decimals}f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
