@@ -188,7 +188,7 @@ def _stage_bars(fig: Any, plan: Plan, colors: Sequence[Any]) -> None:
     ax_t.set_title("time per micro-batch (ms)", fontsize=9)
     ax_t.legend(fontsize=7)
     peak = max((st.memory_bytes for st in plan.stages), default=0)
-    unit, scale = bytes_unit(peak)
+    unit, scale = bytes_unit(peak, largest="GiB")
     ax_m.bar(xs, [st.memory_bytes / scale for st in plan.stages], color=colors)
     ax_m.set_title(f"memory ({unit})", fontsize=9)
     for ax in (ax_t, ax_m):

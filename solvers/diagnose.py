@@ -30,7 +30,7 @@ RunExcess = Callable[[Problem, float], DPResult]
 
 def fmt_bytes(n: float) -> str:
     """Bytes to two decimals: ``fmt_bytes(3 * 2**30) == '3.00 GiB'`` (:func:`fxsplit.ir.units.format_bytes`)."""
-    return format_bytes(n, decimals=2)
+    return format_bytes(n, decimals=2, largest="GiB")
 
 
 def stage_count_error(problem: Problem) -> InfeasibleError:

@@ -13,24 +13,25 @@ __all__ = ["BINARY_UNITS", "bytes_unit", "format_bytes", "format_seconds"]
 BINARY_UNITS: tuple[tuple[str, int], ...] = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
-def bytes_unit(n: float) -> tuple[str, int]:
-    """The largest binary unit that ``n`` bytes fill at least once, and its size.
+def bytes_unit(n: float, largest: str = "TiB") -> tuple[str, int]:
+    """The largest binary unit up to ``largest`` that ``n`` bytes fill at least once, and its size.
 
     Example:
-        >>> bytes_unit(3 * 2**30), bytes_unit(100)
-        (('GiB', 1073741824), ('B', 1))
+        >>> bytes_unit(3 * 2**30), bytes_unit(100), bytes_unit(2**41, largest="GiB")
+        (('GiB', 1073741824), ('B', 1), ('GiB', 1073741824))
     """
-    return next(((unit, size) for unit, size in BINARY_UNITS if abs(n) >= size), ("B", 1))
+    allowed = BINARY_UNITS[[u for u, _ in BINARY_UNITS].index(largest):]
+    return next(((unit, size) for unit, size in allowed if abs(n) >= size), ("B", 1))
 
 
-def format_bytes(n: float, decimals: int = 1) -> str:
-    """``n`` bytes in the largest unit it fills (whole bytes below 1 KiB).
+def format_bytes(n: float, decimals: int = 1, largest: str = "TiB") -> str:
+    """``n`` bytes in the largest unit up to ``largest`` it fills (whole bytes below 1 KiB).
 
     Example:
         >>> format_bytes(1536), format_bytes(3 * 2**30, decimals=2), format_bytes(12)
         ('1.5 KiB', '3.00 GiB', '12 B')
     """
-    unit, size = bytes_unit(n)
+    unit, size = bytes_unit(n, largest)
     return f"{n:.0f} B" if unit == "B" else f"{n / size:.{decimals}f} {unit}"
 
 
