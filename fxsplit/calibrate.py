@@ -236,7 +236,7 @@ def fit_link_latency(problem: Problem, stages: Sequence[Sequence[int]], devices:
     runtime posts and waits on every tensor crossing a boundary, computes the loss, and
     all-reduces tied gradients. With the stage times refitted first (:func:`refit_problem`), what
     is left is charged to the links per message, which is how the planner can weigh it. The
-    predicted step is non-decreasing in the added latency; it is found by bisection, between
+    predicted step (:func:`fxsplit.schedule.plan_step_s`) is non-decreasing in the added latency; it is found by bisection, between
     taking every link's latency to 0 and adding a whole step.
 
     Returns:
@@ -247,7 +247,7 @@ def fit_link_latency(problem: Problem, stages: Sequence[Sequence[int]], devices:
 
     def predicted(extra: float) -> float:
         pb = per_microbatch(_links_shifted(problem, extra), microbatches, kind)
-        return evaluate(pb, stages, devices).makespan_s
+        return plan_step_s(evaluate(pb, stages, devices))  # simulated for looped and zero-bubble schedules
 
     lo = -max([problem.link.latency_s, *(lk.latency_s for _, _, lk in problem.links)])  # every latency 0
     hi = max(step_s, 0.0)
@@ -292,6 +292,7 @@ def calibration_loop(
     recalibrate: Callable[[list[Measurement], float], tuple[float, bool, tuple[float, float] | None]],
     go_back: Callable[[Any, list[Measurement]], tuple[float, float] | None],
     snapshot: Callable[[float], Any],
+    speeds: Sequence[float] | None = None,
 ) -> CalibrationReport:
     """The measure-refit-replan rounds of ``calibrate``, for the local and the distributed pipeline.
 
@@ -305,19 +306,24 @@ def calibration_loop(
     taken when the fastest ran and returns the latency.
 
     Plans measured minutes apart are compared at one machine speed: each pipelined step is
-    scaled by the first plan's total stage time over its own. Every split runs the same
-    operators, so its total stage time is nearly the same; what moves it between measurements
+    scaled by the first plan's total work over its own, a stage's work being its measured time
+    times its device's speed (``speeds``, by device index; equal when None). Every split runs the
+    same operators, so its total work is nearly the same; what moves it between measurements
     is the machine (in CI the first plan of a 2-rank test, stages 5.8:1, measured 1.7x slower
     after two rebuilds than before them, and the rebuilds were undone). A split is judged by its
     balance, not by the moment it ran.
     """
+    def work_s(rows: Sequence[StageTimes]) -> float:  # of the plan running now, in reference-device seconds
+        return sum((r.meas_fwd_s + r.meas_bwd_s) * (speeds[st.device] if speeds else 1.0)
+                   for r, st in zip(rows, pipe.plan.stages, strict=True))
+
     before, step_before = measure()
-    reference_total_s = _total_s(before)
+    reference_work_s = work_s(before)
 
     def judged(rows: Sequence[StageTimes]) -> float:  # under the plan running now, at the first plan's total
         step_s = pipelined_step_s(rows, pipe.microbatches, pipe.schedule_kind, pipe.plan.num_ranks)
-        total_s = _total_s(rows)
-        return step_s * reference_total_s / total_s if total_s > 0 and reference_total_s > 0 else step_s
+        work = work_s(rows)
+        return step_s * reference_work_s / work if work > 0 and reference_work_s > 0 else step_s
 
     stages_before = tuple(st.blocks for st in pipe.plan.stages)
     rows, step, gains, measured = before, step_before, [], []
@@ -345,11 +351,6 @@ def calibration_loop(
         predicted_gains=tuple(gains), stages_before=stages_before,
         stages_after=tuple(st.blocks for st in pipe.plan.stages), link_latency_s=latency,
     )
-
-
-def _total_s(rows: Sequence[StageTimes]) -> float:
-    """Forward + backward seconds of all stages per micro-batch."""
-    return sum(r.meas_fwd_s + r.meas_bwd_s for r in rows)
 
 
 def check_calibrate_args(steps: int, min_gain: float, rounds: int) -> None:
@@ -436,7 +437,8 @@ class CompiledPipeline(Pipeline):
             self._adopt_costs(self._context(), refit_problem(base, measured, self.microbatches, self.schedule_kind))
 
         report = calibration_loop(self, rounds, min_gain, lambda: self._measure(args, kwargs, target, loss_fn, steps),
-                                  recalibrate, go_back, lambda _step_s: dict(self.__dict__))
+                                  recalibrate, go_back, lambda _step_s: dict(self.__dict__),
+                                  speeds=[d.speed for d in self._context().problem.devices])
         log.info("calibrate:\n%s", report.format_table())
         return report
 

@@ -206,8 +206,9 @@ class CompiledDistributedPipeline(DistributedPipeline):
             self._rebuild(Plan.from_dict(back["plan"]))
             return back["probed_latency_s"], back["fitted_latency_s"]
 
+        speeds = self._from_rank0("read the devices' speeds", self._speeds)["speeds"]
         report = calibration_loop(self, rounds, min_gain, lambda: self._measure(args, kwargs, target, loss_fn, steps),
-                                  recalibrate, go_back, lambda step_s: (self.plan, step_s))
+                                  recalibrate, go_back, lambda step_s: (self.plan, step_s), speeds=speeds)
         if dist.get_rank() == 0:
             log.info("calibrate:\n%s", report.format_table())
         return report
@@ -240,6 +241,12 @@ class CompiledDistributedPipeline(DistributedPipeline):
         self.zero_grad(set_to_none=True)
         walls = from_rank0(lambda: walls)
         return stage_rows(self.plan, per_step), (self.predicted_step_s(), statistics.median(walls))
+
+    def _speeds(self) -> dict[str, Any]:
+        """Rank 0: each device's speed (reference device 1), for comparing measured plans."""
+        if self.context is None or self.context.problem is None:
+            return {"error": "rank 0 kept no planning problem (its capture or planning failed at compile time)"}
+        return {"speeds": [d.speed for d in self.context.problem.devices]}
 
     def _from_rank0(self, what: str, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Rank 0's answer, on every rank; a PlanError on every rank when it could not ``what``."""

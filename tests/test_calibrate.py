@@ -292,3 +292,35 @@ def test_calibrate_a_zero_bubble_pipeline_fits_its_weight_halves(one_thread: Non
     assert stage.bwd_weight_s / stage.bwd_s == pytest.approx(measured, rel=1e-6), text
     pred, meas = report.step_after_s
     assert 0.5 < meas / pred < 2.0, text
+
+
+@pytest.mark.parametrize("speeds", [(1.0, 4.0), None])
+def test_plans_on_devices_of_different_speeds_are_compared_by_their_work(speeds) -> None:
+    """Regression (review): plans are compared at one machine speed by their total work, a
+    stage's measured time times its device's speed. Moving work from a slow device (speed 1)
+    to a fast one (speed 4) shortens the pipelined step (0.9 -> 0.8 s at m=2) and lowers the
+    plain sum of stage times (0.6 -> 0.45 s), which without the speeds read as a machine that
+    slowed down: calibrate went back to the slower plan."""
+    from types import SimpleNamespace
+
+    from fxsplit.calibrate import calibration_loop
+
+    graph = CondensedGraph.chain([0.1, 0.2, 1.2])
+    problem = Problem(graph, (DeviceSpec("slow", speed=1.0), DeviceSpec("fast", speed=4.0)), microbatches=2)
+    first, better = evaluate(problem, [[0, 1], [2]], [0, 1]), evaluate(problem, [[0], [1, 2]], [0, 1])
+    pipe = SimpleNamespace(microbatches=2, schedule_kind="1f1b", plan=first)
+
+    def measure():  # each stage takes its blocks' work on its device, nothing else
+        rows = [StageTimes(s, st.fwd_s, 0.0, st.fwd_s, 0.0) for s, st in enumerate(pipe.plan.stages)]
+        return rows, (0.0, 0.0)
+
+    def recalibrate(measured, step_s):
+        pipe.plan = better
+        return 0.5, True, None
+
+    def go_back(saved, measured):
+        pipe.plan = saved
+
+    report = calibration_loop(pipe, 1, 0.05, measure, recalibrate, go_back, lambda _s: pipe.plan, speeds=speeds)
+    kept = report.stages_after == ((0,), (1, 2))
+    assert kept == (speeds is not None), report.format_table()

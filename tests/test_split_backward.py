@@ -62,3 +62,47 @@ def test_a_first_stage_runs_its_whole_backward_in_the_weight_half():
     expected = torch.zeros(4, 3)
     expected[ids] = 2 * emb.detach()[ids]
     torch.testing.assert_close(emb.grad, expected)
+
+
+def test_a_weight_that_reaches_an_output_past_the_inputs_keeps_that_part_of_its_gradient():
+    """Regression (review): ``W`` meets the input path (``x @ W``) and also reaches an output on
+    its own (``W * 2``); torch's groups cover ``W`` through the first use only, so a split lost
+    the second part of its gradient. Such a stage now runs its whole backward in I."""
+    def stage():
+        torch.manual_seed(3)
+        x = torch.randn(2, 3, requires_grad=True)
+        w = torch.randn(3, 3, requires_grad=True)
+        return x, [w], [x @ w, w * 2], [torch.randn(2, 3), torch.randn(3, 3)]
+
+    ref_x, ref_w = _reference(stage)
+    x, weights, outputs, grads = stage()
+    in_grads, pending = backward_input(outputs, grads, [x], weights)
+    backward_weight(pending)
+    torch.testing.assert_close(in_grads[0], ref_x)
+    torch.testing.assert_close(weights[0].grad, ref_w[0])
+
+
+def test_a_weight_used_at_two_depths_splits_without_freeing_what_the_other_group_needs():
+    """Regression (review): a weight-made tensor added to the activations and multiplied into a
+    later layer's output (a shared position table) puts graph nodes on two groups' paths; W
+    freed them after the first group and the second raised "backward through the graph a
+    second time"."""
+    def stage():
+        torch.manual_seed(4)
+        x = torch.randn(3, 4, requires_grad=True)
+        pe = torch.randn(4, requires_grad=True)
+        lin = torch.nn.Linear(4, 4)
+        p = pe.tanh() * 2
+        out = lin(torch.relu(x) + p) * p
+        return x, [pe, *lin.parameters()], [out.pow(2).mean()], None
+
+    torch.manual_seed(0)
+    x, weights, outputs, _ = stage()
+    outputs[0].backward()
+    ref_x, ref_w = x.grad, [w.grad for w in weights]
+    x, weights, outputs, _ = stage()
+    in_grads, pending = backward_input(outputs, None, [x], weights)
+    backward_weight(pending)
+    torch.testing.assert_close(in_grads[0], ref_x)
+    for w, r in zip(weights, ref_w, strict=True):
+        torch.testing.assert_close(w.grad, r)

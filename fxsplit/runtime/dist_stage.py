@@ -37,11 +37,12 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from fxsplit.errors import PlanError
-from fxsplit.runtime.split_backward import detachable
+from fxsplit.runtime.split_backward import backward_input, backward_weight, detachable
 
-__all__ = ["Layout", "SCALAR_DTYPES", "StageModule", "layout_of", "boundary_layouts", "encode", "decode"]
+__all__ = ["Layout", "SCALAR_DTYPES", "StageModule", "SplitBackwardStage", "layout_of", "boundary_layouts", "encode", "decode"]
 
 log = logging.getLogger(__name__)
 
@@ -206,3 +207,27 @@ class StageModule(nn.Module):
         # torch's input-gradient half (zero-bubble) detaches the sent tensors in place: aliases, so
         # a tensor the weight half still reads stays intact
         return tuple(detachable(encode(out, self.out_layouts, device)))
+
+
+class SplitBackwardStage(PipelineStage):
+    """torch's ``PipelineStage`` whose zero-bubble halves are fxsplit's
+    (:func:`~fxsplit.runtime.split_backward.backward_input` / ``backward_weight``): torch's own
+    split loses the part of a weight's gradient that reaches an output without meeting the
+    stage's inputs, and frees graph nodes two parameter groups share; fxsplit's runs such a
+    stage's whole backward in its input half and keeps shared nodes. The whole backward, and
+    the first stage (whose input half torch skips), are torch's."""
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
+                                   last_backward: bool = False) -> tuple[tuple[torch.Tensor | None, ...], Any]:
+        if backward_type == "input":
+            out = bwd_kwargs["stage_output"]
+            outputs = list(out) if isinstance(out, list | tuple) else [out]
+            grads = bwd_kwargs["output_grads"]
+            weights = [p for p in self.submod.parameters() if p.requires_grad]
+            in_grads, pending = backward_input(outputs, None if grads is None else list(grads),
+                                               list(bwd_kwargs["input_values"]), weights)
+            return tuple(in_grads), pending
+        if backward_type == "weight":
+            backward_weight(bwd_kwargs["param_groups"])
+            return (), None
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)

@@ -51,7 +51,7 @@ from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_sp
 from fxsplit.runtime.dist_faults import Progress, Watchdog
 from fxsplit.runtime.dist_schedule import lowered_schedule
 from fxsplit.runtime.dist_shapes import WireShapes
-from fxsplit.runtime.dist_stage import StageModule
+from fxsplit.runtime.dist_stage import SplitBackwardStage, StageModule
 from fxsplit.runtime.dist_state import StageState
 from fxsplit.runtime.microbatch import (
     LossReductions,
@@ -249,8 +249,8 @@ class DistributedPipeline(ParameterAPI):
             stages = []
             for st in self.stages:
                 ins, outs = st.shapes.example_args(size, train) if st.shapes is not None else (None, None)
-                stage = PipelineStage(st.module, st.index, self.num_stages, self.device, input_args=ins,
-                                      output_args=outs)
+                stage = SplitBackwardStage(st.module, st.index, self.num_stages, self.device, input_args=ins,
+                                           output_args=outs)
                 self._instrument(stage, st.index)
                 stages.append(stage)
             schedule: Any

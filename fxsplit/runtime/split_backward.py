@@ -31,6 +31,7 @@ from torch.distributed.pipelining._backward import (
     _get_grad_fn_or_grad_acc,
     construct_reverse_graph,
     get_param_groups,
+    reverse_closure,
     stage_backward_input,
     stage_backward_weight,
 )
@@ -91,14 +92,22 @@ def _roots(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
 
 
 def _splittable(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], weights: Sequence[torch.nn.Parameter]) -> bool:
-    """Whether torch's parameter groups cover every weight the outputs' graph reaches."""
-    reverse = construct_reverse_graph([fn for fn in map(_get_grad_fn_or_grad_acc, roots) if fn is not None])
+    """Whether torch's split gives every weight its whole gradient: each weight the outputs'
+    graph reaches meets the inputs' path (torch's parameter groups cover it), and no path from a
+    weight reaches an output without meeting the inputs' path first (I skips such a path and W
+    starts from the meeting points only, so that part of the gradient would be lost)."""
+    root_fns = [fn for fn in map(_get_grad_fn_or_grad_acc, roots) if fn is not None]
+    reverse = construct_reverse_graph(root_fns)
     input_fns = [fn for fn in map(_get_grad_fn_or_grad_acc, inputs) if fn is not None]
     reached = [fn for fn in map(_get_grad_fn_or_grad_acc, weights) if fn is not None and fn in reverse]
     covered: set[Any] = set()
     for group in get_param_groups(input_fns, reached, reverse):
         covered |= group["params"]
-    return covered >= set(reached)
+    if not covered >= set(reached):
+        return False
+    inputs_closure, _ = reverse_closure(input_fns, set(), reverse)
+    outputs = set(root_fns) - inputs_closure
+    return not any(reverse_closure([w], inputs_closure, reverse)[0] & outputs for w in reached)
 
 
 def backward_input(
@@ -140,5 +149,5 @@ def backward_weight(pending: PendingWeights) -> None:
     """Run ``W``: accumulate the weight gradients into ``.grad`` (what :func:`backward_input` left)."""
     if pending.roots:
         torch.autograd.backward(list(pending.roots), list(pending.root_grads))
-    elif pending.param_groups:
-        stage_backward_weight(iter(pending.weights), pending.param_groups)
+    elif pending.param_groups:  # a graph node two groups pass through is run by both: keep it
+        stage_backward_weight(iter(pending.weights), pending.param_groups, retain_graph=True)
