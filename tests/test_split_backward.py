@@ -13,6 +13,18 @@ def _reference(make):
     return x.grad, [w.grad for w in weights]
 
 
+def _assert_halves_equal_the_whole(make) -> None:
+    """``make()`` -> (input, weights, outputs, output gradients or None): I then W give the
+    input's and every weight's gradient of the whole backward."""
+    ref_x, ref_w = _reference(make)
+    x, weights, outputs, grads = make()
+    in_grads, pending = backward_input(outputs, grads, [x], weights)
+    backward_weight(pending)
+    torch.testing.assert_close(in_grads[0], ref_x)
+    for w, r in zip(weights, ref_w, strict=True):
+        torch.testing.assert_close(w.grad, r)
+
+
 def _stage():
     torch.manual_seed(0)
     x = torch.randn(4, 3, requires_grad=True)
@@ -42,13 +54,7 @@ def test_a_weight_whose_path_meets_no_input_is_not_lost():
         w1, w2 = torch.randn(3, 5, requires_grad=True), torch.randn(5, requires_grad=True)
         return x, [w1, w2], [x @ w1, w2 * 2], [torch.randn(4, 5), torch.randn(5)]
 
-    ref_x, ref_w = _reference(stage)
-    x, weights, outputs, grads = stage()
-    in_grads, pending = backward_input(outputs, grads, [x], weights)
-    backward_weight(pending)
-    torch.testing.assert_close(in_grads[0], ref_x)
-    for w, r in zip(weights, ref_w, strict=True):
-        torch.testing.assert_close(w.grad, r)
+    _assert_halves_equal_the_whole(stage)
 
 
 def test_a_first_stage_runs_its_whole_backward_in_the_weight_half():
@@ -74,12 +80,7 @@ def test_a_weight_that_reaches_an_output_past_the_inputs_keeps_that_part_of_its_
         w = torch.randn(3, 3, requires_grad=True)
         return x, [w], [x @ w, w * 2], [torch.randn(2, 3), torch.randn(3, 3)]
 
-    ref_x, ref_w = _reference(stage)
-    x, weights, outputs, grads = stage()
-    in_grads, pending = backward_input(outputs, grads, [x], weights)
-    backward_weight(pending)
-    torch.testing.assert_close(in_grads[0], ref_x)
-    torch.testing.assert_close(weights[0].grad, ref_w[0])
+    _assert_halves_equal_the_whole(stage)
 
 
 def test_a_weight_used_at_two_depths_splits_without_freeing_what_the_other_group_needs():
@@ -96,13 +97,4 @@ def test_a_weight_used_at_two_depths_splits_without_freeing_what_the_other_group
         out = lin(torch.relu(x) + p) * p
         return x, [pe, *lin.parameters()], [out.pow(2).mean()], None
 
-    torch.manual_seed(0)
-    x, weights, outputs, _ = stage()
-    outputs[0].backward()
-    ref_x, ref_w = x.grad, [w.grad for w in weights]
-    x, weights, outputs, _ = stage()
-    in_grads, pending = backward_input(outputs, None, [x], weights)
-    backward_weight(pending)
-    torch.testing.assert_close(in_grads[0], ref_x)
-    for w, r in zip(weights, ref_w, strict=True):
-        torch.testing.assert_close(w.grad, r)
+    _assert_halves_equal_the_whole(stage)
