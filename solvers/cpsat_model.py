@@ -79,7 +79,7 @@ class CpData:
         worst_flight = problem.in_flight(0, k)
         whole = sum(static) + (sum(act) + 2 * sum(sz for es in producers.values() for _, sz in es)) * worst_flight
         check = whole > min(d.memory_bytes for d in problem.devices)
-        per_q = check and problem.training and problem.schedule == "1f1b" and problem.microbatches > 1
+        per_q = check and problem.in_flight_depends_on_stage_count
         counts = ([k] if not problem.allow_idle_devices else list(range(1, S + 1))) if per_q else [0]
         flights = {p: tuple(problem.in_flight(s, p if p else k) for s in range(S)) for p in counts}
         return cls(problem, q, S, units, allowed, time_q, static, act, dict(producers), tuple(comm),

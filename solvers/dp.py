@@ -58,7 +58,7 @@ def _memory_can_bind(problem: Problem, tb: DownsetTables) -> bool:
 def _layout(problem: Problem, tb: DownsetTables) -> Layout:
     """The DP state space; one chain of slots per stage count when 1F1B in-flight counts matter."""
     bind = _memory_can_bind(problem, tb)
-    per_p = bind and problem.training and problem.schedule == "1f1b" and problem.microbatches > 1
+    per_p = bind and problem.in_flight_depends_on_stage_count
     return build_layout(problem, len(problem.graph), bind, per_p)
 
 

@@ -81,7 +81,7 @@ def estimate_dp(problem: Problem, max_downsets: int | None = DEFAULT_MAX_DOWNSET
         pairs += per_size[size] * smaller
         smaller += per_size[size]
     bind = _memory_may_bind(problem)
-    per_p = bind and problem.training and problem.schedule == "1f1b" and problem.microbatches > 1
+    per_p = bind and problem.in_flight_depends_on_stage_count
     try:
         lay = build_layout(problem, len(problem.graph), bind, per_p)
     except SolverError:

@@ -108,7 +108,7 @@ def problems(
         devices=devices,
         link=link,
         microbatches=draw(st.integers(1, 4)),
-        schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
+        schedule=draw(st.sampled_from(["gpipe", "1f1b", "zero-bubble"])),
         objective=objective or draw(st.sampled_from(["bottleneck", "makespan"])),
         training=draw(st.booleans()),
         device_order=device_order or draw(st.sampled_from(["fixed", "free"])),

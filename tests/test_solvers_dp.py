@@ -196,3 +196,18 @@ def test_infeasible_message_says_why_no_device_count_helps() -> None:
     with pytest.raises(InfeasibleError, match="a block needs 3.91 KiB on its own") as info:
         solve(pb, "dp")
     assert "gave up" not in str(info.value) and info.value.min_devices is None  # type: ignore[attr-defined]
+
+
+def test_zero_bubble_in_flight_counts_follow_the_stages_the_plan_uses() -> None:
+    """Zero-bubble holds min(m, stages) micro-batches on every stage (its weight halves wait), so,
+    as for 1F1B, the solvers cost each stage count: two stages on four devices hold 2, not 4
+    (review: they charged min(m, devices) and called this problem infeasible)."""
+    from fxsplit.solvers import solve
+
+    graph = CondensedGraph.chain([1.0, 1.0])
+    graph = replace(graph, blocks=tuple(replace(b, activation_bytes=1000) for b in graph.blocks))
+    devices = tuple(DeviceSpec(f"d{i}", memory_bytes=2500) for i in range(4))
+    pb = Problem(graph, devices, microbatches=4, schedule="zero-bubble", allow_idle_devices=True)
+    plans = [solve(pb, name) for name in ("dp", "cpsat")]
+    assert [p.num_stages for p in plans] == [2, 2]
+    assert all(max(st.memory_bytes for st in p.stages) <= 2500 for p in plans)

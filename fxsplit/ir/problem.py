@@ -109,6 +109,12 @@ class Problem:
             return min(self.microbatches, num_stages)
         return min(self.microbatches, num_stages - stage)
 
+    @property
+    def in_flight_depends_on_stage_count(self) -> bool:
+        """Whether :meth:`in_flight` depends on how many stages the plan uses (1F1B and
+        zero-bubble with several micro-batches in training), so the solvers cost each count."""
+        return self.training and self.schedule in ("1f1b", "zero-bubble") and self.microbatches > 1
+
     def state_bytes_per_param_byte(self) -> float:
         """Bytes of params + grads + optimizer state per parameter byte."""
         if not self.training:
