@@ -33,8 +33,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "interleaved-ze
 LOOPED_SCHEDULES = ("interleaved-1f1b", "interleaved-zero-bubble")
 #: What ``schedule="auto"`` chooses from. The zero-bubble kinds run when asked for: on this
 #: machine's CPU a backward split into its input and weight halves (torch's own split) measured
-#: 27-54 % slower than the whole backward (bench/README.md), which the cost model does not see
-#: yet, so it would pick them where they lose.
+#: 29-46 % slower than the whole backward on the second stage of U-Net and GPT
+#: (bench/README.md), which the cost model does not see yet, so it would pick them where they lose.
 AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 #: Schedules whose step has no closed form in the stage times: :func:`fxsplit.schedule.plan_step_s`
 #: simulates them (the looped ones, and zero-bubble's split backward).
