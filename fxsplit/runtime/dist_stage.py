@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from fxsplit.errors import PlanError
-from fxsplit.runtime.split_backward import backward_input, backward_weight, detachable
+from fxsplit.runtime.split_backward import backward_input, backward_weight
 
 __all__ = ["Layout", "SCALAR_DTYPES", "StageModule", "SplitBackwardStage", "layout_of", "boundary_layouts", "encode", "decode"]
 
@@ -204,9 +204,7 @@ class StageModule(nn.Module):
         if self.last:
             return out
         device = next((t.device for t in wire if isinstance(t, torch.Tensor)), torch.device("cpu"))
-        # torch's input-gradient half (zero-bubble) detaches the sent tensors in place: aliases, so
-        # a tensor the weight half still reads stays intact
-        return tuple(detachable(encode(out, self.out_layouts, device)))
+        return encode(out, self.out_layouts, device)
 
 
 class SplitBackwardStage(PipelineStage):
