@@ -76,13 +76,19 @@ def test_interleaved_matches_torchs_order(p: int, v: int, m: int) -> None:
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
     ours = make("interleaved-1f1b", p * v, m, num_ranks=p)
-    theirs = object.__new__(ScheduleInterleaved1F1B)  # the order alone: no process group, no stages
+    for rank, order in enumerate(_torch_order(ScheduleInterleaved1F1B, p, v, m)):
+        assert order == [str(a) for a in torch_actions(ours)[rank]]
+
+
+def _torch_order(schedule_class: type, p: int, v: int, m: int) -> list[list[str]]:
+    """Each rank's actions in torch's looped ``schedule_class`` for ``v`` stages per rank on ``p``
+    ranks and ``m`` micro-batches, its ``None`` padding dropped: the order alone, computed without
+    a process group or stages."""
+    theirs = object.__new__(schedule_class)
     rounds = max(1, m // p)
     theirs.pp_group_size, theirs.n_local_stages, theirs._n_microbatches = p, v, m
     theirs.number_of_rounds, theirs.microbatches_per_round = rounds, m // rounds
-    for rank in range(p):
-        order = [str(a) for a in theirs._calculate_single_rank_operations(rank) if a is not None]
-        assert order == [str(a) for a in torch_actions(ours)[rank]]
+    return [[str(a) for a in theirs._calculate_single_rank_operations(rank) if a is not None] for rank in range(p)]
 
 
 @pytest.mark.parametrize(("p", "v", "m"), [(2, 1, 3), (4, 1, 8), (3, 1, 2), (2, 2, 4), (4, 2, 8), (3, 2, 9)])
@@ -92,10 +98,5 @@ def test_zero_bubble_matches_torchs_order(p: int, v: int, m: int) -> None:
     from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
 
     ours = make("zero-bubble" if v == 1 else "interleaved-zero-bubble", p * v, m, num_ranks=p)
-    theirs = object.__new__(ScheduleInterleavedZeroBubble)  # the order alone: no process group, no stages
-    rounds = max(1, m // p)
-    theirs.pp_group_size, theirs.n_local_stages, theirs._n_microbatches = p, v, m
-    theirs.number_of_rounds, theirs.microbatches_per_round = rounds, m // rounds
-    for rank in range(p):
-        order = [str(a) for a in theirs._calculate_single_rank_operations(rank) if a is not None]
+    for rank, order in enumerate(_torch_order(ScheduleInterleavedZeroBubble, p, v, m)):
         assert order == [str(a) for a in torch_actions(ours)[rank]]

@@ -223,22 +223,37 @@ def interleaved_1f1b(num_ranks: int, stages_per_rank: int, num_microbatches: int
     ranks = []
     for r in range(p):
         warmup = min((v - 1) * per_round + 2 * (p - 1 - r), v * m)
-        next_mb: dict[tuple[str, int], int] = {}
-
-        def act(kind: str, local: int, r: int = r, next_mb: dict[tuple[str, int], int] = next_mb) -> Action:
-            stage = local * p + r
-            i = next_mb.get((kind, stage), 0)
-            next_mb[(kind, stage)] = i + 1
-            return Action(stage, kind, i)
-
-        acts = [act(F, (k // per_round) % v) for k in range(warmup)]
+        act, fwd_chunk, bwd_chunk = _looped_rank(p, v, per_round, r, warmup)
+        acts = [act(F, fwd_chunk(k)) for k in range(warmup)]
         for k in range(warmup, v * m):
-            acts.append(act(F, (k // per_round) % v))
-            acts.append(act(B, v - 1 - ((k - warmup) // per_round) % v))
-        for k in range(v * m, v * m + warmup):
-            acts.append(act(B, v - 1 - ((k - warmup) // per_round) % v))
+            acts.append(act(F, fwd_chunk(k)))
+            acts.append(act(B, bwd_chunk(k)))
+        acts += [act(B, bwd_chunk(k)) for k in range(v * m, v * m + warmup)]
         ranks.append(tuple(acts))
-    return Schedule(tuple(ranks), p * v, m, stage_to_rank=tuple(s % p for s in range(p * v)), name="interleaved-1f1b")
+    return _looped_schedule(ranks, p, v, m, "interleaved-1f1b")
+
+
+def _looped_rank(p: int, v: int, per_round: int, r: int, warmup: int
+                 ) -> tuple[Callable[[str, int], Action], Callable[[int], int], Callable[[int], int]]:
+    """Rank ``r``'s action maker and chunk order in torch's looped schedules: ``act(kind, chunk)``
+    is its next ``kind`` action on its ``chunk``-th stage (``chunk * p + r``, micro-batches counted
+    per kind and stage); the ``k``-th forward runs on chunk ``fwd_chunk(k)`` (``per_round``
+    micro-batches per chunk in turn) and the ``k``-th step's backward on ``bwd_chunk(k)`` (the
+    chunks in reverse, counted from the end of the ``warmup``)."""
+    next_mb: dict[tuple[str, int], int] = {}
+
+    def act(kind: str, chunk: int) -> Action:
+        stage = chunk * p + r
+        i = next_mb.get((kind, stage), 0)
+        next_mb[(kind, stage)] = i + 1
+        return Action(stage, kind, i)
+
+    return act, lambda k: (k // per_round) % v, lambda k: v - 1 - ((k - warmup) // per_round) % v
+
+
+def _looped_schedule(ranks: list[tuple[Action, ...]], p: int, v: int, m: int, name: str) -> Schedule:
+    """The schedule of ``ranks``' lists with stage ``s`` on rank ``s mod p``."""
+    return Schedule(tuple(ranks), p * v, m, stage_to_rank=tuple(s % p for s in range(p * v)), name=name)
 
 
 MULTI_STAGE["interleaved-1f1b"] = interleaved_1f1b
@@ -282,29 +297,19 @@ def zero_bubble(num_ranks: int, stages_per_rank: int, num_microbatches: int) -> 
     ranks = []
     for r in range(p):
         warmup = min((v - 1) * per_round + (p - 1 - r), v * m)
-        next_mb: dict[tuple[str, int], int] = {}
-
-        def act(kind: str, local: int, r: int = r, next_mb: dict[tuple[str, int], int] = next_mb) -> Action:
-            stage = local * p + r
-            i = next_mb.get((kind, stage), 0)
-            next_mb[(kind, stage)] = i + 1
-            return Action(stage, kind, i)
-
-        def bwd_local(k: int, warmup: int = warmup) -> int:
-            return v - 1 - ((k - warmup) // per_round) % v
-
-        acts = [act(F, (k // per_round) % v) for k in range(warmup)]
+        act, fwd_chunk, bwd_chunk = _looped_rank(p, v, per_round, r, warmup)
+        acts = [act(F, fwd_chunk(k)) for k in range(warmup)]
         backward_ks: list[int] = []
         for k in range(warmup, v * m + warmup):
             if k < v * m:
-                acts.append(act(F, (k // per_round) % v))
-            acts.append(act(I, bwd_local(k)))
+                acts.append(act(F, fwd_chunk(k)))
+            acts.append(act(I, bwd_chunk(k)))
             backward_ks.append(k)
             if k - warmup >= r:
-                acts.append(act(W, bwd_local(backward_ks[len(backward_ks) - 1 - r])))
-        acts += [act(W, bwd_local(k)) for k in backward_ks[len(backward_ks) - min(r, len(backward_ks)):]]
+                acts.append(act(W, bwd_chunk(backward_ks[len(backward_ks) - 1 - r])))
+        acts += [act(W, bwd_chunk(k)) for k in backward_ks[len(backward_ks) - min(r, len(backward_ks)):]]
         ranks.append(tuple(acts))
-    return Schedule(tuple(ranks), p * v, m, stage_to_rank=tuple(s % p for s in range(p * v)), name="zero-bubble")
+    return _looped_schedule(ranks, p, v, m, "zero-bubble")
 
 
 def interleaved_zero_bubble(num_ranks: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
