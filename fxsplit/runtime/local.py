@@ -348,12 +348,10 @@ class Pipeline(ParameterAPI):
             weights = [p for p in self.program.stages[s].gm.parameters() if p.requires_grad]
             in_grads, slot.pending = self._guarded(
                 s, i, "input-gradient backward", lambda: backward_input(outputs, grads, _tensor_leaves(slot.inputs), weights))
-        elif last:
-            loss = step.losses[i]
-            self._guarded(s, i, "backward", lambda: loss.backward() if loss is not None and loss.requires_grad else None)
         else:
-            self._guarded(s, i, "backward", lambda: self._backward_from(outputs, grads or []))
-        if not split:
+            loss = step.losses[i]
+            self._guarded(s, i, "backward", lambda: self._backward_from(outputs, grads) if grads is not None
+                          else loss.backward() if loss is not None and loss.requires_grad else None)
             in_grads = [t.grad if t is not None and t.requires_grad else None for t in _tensor_leaves(slot.inputs)]
         if s > 0:
             step.grads[(s - 1, i)] = in_grads
