@@ -133,16 +133,25 @@ class CalibrationReport:
 
 @dataclass(frozen=True)
 class Measurement:
-    """One measured plan: the blocks and device of every stage, and what each stage took."""
+    """One measured plan: the blocks and device of every stage, what each stage took, and which
+    stages recomputed their activations (their measured backward holds a second forward)."""
 
     stages: tuple[tuple[int, ...], ...]
     devices: tuple[int, ...]
     times: tuple[StageTimes, ...]
+    recompute: tuple[bool, ...] = ()
 
     @classmethod
     def of(cls, plan: Any, times: Sequence[StageTimes]) -> Measurement:
         """The measurement of ``plan`` (a :class:`~fxsplit.ir.Plan`) whose stages took ``times``."""
-        return cls(tuple(tuple(st.blocks) for st in plan.stages), tuple(st.device for st in plan.stages), tuple(times))
+        return cls(tuple(tuple(st.blocks) for st in plan.stages), tuple(st.device for st in plan.stages), tuple(times),
+                   tuple(st.recompute for st in plan.stages))
+
+    def backward_s(self, s: int) -> float:
+        """Stage ``s``'s measured backward without the forward a recomputing stage runs again."""
+        t = self.times[s]
+        again = self.recompute[s] if self.recompute else False
+        return max(0.0, t.meas_bwd_s - t.meas_fwd_s) if again else t.meas_bwd_s
 
 
 def stage_rows(plan: Any, per_step: Sequence[Sequence[dict[str, float]]]) -> list[StageTimes]:
@@ -192,12 +201,12 @@ def refit_problem(problem: Problem, measurements: Sequence[Measurement], microba
     for attr in ("fwd_s", "bwd_s"):
         rows, rhs = [], []
         for meas in measurements:
-            for st, dev, t in zip(meas.stages, meas.devices, meas.times, strict=True):
+            for s, (st, dev, t) in enumerate(zip(meas.stages, meas.devices, meas.times, strict=True)):
                 row = np.zeros(len(groups))
                 for b in st:
                     row[group_of[b]] += getattr(graph.blocks[b], attr) / problem.devices[dev].speed
                 rows.append(row)
-                rhs.append(getattr(t, "meas_" + attr) - row.sum())
+                rhs.append((t.meas_fwd_s if attr == "fwd_s" else meas.backward_s(s)) - row.sum())
         a = np.array(rows)
         y = np.linalg.lstsq(a, np.array(rhs), rcond=None)[0] if a.any() else np.zeros(len(groups))
         x = np.maximum(1.0 + y, 1e-3)
@@ -212,9 +221,9 @@ def _measured_weight_shares(meas: Measurement, num_blocks: int) -> list[float | 
     first stage, whose ``W`` runs its whole backward since it has no input gradient to compute."""
     shares: list[float | None] = [None] * num_blocks
     for s, (blocks, t) in enumerate(zip(meas.stages, meas.times, strict=True)):
-        if s > 0 and t.meas_bwd_weight_s > 0 and t.meas_bwd_s > 0:
+        if s > 0 and t.meas_bwd_weight_s > 0 and meas.backward_s(s) > 0:
             for b in blocks:
-                shares[b] = min(1.0, t.meas_bwd_weight_s / t.meas_bwd_s)
+                shares[b] = min(1.0, t.meas_bwd_weight_s / meas.backward_s(s))
     return shares
 
 
@@ -314,8 +323,9 @@ def calibration_loop(
     balance, not by the moment it ran.
     """
     def work_s(rows: Sequence[StageTimes]) -> float:  # of the plan running now, in reference-device seconds
-        return sum((r.meas_fwd_s + r.meas_bwd_s) * (speeds[st.device] if speeds else 1.0)
-                   for r, st in zip(rows, pipe.plan.stages, strict=True))
+        own = Measurement.of(pipe.plan, rows)  # a second forward of a recomputing stage is not the model's work
+        return sum((r.meas_fwd_s + own.backward_s(s)) * (speeds[st.device] if speeds else 1.0)
+                   for s, (r, st) in enumerate(zip(rows, pipe.plan.stages, strict=True)))
 
     before, step_before = measure()
     reference_work_s = work_s(before)

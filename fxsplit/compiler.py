@@ -280,6 +280,7 @@ def compile_pipeline(
     problem = Problem(
         condensed.graph, tuple(specs), link=link, links=links, objective=objective,
         training=options.training, schedule="1f1b", allow_idle_devices=options.allow_idle_devices,
+        recompute=options.recompute,
     ).check()
     choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
     t2 = time.perf_counter()

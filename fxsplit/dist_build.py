@@ -95,7 +95,8 @@ def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inpu
     held = []
     for stage, state in stages:
         first, last = stage.index == 0, stage.index == num_stages - 1
-        module = StageModule(stage.gm, first=first, last=last, batched=batched)
+        recompute = bool(meta["plan"]["stages"][stage.index].get("recompute", False))
+        module = StageModule(stage.gm, first=first, last=last, batched=batched, recompute=recompute)
         shapes = WireShapes(
             captured.gm, to_meta(flat), batched, inputs=stage.inputs, outputs=stage.outputs,
             in_layouts=module.in_layouts, out_layouts=module.out_layouts, first=first, last=last, index=stage.index,

@@ -176,7 +176,7 @@ def _problem(graph: CondensedGraph, reference: DeviceSpec, links: tuple[tuple[in
     specs = tuple(reference.with_(name=f"rank{i}") for i in range(world))
     link = options.link
     default = link if isinstance(link, LinkSpec) else LinkSpec()
-    return Problem(graph, specs, default, links=links, allow_idle_devices=False).check()
+    return Problem(graph, specs, default, links=links, allow_idle_devices=False, recompute=options.recompute).check()
 
 
 def example_batch(captured: Any, inputs: tuple[tuple, dict]) -> tuple[list[Any], tuple[bool, ...], int]:

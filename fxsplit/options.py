@@ -45,6 +45,9 @@ class CompileOptions:
         stages_per_device: Stages each device runs under a looped schedule
             (``schedule="interleaved-1f1b"``, which ``"auto"`` also tries): ``v >= 2`` model
             chunks per device in looping placement (Megatron-LM's interleaved 1F1B).
+        recompute: Activation recomputation per stage (:data:`fxsplit.ir.problem.RECOMPUTE`):
+            ``"auto"`` (a stage recomputes when its activations would not fit its device
+            otherwise), ``"all"`` or ``"none"``.
     """
 
     capture_method: str = "auto"
@@ -62,3 +65,4 @@ class CompileOptions:
     progress: Callable[[int, int], None] | None = None
     batch_dim: int = 0
     stages_per_device: int = 2
+    recompute: str = "auto"

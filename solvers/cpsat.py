@@ -125,7 +125,7 @@ def _infeasible(problem: Problem, limit_s: float, how: str) -> InfeasibleError:
     return InfeasibleError(
         f"{how} that no split of graph {problem.graph.name!r} ({len(problem.graph)} blocks) over "
         f"{problem.num_devices} devices (memory {caps} bytes) fits; give the devices more memory, "
-        "add devices, or keep fewer activations in flight (schedule='1f1b', activation checkpointing)"
+        "add devices, or keep fewer activations in flight (schedule='1f1b', recompute='auto')"
     )
 
 
@@ -139,7 +139,7 @@ def _rounding_slack_s(problem: Problem, data: CpData, plan: Plan) -> float:
         last = max(stage_of[v] for v, _ in outs)
         for s in range(stage_of[u], last):
             crossing[s] += 1
-    terms = [len(st.blocks) + k * (2 + (crossing[s - 1] if s else 0) + crossing[s])
+    terms = [len(st.blocks) * (2 if st.recompute else 1) + k * (2 + (crossing[s - 1] if s else 0) + crossing[s])
              for s, st in enumerate(plan.stages)]
     if problem.objective == "bottleneck":
         return max(terms) * data.quantum_s

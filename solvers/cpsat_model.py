@@ -35,6 +35,8 @@ class CpData:
         flights: ``{q: [S] in-flight per stage}`` for each possible number of stages ``q``
             (one entry ``{0: ...}`` when in-flight counts do not depend on it).
         check_memory: Whether memory can bind at all.
+        fwd_q: ``[T][n]`` block forward time on unit ``t`` in quanta (what recomputing adds).
+        recompute: The problem's recompute mode, ``"none"`` in inference.
     """
 
     problem: Problem
@@ -49,6 +51,8 @@ class CpData:
     comm_q: tuple[tuple[int, float], ...] = ()
     flights: dict[int, tuple[int, ...]] = field(default_factory=dict)
     check_memory: bool = True
+    fwd_q: tuple[tuple[int, ...], ...] = ()
+    recompute: str = "none"
 
     @classmethod
     def of(cls, problem: Problem, quantum_s: float | None = None) -> CpData:
@@ -66,6 +70,7 @@ class CpData:
         slowest = min(d.speed for d in problem.devices)
         q = quantum_s or max(sum(times) / slowest, 1e-12) / 2**20
         time_q = tuple(tuple(int(t / problem.devices[u[0]].speed / q) for t in times) for u in units)
+        fwd_q = tuple(tuple(int(b.fwd_s / problem.devices[u[0]].speed / q) for b in g.blocks) for u in units)
         static = tuple(int(problem.static_bytes(b)) for b in g.blocks)
         act = tuple(b.activation_bytes for b in g.blocks)
         producers: dict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -83,7 +88,7 @@ class CpData:
         counts = ([k] if not problem.allow_idle_devices else list(range(1, S + 1))) if per_q else [0]
         flights = {p: tuple(problem.in_flight(s, p if p else k) for s in range(S)) for p in counts}
         return cls(problem, q, S, units, allowed, time_q, static, act, dict(producers), tuple(comm),
-                   flights, check)
+                   flights, check, fwd_q, problem.recompute if problem.may_recompute() else "none")
 
 
 @dataclass
@@ -98,6 +103,7 @@ class CpVars:
     out_bytes: dict[int, Any] = field(default_factory=dict)              # bytes over boundary s
     comm_q: dict[int, Any] = field(default_factory=dict)                 # quanta over boundary s
     load: dict[int, Any] = field(default_factory=dict)                   # stage s time, quanta
+    again: dict[int, Any] = field(default_factory=dict)                  # stage s recomputes
     bottleneck: Any = None
 
 
@@ -191,26 +197,44 @@ def add_boundaries(m: Any, d: CpData, v: CpVars) -> None:
         v.comm_q[s] = lat_q * any_cross + sum(sent_q)
 
 
+def _recomputes(m: Any, d: CpData, v: CpVars, s: int) -> Any:
+    """``again[s]``: stage ``s`` recomputes its activations (1 under ``"all"``; a choice under
+    ``"auto"`` where memory can bind; 0 otherwise, as :meth:`~fxsplit.ir.Problem.recomputes`)."""
+    if s not in v.again:
+        choose = d.recompute == "auto" and d.check_memory
+        v.again[s] = m.NewBoolVar(f"again[{s}]") if choose else int(d.recompute == "all")
+    return v.again[s]
+
+
 def add_loads(m: Any, d: CpData, v: CpVars) -> None:
-    """Stage time on its unit: compute plus communication in and out (twice in training). The
-    bottleneck is at least the slowest block and the mean stage, each block on its fastest unit."""
+    """Stage time on its unit: compute (its forward once more when it recomputes) plus
+    communication in and out (twice in training). The bottleneck is at least the slowest block
+    and the mean stage, each block on its fastest unit."""
     n, k, S = len(d.static_bytes), 2 if d.problem.training else 1, d.num_stages
     comm_max = max((_max_comm_q(d, s) for s in range(S - 1)), default=0)
-    horizon = max(sum(tq) for tq in d.time_q) + 2 * k * comm_max
+    again_max = max((sum(fq) for fq in d.fwd_q), default=0) if d.recompute != "none" else 0
+    horizon = max(sum(tq) for tq in d.time_q) + again_max + 2 * k * comm_max
     cheapest = [min(tq[b] for tq in d.time_q) for b in range(n)]  # each block on its fastest unit
     floor = max(max(cheapest, default=0), -(-sum(cheapest) // S))  # the slowest block; the mean stage
     v.bottleneck = m.NewIntVar(min(floor, horizon), horizon, "bottleneck")
     for s in range(S):
         v.load[s] = m.NewIntVar(0, horizon, f"load[{s}]")
         comm = (v.comm_q[s - 1] if s > 0 else 0) + (v.comm_q[s] if s < S - 1 else 0)
+        again = _recomputes(m, d, v, s)
         for t in d.allowed[s]:
             work = sum(d.time_q[t][b] * v.x[b, s] for b in range(n))
             m.Add(v.load[s] >= work + k * comm).OnlyEnforceIf(v.use[s, t])
+            if isinstance(again, int) and not again:
+                continue
+            redo = sum(d.fwd_q[t][b] * v.x[b, s] for b in range(n))
+            lits = [v.use[s, t]] + ([] if isinstance(again, int) else [again])
+            m.Add(v.load[s] >= work + redo + k * comm).OnlyEnforceIf(lits)
         m.Add(v.bottleneck >= v.load[s])
 
 
 def add_memory(m: Any, d: CpData, v: CpVars) -> None:
-    """Stage memory fits its device: state + (activations + inputs) × in-flight + outputs."""
+    """Stage memory fits its device: state + (activations + inputs) × in-flight + outputs, or
+    when it recomputes, state + inputs × in-flight + activations + outputs."""
     if not d.check_memory:
         return
     n, S = len(d.static_bytes), d.num_stages
@@ -226,12 +250,19 @@ def add_memory(m: Any, d: CpData, v: CpVars) -> None:
         for q, flight in d.flights.items():
             if q and q <= s:
                 continue
-            f = flight[s]
-            mem = sum((d.static_bytes[b] + d.act_bytes[b] * f) * v.x[b, s] for b in range(n)) + f * in_b + out_b
+            f, again = flight[s], _recomputes(m, d, v, s)
+            static = sum(d.static_bytes[b] * v.x[b, s] for b in range(n))
+            act = sum(d.act_bytes[b] * v.x[b, s] for b in range(n))
+            keep = Problem.stage_memory_bytes(static, act, in_b, out_b, f, False)
+            saved = Problem.stage_memory_bytes(static, act, in_b, out_b, f, True)
             for t in d.allowed[s]:
                 cap = d.problem.devices[d.unit_devices[t][0]].memory_bytes
                 lits = [v.use[s, t]] + ([v.pipe[q]] if q in v.pipe else [])
-                m.Add(mem <= cap).OnlyEnforceIf(lits)
+                if isinstance(again, int):
+                    m.Add((saved if again else keep) <= cap).OnlyEnforceIf(lits)
+                else:
+                    m.Add(keep <= cap).OnlyEnforceIf([*lits, again.Not()])
+                    m.Add(saved <= cap).OnlyEnforceIf([*lits, again])
 
 
 def add_objective(m: Any, d: CpData, v: CpVars) -> None:
@@ -252,6 +283,9 @@ def add_hint(m: Any, d: CpData, v: CpVars, plan: Plan) -> None:
         m.AddHint(var, int(s < plan.num_stages and unit_of_device.get(plan.stages[s].device, -1) == t))
     for q, var in v.pipe.items():
         m.AddHint(var, int(q == plan.num_stages))
+    for s, var in v.again.items():
+        if not isinstance(var, int):
+            m.AddHint(var, int(s < plan.num_stages and plan.stages[s].recompute))
 
 
 def build_model(cp_model: Any, d: CpData, hint: Plan | None) -> tuple[Any, CpVars]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fxsplit.errors import SolverError
+from fxsplit.ir.problem import Problem
 from fxsplit.solvers.layout import Layout, Signature
 from fxsplit.solvers.tables import DownsetTables
 
@@ -69,20 +70,33 @@ def _transfer(size: np.ndarray | float, lat: float, bw: float) -> np.ndarray | f
 
 
 def _stage_cost(c: _Ctx, sig: Signature, kind: str) -> np.ndarray:
-    """``[len(js)]`` cost of stage ``I \\ J`` for each ``J`` under one signature."""
+    """``[len(js)]`` cost of stage ``I \\ J`` for each ``J`` under one signature.
+
+    With recomputation (``tb.recompute``, :meth:`fxsplit.ir.Problem.recomputes`) a stage costs
+    its forward once more where it recomputes: always under ``"all"``; under ``"auto"`` where its
+    kept activations overflow the device and recomputing saves memory."""
     tb, i, js = c.tb, c.i, c.js
     cut_in, cut_out = tb.cut_bytes[js], float(tb.cut_bytes[i])
     need = math.isfinite(sig.cap_bytes) or kind == "excess"
-    mem = None
-    if need:
-        act = tb.act_bytes[i] - tb.act_bytes[js] + cut_in
-        mem = tb.static_bytes[i] - tb.static_bytes[js] + act * sig.flight + cut_out
+    mode = tb.recompute
+    mem, again = None, np.zeros(len(js), dtype=bool)
+    if need or mode == "all":
+        static, act = tb.static_bytes[i] - tb.static_bytes[js], tb.act_bytes[i] - tb.act_bytes[js]
+        keep = Problem.stage_memory_bytes(static, act, cut_in, cut_out, sig.flight, False)
+        if mode == "none":
+            mem = keep
+        else:
+            saved = Problem.stage_memory_bytes(static, act, cut_in, cut_out, sig.flight, True)
+            again = (np.ones(len(js), dtype=bool) if mode == "all"
+                     else (keep > sig.cap_bytes) & (saved < keep))
+            mem = np.where(again, saved, keep)
         if kind == "excess":
             return mem - sig.cap_bytes
     comm = _transfer(cut_in, sig.link_in.latency_s, sig.link_in.bytes_per_s)
     comm = comm + float(_transfer(cut_out, sig.link_out.latency_s, sig.link_out.bytes_per_s))
-    cost = (tb.work_s[i] - tb.work_s[js]) / sig.speed + c.comm_factor * comm
-    if mem is not None:
+    work = tb.work_s[i] - tb.work_s[js] + np.where(again, tb.fwd_s[i] - tb.fwd_s[js], 0.0)
+    cost = work / sig.speed + c.comm_factor * comm
+    if need and mem is not None:
         cost = np.where(mem < sig.cap_bytes + 1.0, cost, np.inf)
     return cost
 

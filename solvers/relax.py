@@ -5,7 +5,7 @@ optimizer) + buffers) and their activations × ``f_s`` micro-batches in flight (
 :func:`fxsplit.ir.evaluate`; boundary buffers only add). Drop the rest of the structure: let state
 and activations split freely over the stages, ignore contiguity and boundary buffers, and pair
 the stages' in-flight counts with the devices in the best way (most memory where fewest
-micro-batches are in flight). What remains is a small fractional problem with a closed-form
+micro-batches are in flight; one when stages may recompute their activations). What remains is a small fractional problem with a closed-form
 answer: place the activations where memory per activation byte is cheapest (``f_s`` bytes of
 memory per byte), then the state must fit in what is left. When even that fails, no plan exists;
 the numbers in the message are the arithmetic of the proof.
@@ -91,7 +91,8 @@ def memory_bound(problem: Problem, extra_devices: int = 0, extra_bytes: int = 0)
     caps = sorted(caps + [max(caps)] * extra_devices, reverse=True)
     p = k if not problem.allow_idle_devices else min(k, max(1, len(g)))
     caps = caps[:p]  # the p largest: exact in free order, a relaxation in fixed order
-    flights = [problem.in_flight(s, p) for s in range(p)]
+    # a stage that recomputes holds its activations for one micro-batch (its inputs only add)
+    flights = [1 if problem.may_recompute() else problem.in_flight(s, p) for s in range(p)]
     state = [problem.static_bytes(b) for b in g.blocks]
     acts = [b.activation_bytes for b in g.blocks]
     block = next((b for b in range(len(g)) if state[b] + acts[b] * min(flights) > max(caps)), None)
@@ -176,10 +177,11 @@ def memory_bound_error(problem: Problem) -> InfeasibleError | None:
     dev_fix = (f"at least {min_dev} devices like {max(devs, key=lambda d: d.memory_bytes).name!r}"
                if min_dev is not None else "adding devices alone does not help")
     fewer = "schedule='1f1b', " if problem.schedule == "gpipe" and problem.training else ""
+    fewer += "" if problem.may_recompute() or not problem.training else "recompute='auto', "
     err = InfeasibleError(
         f"{head}{why}. Fix (each a lower bound): {dev_fix}, or at least {fmt_bytes(extra)} more on "
         f"every device; or keep fewer activation bytes in flight ({fewer}shorter sequences, "
-        "activation checkpointing, lower precision)"
+        "lower precision)"
     )
     for key, value in (("stage", None), ("device", None), ("min_devices", None), ("block", mb.block),
                        ("need_bytes", mb.need_bytes), ("cap_bytes", mb.cap_bytes), ("over_bytes", over),

@@ -34,6 +34,8 @@ class DownsetTables:
         words: ``[D, W]`` uint64 packed membership (bit ``b`` of word ``b // 64``).
         layer_start: ``[n + 2]``: downsets of size ``t`` are ``layer_start[t]:layer_start[t+1]``.
         work_s: ``[D]`` forward (+ backward when training) seconds on the reference device.
+        fwd_s: ``[D]`` forward seconds on the reference device (what recomputation adds).
+        recompute: The problem's :attr:`~fxsplit.ir.Problem.recompute`, ``"none"`` in inference.
         static_bytes: ``[D]`` params × (1 + grad + optimizer) + buffers, bytes.
         act_bytes: ``[D]`` activation bytes kept for backward per micro-batch.
         cut_bytes: ``[D]`` bytes per micro-batch leaving the downset.
@@ -44,6 +46,8 @@ class DownsetTables:
     words: np.ndarray
     layer_start: np.ndarray
     work_s: np.ndarray
+    fwd_s: np.ndarray
+    recompute: str
     static_bytes: np.ndarray
     act_bytes: np.ndarray
     cut_bytes: np.ndarray
@@ -122,6 +126,8 @@ def build_tables(problem: Problem, max_downsets: int | None = DEFAULT_MAX_DOWNSE
         words=words,
         layer_start=layer_start,
         work_s=mf @ (fwd + bwd),
+        fwd_s=mf @ fwd,
+        recompute=problem.recompute if problem.may_recompute() else "none",
         static_bytes=mf @ static,
         act_bytes=mf @ act,
         cut_bytes=_cut_bytes(problem, member),

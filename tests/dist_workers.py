@@ -550,3 +550,23 @@ def calibrate_rebuilds(rank: int, world: int, out_dir: str, name: str, plan_json
 def _imbalance(rows: Any) -> float:
     t = [r.meas_fwd_s + r.meas_bwd_s for r in rows]
     return max(t) / min(t)
+
+
+def recompute_equal(rank: int, world: int, out_dir: str, schedules: list[str], batch: int) -> dict[str, Any]:
+    """Issue 13 item 1: every stage recomputes its activations (``recompute="all"``); the tied
+    GPT's loss and every gradient equal the unsplit model's under each schedule."""
+    out: dict[str, Any] = {}
+    for schedule in schedules:
+        tag = f"gpt/{schedule}/recompute"
+        case = _case("gpt", batch)
+        inputs, target = case.make_batch(batch, 11)
+        ref_loss, ref_grads = reference(case, inputs, target)
+        pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule=schedule, microbatches=4,
+                           state_dict=case.model.state_dict(), timeout_s=30, cost_model="analytic",
+                           options=CompileOptions(link=LinkSpec(), recompute="all", allow_idle_devices=False))
+        loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
+        out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
+        out[tag]["planned"] = [st["recompute"] for st in pipe.meta["plan"]["stages"]]
+        out[tag]["running"] = [st.module.recomputed is not None for st in pipe.stages]
+        pipe.close()
+    return out

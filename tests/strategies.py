@@ -112,6 +112,7 @@ def problems(
         objective=objective or draw(st.sampled_from(["bottleneck", "makespan"])),
         training=draw(st.booleans()),
         device_order=device_order or draw(st.sampled_from(["fixed", "free"])),
+        recompute=draw(st.sampled_from(["none", "auto", "all"])),
     )
 
 

@@ -383,3 +383,16 @@ def test_calibrate_balances_a_plan_made_on_wrong_costs_across_ranks(tmp_path):
     # the step's prediction comes nearer the measurement (gloo's per-message cost, which no stage
     # time holds, keeps it from 1 on a model this small)
     assert abs(math.log(r0["step_ratio_after"])) < abs(math.log(r0["step_ratio_before"])), r0["table"]
+
+
+def test_recomputed_stages_train_like_the_unsplit_model_across_ranks(tmp_path):
+    """Issue 13 item 1: stages that recompute their activations (``recompute="all"``) under
+    ``torch.distributed.pipelining``, 1F1B and zero-bubble (the recomputation runs in the input
+    half): the tied GPT's loss and every gradient equal the unsplit model's on 2 gloo ranks."""
+    results = launch(w.recompute_equal, 2, tmp_path, ["1f1b", "zero-bubble"], 8, deadline_s=150)
+    check_ok(results)
+    for tag, r0 in results[0]["result"].items():
+        r1 = results[1]["result"][tag]
+        assert r0["planned"] == [True, True] and r0["running"] == r1["running"] == [True], tag
+        checked = r0["checked"] + r1["checked"]
+        assert checked.count("tok_emb.weight") == 2 and len(set(checked)) == len(checked) - 1, tag

@@ -100,6 +100,7 @@ def register(app: typer.Typer) -> None:
         distributed: Annotated[bool, typer.Option(help="one stage per process, under torchrun (see compile_dist)")] = False,
         backend: Annotated[str, typer.Option(help="--distributed: gloo, nccl or auto")] = "auto",
         timeout_s: Annotated[float, typer.Option(help="--distributed: seconds before a silent peer is an error")] = 60.0,
+        recompute: Annotated[str, typer.Option(help="activation recomputation per stage: auto (where a stage would not fit otherwise), all or none")] = "auto",
     ) -> None:
         """Plan MODEL over DEVICES, train STEPS steps, and compare with the unsplit model."""
         import fxsplit
@@ -114,7 +115,7 @@ def register(app: typer.Typer) -> None:
             try:
                 run_distributed(model, steps=steps, microbatches=microbatches, schedule=schedule, size=size,
                                 batch_size=batch_size, lr=lr, backend=backend, timeout_s=timeout_s,
-                                calibrate=calibrate)
+                                calibrate=calibrate, recompute=recompute)
             except FxsplitError as exc:
                 exit_with_error(console, exc, 2)
             return
@@ -132,7 +133,7 @@ def register(app: typer.Typer) -> None:
                 pipe = fxsplit.compile(
                     case.model, parse_devices(devices), case.example_inputs,
                     microbatches=m, schedule=schedule, solver=solver, objective=objective, cost_model=cost_model,
-                    options=CompileOptions(progress=profiled),
+                    options=CompileOptions(progress=profiled, recompute=recompute),
                 )
             if calibrate > 0:
                 inputs, target = case.make_batch(batch_size, 999)

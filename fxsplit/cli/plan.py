@@ -38,7 +38,8 @@ def reference_device(name: str) -> Any:
 
 
 def plan_table(plan: Any, problem: Any) -> Table:
-    """One row per stage: device, blocks, nodes, forward, backward, communication, memory."""
+    """One row per stage: device, blocks, nodes, forward, backward (``+fwd`` where the stage
+    recomputes its activations), communication, memory."""
     table = Table(title=f"{problem.graph.name}: {plan.num_stages} stages, {plan.schedule}, "
                         f"{plan.microbatches} micro-batches, solver {plan.solver} ({plan.status})")
     for col in ("stage", "device", "blocks", "nodes", "fwd/mb", "bwd/mb", "comm/mb", "memory"):
@@ -47,7 +48,8 @@ def plan_table(plan: Any, problem: Any) -> Table:
         nodes = [n for b in st.blocks for n in problem.graph.blocks[b].nodes]
         shown = nodes[0] if len(nodes) == 1 else f"{nodes[0]} … {nodes[-1]} ({len(nodes)})" if nodes else ""
         table.add_row(str(s), problem.devices[st.device].name, str(len(st.blocks)), shown,
-                      human_seconds(st.fwd_s), human_seconds(st.bwd_s), human_seconds(st.comm_s),
+                      human_seconds(st.fwd_s), human_seconds(st.bwd_s) + (" (+fwd)" if st.recompute else ""),
+                      human_seconds(st.comm_s),
                       human_bytes(st.memory_bytes))
     table.caption = f"{plan_summary(plan)}; solved in {plan.solve_time_s:.2f} s"
     return table
@@ -81,6 +83,7 @@ def plan_command(
     draw: Annotated[Path | None, typer.Option(help="draw the graph coloured by stage (.svg, .png)")] = None,
     gantt: Annotated[Path | None, typer.Option(help="draw the predicted timeline (.png, .svg)")] = None,
     as_json: Annotated[Path | None, typer.Option("--json", help="write the plan as JSON here")] = None,
+    recompute: Annotated[str, typer.Option(help="activation recomputation per stage: auto (where a stage would not fit otherwise), all or none")] = "auto",
 ) -> None:
     """Plan MODEL over DEVICES devices; print the stages and optionally draw them."""
     from fxsplit.api import CompileOptions, _check_compile_args, analyze
@@ -98,8 +101,9 @@ def plan_command(
             case = _load(model, size, batch_size, preset, meta)
             ins = analyze(case.model, case.example_inputs, case.example_kwargs or None, device=ref, name=model)
         specs = tuple(ref.with_(name=f"{device}:{i}") for i in range(devices))
-        problem = Problem(ins.condensed.graph, specs, link=LinkSpec(), objective=objective).check()
-        options = CompileOptions(time_limit_s=time_limit)
+        problem = Problem(ins.condensed.graph, specs, link=LinkSpec(), objective=objective,
+                          recompute=recompute).check()
+        options = CompileOptions(time_limit_s=time_limit, recompute=recompute)
         with console.status(f"planning over {devices} x {device} ..."):
             choice = plan_pipeline(problem, batch_size_of(list(case.example_inputs)), m, schedule, solver, options)
         plan_problem = choice.problem.with_(graph=problem.graph.scaled(1.0 / choice.microbatches))

@@ -138,18 +138,22 @@ def _pooled(parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[torch.
 
 
 class DeferredBatchNorm(nn.Module):
-    """``batch_norm`` with micro-batch statistics whose running-statistics update is deferred."""
+    """``batch_norm`` with micro-batch statistics whose running-statistics update is deferred.
+    While ``replaying`` (a recomputed forward, :mod:`fxsplit.runtime.recompute`) it records
+    nothing: the first run recorded this micro-batch."""
 
     def __init__(self, tracker: BatchNormTracker, key: str, momentum: float, eps: float) -> None:
         super().__init__()
         self.tracker, self.key, self.momentum, self.eps = tracker, key, momentum, eps
+        self.replaying = False
 
     def forward(self, x: torch.Tensor, weight: Any, bias: Any, running_mean: torch.Tensor, running_var: torch.Tensor) -> torch.Tensor:
         # With momentum 1 the kernel writes this micro-batch's mean and unbiased variance, which it
         # computes anyway to normalise, into zeroed scratch buffers: no second pass over x.
         mean, var = torch.zeros_like(running_mean), torch.zeros_like(running_var)
         out = torch.nn.functional.batch_norm(x, mean, var, weight, bias, True, 1.0, self.eps)
-        self.tracker.add(self.key, x.numel() // x.shape[1], mean, var, running_mean, running_var, self.momentum)
+        if not self.replaying:
+            self.tracker.add(self.key, x.numel() // x.shape[1], mean, var, running_mean, running_var, self.momentum)
         return out
 
 

@@ -13,11 +13,16 @@ Cost model of stage ``s`` of ``p`` (0-based) holding blocks ``B_s`` on device ``
 * memory: ``(params + replicas) · (1 + grad + optimizer) + buffers + (activations + in) · in_flight(s)
   + out`` (replicas: copies of tied parameters a block reads but another owns, see
   :meth:`Problem.static_bytes`),
-  ``in_flight`` from :meth:`Problem.in_flight` (GPipe: ``m``; 1F1B: ``min(m, p - s)``).
+  ``in_flight`` from :meth:`Problem.in_flight` (GPipe: ``m``; 1F1B: ``min(m, p - s)``);
+* recomputation (:attr:`Problem.recompute`): a recomputing stage's memory is ``state + in ·
+  in_flight(s) + activations + out`` and its ``bwd_s`` gains ``fwd_s``; under ``"auto"`` a stage
+  recomputes exactly when it would not fit otherwise (:meth:`Problem.recomputes`, against its
+  device's memory shared by the stages a looped schedule puts there).
 
 References:
     Narayanan et al., "PipeDream", SOSP 2019, §3.1 (stage time with communication);
-    Tarnawski et al., "Piper", NeurIPS 2021 (memory as in-flight activations plus static state).
+    Tarnawski et al., "Piper", NeurIPS 2021 (memory as in-flight activations plus static state);
+    Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016 (recomputation).
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ STATUSES = ("optimal", "feasible")
 @dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage: which blocks, on which device, and what it costs per micro-batch
-    (``bwd_weight_s``: the part of ``bwd_s`` that computes parameter gradients)."""
+    (``bwd_weight_s``: the part of ``bwd_s`` that computes parameter gradients). A stage that
+    ``recompute`` s its activations has its forward once more in ``bwd_s`` (in the input half
+    under a zero-bubble schedule) and keeps only its inputs per in-flight micro-batch."""
 
     device: int
     blocks: tuple[int, ...]
@@ -50,6 +57,7 @@ class StagePlan:
     out_bytes: int = 0
     memory_bytes: int = 0
     bwd_weight_s: float = 0.0
+    recompute: bool = False
 
     @property
     def compute_s(self) -> float:
@@ -227,6 +235,7 @@ def _placement_faults(devs: list[int], schedule: str, problem: Problem) -> list[
 def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Sequence[int]) -> list[StagePlan]:
     g, p = problem.graph, len(stages)
     k = 2 if problem.training else 1
+    sharing = {d: list(devices).count(d) for d in devices}  # looped: a device's memory split over its stages
     out: list[StagePlan] = []
     prefix: set[int] = set()
     in_bytes = 0
@@ -243,13 +252,13 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
         if s < p - 1:
             comm += problem.link_between(d, devices[s + 1]).transfer_s(out_bytes)
         flight = problem.in_flight(s, p)
-        mem = (
-            sum(problem.static_bytes(b) for b in bl)
-            + (sum(b.activation_bytes for b in bl) + in_bytes) * flight
-            + out_bytes
-        )
+        static, act = sum(problem.static_bytes(b) for b in bl), sum(b.activation_bytes for b in bl)
+        keep = problem.stage_memory_bytes(static, act, in_bytes, out_bytes, flight, False)
+        again = problem.stage_memory_bytes(static, act, in_bytes, out_bytes, flight, True)
+        recompute = problem.recomputes(keep, again, problem.devices[d].memory_bytes // sharing[d])
         weight = sum(b.bwd_weight_s for b in bl) / speed if problem.training else 0.0
-        out.append(StagePlan(d, tuple(blocks), fwd, bwd, k * comm, in_bytes, out_bytes, int(mem), weight))
+        out.append(StagePlan(d, tuple(blocks), fwd, bwd + (fwd if recompute else 0.0), k * comm, in_bytes,
+                             out_bytes, int(again if recompute else keep), weight, recompute))
         in_bytes = out_bytes
     return out
 

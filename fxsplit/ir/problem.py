@@ -11,7 +11,8 @@ JSON schema (``Problem.to_json``)::
      "objective": "bottleneck" | "makespan", "training": bool,
      "optimizer_state_factor": float, "grad_factor": float,
      "device_order": "fixed" | "free", "allow_idle_devices": bool,
-     "stages_per_device": int}                        # > 1 only for the interleaved ones
+     "stages_per_device": int,                        # > 1 only for the interleaved ones
+     "recompute": "none" | "auto" | "all"}            # activation recomputation per stage
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, LinkSpec
 from fxsplit.ir.graph import Block, CondensedGraph
 
-__all__ = ["Problem", "SCHEDULES", "AUTO_SCHEDULES", "LOOPED_SCHEDULES", "SIMULATED_SCHEDULES", "OBJECTIVES"]
+__all__ = ["Problem", "RECOMPUTE", "SCHEDULES", "AUTO_SCHEDULES", "LOOPED_SCHEDULES", "SIMULATED_SCHEDULES", "OBJECTIVES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "interleaved-zero-bubble")
 #: Schedules that run several stages per device in looping placement (stage ``s`` on the
@@ -40,6 +41,10 @@ AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 #: simulates them (the looped ones, and zero-bubble's split backward).
 SIMULATED_SCHEDULES = (*LOOPED_SCHEDULES, "zero-bubble")
 OBJECTIVES = ("bottleneck", "makespan")
+#: Activation recomputation (checkpointing) per stage: ``"none"``; ``"auto"``, a stage recomputes
+#: exactly when keeping its activations would not fit its device and recomputing saves memory (the
+#: time-optimal choice for that stage: recomputing only adds a forward); ``"all"``, every stage.
+RECOMPUTE = ("none", "auto", "all")
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,10 @@ class Problem:
         stages_per_device: ``v``: each device runs ``v`` stages in looping placement (stage ``s``
             on device ``s mod num_devices``); more than 1 only with a looped schedule
             (:data:`LOOPED_SCHEDULES`).
+        recompute: Activation recomputation (:data:`RECOMPUTE`, training only): a recomputed
+            stage keeps only its inputs per in-flight micro-batch, holds its activations for one
+            micro-batch while it recomputes them, and pays one more forward in its backward
+            (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016; GPipe §2.3).
 
     Raises:
         ConfigError: from :meth:`check` for bad values, naming the field and the fix.
@@ -87,6 +96,7 @@ class Problem:
     device_order: str = "fixed"
     allow_idle_devices: bool = True
     stages_per_device: int = 1
+    recompute: str = "none"
 
     @property
     def num_devices(self) -> int:
@@ -126,6 +136,30 @@ class Problem:
         parameters it reads (times params + grads + optimizer state), plus its buffers."""
         return (block.param_bytes + block.replica_param_bytes) * self.state_bytes_per_param_byte() + block.buffer_bytes
 
+    def may_recompute(self) -> bool:
+        """Whether a stage may recompute its activations (training, ``recompute`` not ``"none"``)."""
+        return self.training and self.recompute != "none"
+
+    @staticmethod
+    def stage_memory_bytes(static_bytes: Any, act_bytes: Any, in_bytes: Any, out_bytes: Any, flight: int,
+                           recompute: bool) -> Any:
+        """Peak memory of a stage (floats or NumPy arrays of them), bytes: its state, what each of
+        ``flight`` in-flight micro-batches keeps (activations and received inputs; only the inputs
+        when it recomputes, plus one micro-batch's activations while recomputing) and its output
+        buffer."""
+        if recompute:
+            return static_bytes + in_bytes * flight + act_bytes + out_bytes
+        return static_bytes + (act_bytes + in_bytes) * flight + out_bytes
+
+    def recomputes(self, keep_bytes: float, recompute_bytes: float, cap_bytes: float) -> bool:
+        """Whether a stage recomputes: always under ``"all"``; under ``"auto"`` exactly when its
+        memory kept (``keep_bytes``) exceeds the device's ``cap_bytes`` and recomputing
+        (``recompute_bytes``) takes less (the fastest choice for the stage: recomputing only adds
+        time); never in inference or under ``"none"``."""
+        if not self.may_recompute():
+            return False
+        return self.recompute == "all" or (keep_bytes > cap_bytes and recompute_bytes < keep_bytes)
+
     def with_(self, **changes: Any) -> Problem:
         """A copy with some fields changed."""
         return replace(self, **changes)
@@ -145,6 +179,8 @@ class Problem:
         if self.stages_per_device > 1 and self.schedule not in LOOPED_SCHEDULES:
             raise ConfigError(f"stages_per_device={self.stages_per_device} needs a schedule that runs several stages "
                               f"per device ({', '.join(LOOPED_SCHEDULES)}), not {self.schedule!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute={self.recompute!r}; choose one of {RECOMPUTE}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"objective={self.objective!r}; choose one of {OBJECTIVES}")
         if self.device_order not in ("fixed", "free"):
@@ -177,6 +213,7 @@ class Problem:
             "device_order": self.device_order,
             "allow_idle_devices": self.allow_idle_devices,
             "stages_per_device": self.stages_per_device,
+            "recompute": self.recompute,
         }
 
     @classmethod

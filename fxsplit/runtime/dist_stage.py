@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from fxsplit.errors import PlanError
+from fxsplit.runtime.recompute import RecomputedForward
 from fxsplit.runtime.split_backward import backward_input, backward_weight
 
 __all__ = ["Layout", "SCALAR_DTYPES", "StageModule", "SplitBackwardStage", "layout_of", "boundary_layouts", "encode", "decode"]
@@ -172,15 +173,19 @@ class StageModule(nn.Module):
             and are not encoded.
         batched: For the first stage, which flat inputs are batched tensors (``[num_inputs]``);
             those arrive positionally, the others through :meth:`bind_static`.
+        recompute: Keep only the received tensors for backward and run ``gm`` again there
+            (:class:`~fxsplit.runtime.recompute.RecomputedForward`).
 
     Shape:
         ``forward(*wire)``: the tensors of the received values (first stage: the batched
         inputs of one micro-batch, ``[micro_batch, ...]``) -> the tensors of the values sent.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, *, first: bool, last: bool, batched: Sequence[bool] = ()) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, *, first: bool, last: bool, batched: Sequence[bool] = (),
+                 recompute: bool = False) -> None:
         super().__init__()
         self.gm = gm
+        self.recomputed = RecomputedForward(gm) if recompute else None  # a plain object: no state of its own
         self.first, self.last = first, last
         self.in_layouts, self.out_layouts = boundary_layouts(gm)
         self.batched = list(batched) if first else []
@@ -200,7 +205,8 @@ class StageModule(nn.Module):
 
     def forward(self, *wire: torch.Tensor) -> Any:
         self.forwards += 1
-        out = tuple(self.gm(*self._inputs(wire)))
+        run = self.recomputed if self.recomputed is not None else self.gm
+        out = tuple(run(*self._inputs(wire)))
         if self.last:
             return out
         device = next((t.device for t in wire if isinstance(t, torch.Tensor)), torch.device("cpu"))

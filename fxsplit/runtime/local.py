@@ -36,6 +36,7 @@ from fxsplit.runtime.microbatch import (
     split_microbatches,
     split_target,
 )
+from fxsplit.runtime.recompute import RecomputedForward
 from fxsplit.runtime.split_backward import PendingWeights, backward_input, backward_weight
 from fxsplit.runtime.state import ParameterAPI, StateMap
 from fxsplit.runtime.threads import run_threaded
@@ -166,6 +167,7 @@ class Pipeline(ParameterAPI):
         # Runtime trace (fxsplit.runtime.trace): times every F/B action of train_step for
         # pipe.trace(path); set to None to record nothing.
         self.recorder: TraceRecorder | None = TraceRecorder()
+        self._recomputed: dict[int, RecomputedForward] = {}  # stages the plan recomputes
         self._loss_reductions = LossReductions()
 
     # -- structure ---------------------------------------------------------------------------
@@ -203,10 +205,19 @@ class Pipeline(ParameterAPI):
         return self.layout.target_dim if self.layout is not None else 0
 
     # -- running -----------------------------------------------------------------------------
+    def _stage_call(self, s: int) -> Callable[..., Any]:
+        """Stage ``s``'s code, under recomputation when the plan says so."""
+        stage = self.program.stages[s]
+        if self.plan is None or not self.plan.stages[s].recompute:
+            return stage.gm
+        if s not in self._recomputed:
+            self._recomputed[s] = RecomputedForward(stage.gm)
+        return self._recomputed[s]
+
     def _run_stage(self, s: int, i: int, values: Sequence[Any]) -> tuple[Any, ...]:
         stage = self.program.stages[s]
         try:
-            out = stage.gm(*values)
+            out = self._stage_call(s)(*values)
         except Exception as exc:
             raise ExecutionError(
                 f"stage {s} failed on micro-batch {i} on {stage.device}: {type(exc).__name__}: {exc}",

@@ -221,8 +221,8 @@ def _try(problem: Problem, stages: Sequence[Sequence[int]], devs: list[int], kin
     graph = problem.graph.scaled(fraction)
     pb = problem.with_(graph=graph, microbatches=m, schedule=kind)
     plan = evaluate(pb, stages, devs)
-    acts = [sum(graph.blocks[b].activation_bytes for b in blocks) + st.in_bytes
-            for blocks, st in zip(stages, plan.stages, strict=True)]
+    acts = [st.in_bytes + (0 if st.recompute else sum(graph.blocks[b].activation_bytes for b in blocks))
+            for blocks, st in zip(stages, plan.stages, strict=True)]  # kept per micro-batch in flight
     timeline = simulate_plan(plan, kind, m, activation_bytes=acts, training=problem.training)
     # the cost model's in-flight count replaced by the schedule's own (exact for looped ones)
     flight = [pb.in_flight(s, len(stages)) for s in range(len(stages))]
@@ -269,5 +269,5 @@ def _infeasible_message(table: list[Candidate], batch_size: int) -> str:
         f"{closest.schedule} with m={closest.microbatches}, {closest.memory_note()}. Fix: split the "
         f"model over more devices, use devices with at least {closest.memory_bytes[s] / GiB:.1f} GiB, "
         f"try more micro-batches (up to batch_size={batch_size}) with schedule '1f1b', "
-        "or reduce activation memory (activation checkpointing)"
+        "or reduce activation memory (recompute='auto')"
     )

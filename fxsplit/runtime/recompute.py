@@ -1,0 +1,82 @@
+"""Activation recomputation of a stage: keep its inputs, run its forward again in backward.
+
+A stage the plan marks ``recompute`` (:attr:`fxsplit.ir.StagePlan.recompute`) runs its
+``GraphModule`` under :func:`torch.utils.checkpoint.checkpoint` (non-reentrant, random state
+preserved, so dropout draws the same masks): the forward keeps only what the stage received, and
+the backward runs the forward once more to rebuild the activations it needs. Both runtimes call
+:class:`RecomputedForward` where they would call the stage.
+
+The second forward must change nothing the first one already did. Buffers it writes
+(``nn.BatchNorm``'s running statistics in a ``symbolic_trace`` graph, a step counter) are put
+back as they were before it ran, and a deferred BatchNorm
+(:class:`~fxsplit.codegen.batchnorm.DeferredBatchNorm`) does not record the micro-batch's
+statistics twice. Updates fxsplit already runs once per step
+(:class:`~fxsplit.codegen.buffers.OncePerStep`) need nothing: the step's first call ran them.
+
+References:
+    Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016;
+    Huang et al., "GPipe", NeurIPS 2019, §2.3 (re-materialisation per stage);
+    https://pytorch.org/docs/stable/checkpoint.html
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import checkpoint
+
+from fxsplit.codegen.batchnorm import DeferredBatchNorm
+
+__all__ = ["RecomputedForward"]
+
+
+class RecomputedForward:
+    """Call a stage's ``GraphModule`` keeping only its inputs for backward.
+
+    Args:
+        gm: The stage's code; its parameters stay where they are (no wrapper module, so state
+            names do not change).
+
+    Shape:
+        ``__call__(*values)`` takes and returns what ``gm`` does. Without autograd (no grad
+        mode, or nothing that requires a gradient) it is ``gm(*values)``.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self._deferred = [m for m in gm.modules() if isinstance(m, DeferredBatchNorm)]
+
+    def __call__(self, *values: Any) -> Any:
+        if not torch.is_grad_enabled() or not self._needs_grad(values):
+            return self.gm(*values)
+        calls = [0]
+
+        def run(*inputs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                return self.gm(*inputs)
+            return self._again(inputs)
+
+        return checkpoint(run, *values, use_reentrant=False, preserve_rng_state=True)
+
+    def _needs_grad(self, values: tuple[Any, ...]) -> bool:
+        leaves = [v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, torch.Tensor)]
+        return any(t.requires_grad for t in leaves) or any(p.requires_grad for p in self.gm.parameters())
+
+    def _again(self, inputs: tuple[Any, ...]) -> Any:
+        """The forward run a second time, with the stage's buffers and deferred statistics left as
+        the first run left them."""
+        with torch.no_grad():
+            saved = [(b, b.detach().clone()) for b in self.gm.buffers()]
+        for m in self._deferred:
+            m.replaying = True
+        try:
+            return self.gm(*inputs)
+        finally:
+            for m in self._deferred:
+                m.replaying = False
+            with torch.no_grad():
+                for b, value in saved:
+                    b.copy_(value)

@@ -1,0 +1,217 @@
+"""Activation recomputation (issue 13, item 1): the cost model, the solvers, both runtimes.
+
+A recomputed stage keeps only its inputs per in-flight micro-batch and runs its forward again in
+backward. The model must cost it (memory and time), every solver must choose it where it pays
+(``recompute="auto"``: exactly where a stage would not fit otherwise), and the runtimes must run
+it with the unsplit model's loss, gradients and buffers.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from pipeline_utils import Compiled, assert_same_training, devices
+from strategies import problems
+from torch import nn
+
+import fxsplit
+import fxsplit.models as zoo
+from fxsplit.calibrate import Measurement, StageTimes, refit_problem
+from fxsplit.compiler import plan_pipeline
+from fxsplit.errors import ConfigError, InfeasibleError
+from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, LinkSpec, Problem, evaluate
+from fxsplit.solvers import solve
+
+MB = 2**20
+
+
+def _chain(act_bytes: int = 100 * MB) -> CondensedGraph:
+    blocks = tuple(Block(i, f"b{i}", fwd_s=1.0, bwd_s=2.0, param_bytes=MB, activation_bytes=act_bytes)
+                   for i in range(4))
+    return CondensedGraph(blocks, tuple(Edge(i, i + 1, MB) for i in range(3)), name="chain")
+
+
+def _problem(recompute: str, memory_mib: int, m: int = 4, schedule: str = "gpipe") -> Problem:
+    devs = tuple(DeviceSpec(f"d{i}", memory_bytes=memory_mib * MB) for i in range(2))
+    return Problem(_chain(), devs, LinkSpec(bytes_per_s=math.inf, latency_s=0.0), microbatches=m,
+                   schedule=schedule, recompute=recompute, optimizer_state_factor=0.0, grad_factor=0.0).check()
+
+
+# --- the cost model ------------------------------------------------------------------------------
+def test_a_stage_recomputes_only_when_it_would_not_fit_otherwise() -> None:
+    # two blocks per stage: state 2 MiB, activations 200 MiB per micro-batch, 4 in flight (GPipe)
+    roomy, tight = _problem("auto", 1000), _problem("auto", 500)
+    plan = evaluate(roomy, [[0, 1], [2, 3]])
+    assert not any(st.recompute for st in plan.stages)
+    assert plan.stages[0].bwd_s == 4.0 and plan.stages[0].memory_bytes == 2 * MB + 200 * MB * 4 + MB
+    plan = evaluate(tight, [[0, 1], [2, 3]])
+    assert all(st.recompute for st in plan.stages)
+    # one more forward in backward; the inputs per micro-batch in flight and the activations once
+    assert plan.stages[0].bwd_s == 4.0 + 2.0 and plan.stages[0].fwd_s == 2.0
+    assert plan.stages[0].memory_bytes == 2 * MB + 0 * 4 + 200 * MB + MB
+    assert plan.stages[1].memory_bytes == 2 * MB + MB * 4 + 200 * MB
+    assert evaluate(_problem("none", 500), [[0, 1], [2, 3]]).stages[0].recompute is False
+    assert all(st.recompute for st in evaluate(_problem("all", 1000), [[0, 1], [2, 3]]).stages)
+
+
+def test_recomputation_needs_training_and_a_known_mode() -> None:
+    pb = _problem("all", 500).with_(training=False)
+    assert not any(st.recompute for st in evaluate(pb, [[0, 1], [2, 3]]).stages)
+    with pytest.raises(ConfigError, match="recompute='sometimes'"):
+        _problem("sometimes", 500)
+
+
+def test_one_in_flight_micro_batch_never_recomputes_under_auto() -> None:
+    # nothing to save: keeping one micro-batch's activations is what recomputing holds anyway
+    plan = evaluate(_problem("auto", 150, m=1), [[0], [1, 2, 3]])
+    assert not any(st.recompute for st in plan.stages)
+
+
+def test_the_solvers_find_the_plan_only_recomputation_makes_fit() -> None:
+    with pytest.raises(InfeasibleError):
+        solve(_problem("none", 500), "dp")
+    for solver in ("dp", "cpsat"):
+        plan = solve(_problem("auto", 500), solver, time_limit_s=20)
+        assert plan.status == "optimal" and all(st.recompute for st in plan.stages)
+        assert plan.bottleneck_s == pytest.approx(2.0 + 4.0 + 2.0)  # forward, backward, forward again
+
+
+def test_calibrate_does_not_count_the_second_forward_as_backward() -> None:
+    # the runtime's trace times a recomputing stage's backward with its forward run again inside
+    pb = _problem("auto", 500, m=1).with_(schedule="gpipe")
+    plan = evaluate(pb.with_(recompute="all"), [[0, 1], [2, 3]])
+    rows = [StageTimes(s, st.fwd_s, st.bwd_s, 2.0, 4.0 + 2.0) for s, st in enumerate(plan.stages)]
+    refit = refit_problem(pb, [Measurement.of(plan, rows)], 1, "gpipe")
+    assert [b.bwd_s for b in refit.graph.blocks] == pytest.approx([2.0] * 4)  # as predicted: nothing to fix
+    assert [b.fwd_s for b in refit.graph.blocks] == pytest.approx([1.0] * 4)
+
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(problems(max_blocks=7, max_devices=3, objective=None, memory_mib=(8, 48)))
+def test_auto_is_never_slower_than_all_or_none_and_fits_exactly_when_all_does(problem: Problem) -> None:
+    def best(mode: str) -> float:
+        try:
+            return solve(problem.with_(recompute=mode), "dp").objective_s
+        except InfeasibleError:
+            return math.inf
+
+    auto, none, every = best("auto"), best("none"), best("all")
+    assert auto <= min(none, every) * (1 + 1e-9) + 1e-12
+    assert math.isinf(auto) == math.isinf(every)  # recomputing everywhere fits iff some choice fits
+
+
+# --- the runtimes --------------------------------------------------------------------------------
+def _pipeline(compiled: Compiled, num_stages: int, schedule: str, m: int, recompute: str) -> fxsplit.Pipeline:
+    problem = Problem(compiled.condensed.graph, tuple(devices(num_stages)), LinkSpec(), allow_idle_devices=False,
+                      recompute=recompute)
+    choice = plan_pipeline(problem, compiled.batch, m, schedule, "auto", compiled.options)
+    return compiled.assemble(choice.plan, schedule, m)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "unet", "dag"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
+def test_recomputed_stages_train_like_the_original(name: str, schedule: str) -> None:
+    case = zoo.get(name, batch_size=4)
+    compiled = Compiled(case, copy_tied=name == "gpt")
+    pipe = _pipeline(compiled, 3, schedule, 4, "all")
+    assert all(st.recompute for st in pipe.plan.stages)
+    inputs, target = case.make_batch(4, 7)
+    assert_same_training(pipe, compiled, inputs, target)
+
+
+def test_a_recomputed_stage_keeps_only_what_it_received() -> None:
+    case = zoo.get("mlp", batch_size=8)
+    compiled = Compiled(case)
+    inputs, _ = case.make_batch(8, 3)
+    kept = {}
+    for mode in ("none", "all"):
+        pipe = _pipeline(compiled, 2, "gpipe", 2, mode)
+        saved: list[int] = []
+
+        def pack(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            pipe(*inputs)
+        kept[mode] = sum(saved)
+    received = sum(x.numel() * x.element_size() for x in inputs)  # stage 0's inputs, whole batch
+    boundary = pipe.plan.stages[1].in_bytes * 2  # stage 1's inputs, per micro-batch (of 4 rows) x 2
+    assert kept["all"] <= received + boundary * 2, kept
+    assert kept["none"] > 4 * kept["all"], kept
+
+
+class _Noisy(nn.Module):
+    """Dropout and a train-mode BatchNorm: what a second forward must not change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3))
+        self.b = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.3), nn.BatchNorm1d(32), nn.Tanh())
+        self.c = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)))
+
+
+@pytest.mark.filterwarnings("ignore::fxsplit.errors.NotPerSampleWarning")  # train-mode BatchNorm, on purpose
+@pytest.mark.parametrize("method", ["export", "symbolic_trace"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_recomputation_draws_the_same_dropout_and_updates_batch_norm_once(method: str, m: int) -> None:
+    torch.manual_seed(0)
+    model = _Noisy().train()
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    results = {}
+    for mode in ("none", "all"):
+        copy_ = copy.deepcopy(model)
+        options = fxsplit.CompileOptions(recompute=mode, allow_idle_devices=False, capture_method=method,
+                                         executor="sequential")
+        pipe = fxsplit.compile(copy_, devices(2), (x,), microbatches=m, schedule="1f1b", cost_model="analytic",
+                               options=options)
+        assert all(st.recompute for st in pipe.plan.stages) == (mode == "all")
+        torch.manual_seed(1)
+        loss = pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss)
+        results[mode] = (loss, {n: p.grad.clone() for n, p in pipe.named_parameters()},
+                         {k: v.clone() for k, v in pipe.state_dict().items()})
+    (l0, g0, s0), (l1, g1, s1) = results["none"], results["all"]
+    torch.testing.assert_close(l1, l0)
+    assert g0.keys() == g1.keys() and s0.keys() == s1.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], msg=lambda msg, n=name: f"gradient of {n}: {msg}")
+    for name in s0:  # running statistics and batch counts: updated once, as without recomputation
+        torch.testing.assert_close(s1[name], s0[name], msg=lambda msg, n=name: f"{n}: {msg}")
+
+
+def test_compile_recomputes_where_the_memory_limit_demands_and_trains_like_the_original() -> None:
+    case = zoo.get("gpt", batch_size=8)
+    inputs, target = case.make_batch(8, 5)
+    kept = fxsplit.compile(copy.deepcopy(case.model), devices(2), case.example_inputs, microbatches=4,
+                           schedule="gpipe", cost_model="analytic",
+                           options=fxsplit.CompileOptions(recompute="none", executor="sequential"))
+    need = max(st.memory_bytes for st in kept.plan.stages)
+    limit = int(need * 0.8)
+    with pytest.raises(InfeasibleError):
+        fxsplit.compile(copy.deepcopy(case.model), devices(2), case.example_inputs, microbatches=4, schedule="gpipe",
+                        cost_model="analytic", memory_limit_bytes=limit,
+                        options=fxsplit.CompileOptions(recompute="none", executor="sequential"))
+    model = copy.deepcopy(case.model)
+    pipe = fxsplit.compile(model, devices(2), case.example_inputs, microbatches=4, schedule="gpipe",
+                           cost_model="analytic", memory_limit_bytes=limit,
+                           options=fxsplit.CompileOptions(executor="sequential"))  # recompute="auto"
+    assert any(st.recompute for st in pipe.plan.stages)
+    assert max(st.memory_bytes for st in pipe.plan.stages) <= limit
+    reference = copy.deepcopy(case.model)
+    ref_loss = case.loss_fn(reference(*inputs), target)
+    ref_loss.backward()
+    loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-4, atol=1e-5)
+    ref = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-5)
