@@ -203,7 +203,8 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     Raises:
         ConfigError: for a launch without torchrun's environment, a plan whose stage count does
             not suit the world size and schedule, a bad schedule or micro-batch count, or stage
-            tensors no source fills; on every rank, before any stage is built.
+            tensors no source fills, or ``options.autocast`` (mixed precision runs in the local
+            pipeline only); on every rank, before any stage is built.
         PlanError: on every rank, when a rank captured a different graph than rank 0, rank 0's
             plan does not fit a rank's capture, or capture or planning failed on another rank.
         CaptureError, InfeasibleError: as :func:`fxsplit.compile`.
@@ -216,6 +217,9 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     if cost_model not in ("auto", "profiled", "analytic"):
         raise ConfigError(f"cost_model={cost_model!r}; choose 'auto', 'profiled' or 'analytic'")
     options = with_batch_dim(options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0), batch_dim)
+    if options.autocast is not None:  # the wire shapes are computed in the graph's own dtypes
+        raise ConfigError(f"autocast={options.autocast!r} runs in the local pipeline (fxsplit.compile) only; "
+                          "fxsplit.distributed does not run mixed precision yet: pass autocast=None")
     rank, world, device = init_process_group(backend, timeout_s)
     asked = microbatches if microbatches is not None else ("auto" if schedule == "auto" else world)
     _check_args(schedule, asked, world, None)

@@ -12,7 +12,10 @@ from pathlib import Path
 
 from fxsplit.ir.devices import DeviceSpec, LinkSpec
 
-__all__ = ["CompileOptions"]
+__all__ = ["AUTOCAST_DTYPES", "CompileOptions"]
+
+#: ``CompileOptions.autocast`` names and the ``torch.dtype`` names they stand for.
+AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,12 @@ class CompileOptions:
         recompute: Activation recomputation per stage (:data:`fxsplit.ir.problem.RECOMPUTE`):
             ``"auto"`` (a stage recomputes when its activations would not fit its device
             otherwise), ``"all"`` or ``"none"``.
+        autocast: Mixed precision: ``"bf16"`` or ``"fp16"`` runs every stage's forward and the
+            loss under ``torch.autocast`` to that dtype (parameters, gradients and optimizer
+            state stay fp32), and annotates the costs under it (activation and boundary bytes
+            in the dtypes autocast gives; measured and profiled times of the autocast kernels);
+            ``None`` (default) runs in the model's own dtypes. With ``"fp16"`` pass a
+            ``torch.amp.GradScaler`` to ``train_step(grad_scaler=...)``.
     """
 
     capture_method: str = "auto"
@@ -66,3 +75,4 @@ class CompileOptions:
     batch_dim: int = 0
     stages_per_device: int = 2
     recompute: str = "auto"
+    autocast: str | None = None

@@ -204,8 +204,12 @@ def _slice_batch(flat: Sequence[Any], batched: Sequence[bool], size: int) -> lis
 def graph_digest(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any]) -> str:
     """A digest equal for two graphs that run the same code on inputs and state of the same
     shapes and dtypes: the generated code, the input shapes and every parameter and buffer's
-    name, shape and dtype (values do not change the timing)."""
+    name, shape and dtype (values do not change the timing), and the autocast dtypes in force
+    (mixed precision runs other kernels)."""
     h = hashlib.sha256(gm.code.encode())
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            h.update(f"autocast:{device}:{torch.get_autocast_dtype(device)}".encode())
     for x in flat_inputs:
         h.update(repr((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x).encode())
     for name, t in [*gm.named_parameters(), *gm.named_buffers()]:

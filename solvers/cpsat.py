@@ -68,8 +68,10 @@ enforcement literal" that overflows on byte-sized coefficients in OR-Tools 9.15
 
 
 def _hint_plan(problem: Problem, hint: str | Plan | None, limit_s: float) -> Plan | None:
-    """The plan to hint: a given plan, ``dp`` (``"auto"``: when its estimate fits ``limit_s``),
-    else ``greedy``; ``None`` when none fits memory."""
+    """The plan to hint: a given plan, ``dp`` (``"auto"``: when its estimate fits ``limit_s``;
+    else, where the in-flight counts depend on the stage count, the DP's optimum of the problem
+    with every micro-batch in flight, see :func:`_all_in_flight_hint`), else ``greedy``;
+    ``None`` when none fits memory."""
     if hint is None or hint == "none" or isinstance(hint, Plan):
         return hint if isinstance(hint, Plan) else None
     from fxsplit.solvers.baselines import solve_greedy
@@ -80,11 +82,38 @@ def _hint_plan(problem: Problem, hint: str | Plan | None, limit_s: float) -> Pla
             return solve_dp(problem, time_limit_s=limit_s)
         except (InfeasibleError, SolverError) as exc:
             logger.info("cpsat: no dp hint (%s)", exc)
+    elif hint == "auto" and (plan := _all_in_flight_hint(problem, limit_s)) is not None:
+        return plan
     try:
         return solve_greedy(problem)
     except InfeasibleError as exc:
         logger.info("cpsat: no greedy hint (%s)", exc)
         return None
+
+
+def _all_in_flight_hint(problem: Problem, limit_s: float) -> Plan | None:
+    """The DP's optimum of ``problem`` with all ``m`` micro-batches in flight on every stage
+    (GPipe's memory), re-costed on ``problem``; ``None`` when that does not apply or fit the time.
+
+    Under 1F1B or zero-bubble a stage holds at most ``m`` micro-batches and stage times do not
+    depend on the schedule, so every plan of the relaxation is a plan here, as fast or faster
+    (fewer activations kept: a stage may skip recomputing). Its DP lays out one chain of slots,
+    not one per stage count, so it often fits the time where the exact DP does not (Llama-70B on
+    32 A100s: 8 s against minutes; bench/README.md, *Activation recomputation*)."""
+    if not problem.in_flight_depends_on_stage_count:
+        return None
+    from fxsplit.solvers.dp import solve_dp
+
+    relaxed = problem.with_(schedule="gpipe")
+    if estimate_dp(relaxed).seconds > limit_s / 2:
+        return None
+    try:
+        plan = solve_dp(relaxed, time_limit_s=limit_s)
+    except (InfeasibleError, SolverError) as exc:
+        logger.info("cpsat: no all-in-flight dp hint (%s)", exc)
+        return None
+    hint = evaluate(problem, [st.blocks for st in plan.stages], [st.device for st in plan.stages], solver="dp")
+    return hint if not hint.validate(problem) else None
 
 
 def _extract(problem: Problem, data: CpData, values: dict[tuple[int, int], bool],

@@ -214,7 +214,9 @@ def add_loads(m: Any, d: CpData, v: CpVars) -> None:
     comm_max = max((_max_comm_q(d, s) for s in range(S - 1)), default=0)
     again_max = max((sum(fq) for fq in d.fwd_q), default=0) if d.recompute != "none" else 0
     horizon = max(sum(tq) for tq in d.time_q) + again_max + 2 * k * comm_max
-    cheapest = [min(tq[b] for tq in d.time_q) for b in range(n)]  # each block on its fastest unit
+    twice = d.recompute == "all"  # every stage runs its forward again
+    cheapest = [min(tq[b] + (fq[b] if twice else 0) for tq, fq in zip(d.time_q, d.fwd_q, strict=True))
+                for b in range(n)]  # each block on its fastest unit
     floor = max(max(cheapest, default=0), -(-sum(cheapest) // S))  # the slowest block; the mean stage
     v.bottleneck = m.NewIntVar(min(floor, horizon), horizon, "bottleneck")
     for s in range(S):

@@ -185,3 +185,21 @@ def test_a_claimed_optimum_on_a_pipedream_graph_has_no_rounding_gap() -> None:
     plan = cpsat.solve_cpsat(problem, hint="greedy", time_limit_s=30)
     assert plan.status == "optimal" and plan.gap <= cpsat.OPTIMAL_GAP, plan.stats
     assert plan.stats["certified"] and plan.stats["rounding_slack_s"] > cpsat.OPTIMAL_GAP * plan.objective_s
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_blocks=7, max_devices=3, objective=None, memory_mib=(8, 48)))
+def test_the_all_in_flight_hint_is_a_plan_between_the_two_optima(problem: Problem) -> None:
+    """Under 1F1B / zero-bubble the DP of the problem with every micro-batch in flight (one
+    chain of slots, cheap where the exact DP is not) gives a valid plan, no slower than that
+    relaxation's optimum and no faster than the problem's own."""
+    hint = cpsat._all_in_flight_hint(problem, 10.0)
+    if not problem.in_flight_depends_on_stage_count:
+        assert hint is None
+        return
+    relaxed, exact = _dp_or_none(problem.with_(schedule="gpipe")), _dp_or_none(problem)
+    if relaxed is None:
+        assert hint is None
+        return
+    assert hint is not None and not hint.validate(problem)
+    assert exact is not None and exact * (1 - 1e-9) <= hint.objective_s <= relaxed * (1 + 1e-9)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from typing import Annotated, Any
@@ -46,7 +47,9 @@ def train_and_compare(pipe: Any, case: Any, reference: Any, steps: int, lr: floa
         start = time.perf_counter()
         loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
         out["step_s"].append(time.perf_counter() - start)
-        ref_loss = case.loss_fn(reference(*inputs), target)
+        dtype = getattr(pipe, "autocast", None)  # mixed precision: the unsplit model under the same autocast
+        with torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            ref_loss = case.loss_fn(reference(*inputs), target)
         ref_loss.backward()
         out["losses"].append(float(loss))
         out["loss_diff"] = max(out["loss_diff"], abs(loss.item() - ref_loss.item()))
@@ -101,6 +104,7 @@ def register(app: typer.Typer) -> None:
         backend: Annotated[str, typer.Option(help="--distributed: gloo, nccl or auto")] = "auto",
         timeout_s: Annotated[float, typer.Option(help="--distributed: seconds before a silent peer is an error")] = 60.0,
         recompute: Annotated[str, typer.Option(help="activation recomputation per stage: auto (where a stage would not fit otherwise), all or none")] = "auto",
+        autocast: Annotated[str | None, typer.Option(help="mixed precision: bf16 or fp16 (local pipeline; default: the model's dtypes)")] = None,
     ) -> None:
         """Plan MODEL over DEVICES, train STEPS steps, and compare with the unsplit model."""
         import fxsplit
@@ -115,7 +119,7 @@ def register(app: typer.Typer) -> None:
             try:
                 run_distributed(model, steps=steps, microbatches=microbatches, schedule=schedule, size=size,
                                 batch_size=batch_size, lr=lr, backend=backend, timeout_s=timeout_s,
-                                calibrate=calibrate, recompute=recompute)
+                                calibrate=calibrate, recompute=recompute, autocast=autocast)
             except FxsplitError as exc:
                 exit_with_error(console, exc, 2)
             return
@@ -133,7 +137,7 @@ def register(app: typer.Typer) -> None:
                 pipe = fxsplit.compile(
                     case.model, parse_devices(devices), case.example_inputs,
                     microbatches=m, schedule=schedule, solver=solver, objective=objective, cost_model=cost_model,
-                    options=CompileOptions(progress=profiled, recompute=recompute),
+                    options=CompileOptions(progress=profiled, recompute=recompute, autocast=autocast),
                 )
             if calibrate > 0:
                 inputs, target = case.make_batch(batch_size, 999)

@@ -71,6 +71,7 @@ def _summary(pipe: Any, result: dict[str, Any], world: int) -> Table:
 def run_distributed(
     model: str, *, steps: int, microbatches: str, schedule: str, size: str, batch_size: int, lr: float,
     backend: str, timeout_s: float, save: str | None = None, calibrate: int = 0, recompute: str = "auto",
+    autocast: str | None = None,
 ) -> None:
     """Train ``model`` across the processes torchrun launched; rank 0 prints. ``calibrate > 0``:
     measure that many steps per plan, refit and re-plan across the ranks first.
@@ -94,7 +95,7 @@ def run_distributed(
         pipe = fxd.compile(
             lambda: load_model(model, size=size, batch_size=batch_size).model, case.example_inputs,
             schedule=schedule, microbatches=m, state_dict=reference.state_dict(), timeout_s=timeout_s,
-            options=CompileOptions(allow_idle_devices=False, time_limit_s=30.0, recompute=recompute),
+            options=CompileOptions(allow_idle_devices=False, time_limit_s=30.0, recompute=recompute, autocast=autocast),
         )
     if calibrate > 0:
         inputs, target = case.make_batch(batch_size, 999)

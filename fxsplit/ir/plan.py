@@ -320,9 +320,11 @@ def trivial_lower_bound(problem: Problem) -> float:
     Bottleneck: ``max(largest block / fastest speed, total work / sum of all speeds)``.
     Makespan: ``total work / fastest speed + (m - 1) · bottleneck bound`` (the sum of stage times
     is at least the total work on the fastest device). Communication is ignored (it only adds).
+    Under ``recompute="all"`` each block's forward counts twice.
     """
     g = problem.graph
-    times = [b.time_s if problem.training else b.fwd_s for b in g.blocks]
+    again = problem.may_recompute() and problem.recompute == "all"  # every stage runs its forward twice
+    times = [(b.time_s + (b.fwd_s if again else 0.0)) if problem.training else b.fwd_s for b in g.blocks]
     speeds = [d.speed for d in problem.devices]
     if not times:
         return 0.0

@@ -15,6 +15,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -105,6 +106,7 @@ class _Step:
     losses: list[torch.Tensor | None] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     reduction_checked: bool = False
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None  # a GradScaler's scale(): fp16 loss scaling
 
     def total_loss(self) -> torch.Tensor:
         """The batch loss (detached): the sum of the weighted micro-batch losses."""
@@ -143,6 +145,7 @@ class Pipeline(ParameterAPI):
         batched_inputs: Sequence[bool] | None = None,
         batched_outputs: Sequence[bool] | None = None,
         layout: BatchLayout | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         self.program = program
         self.in_spec, self.out_spec = in_spec, out_spec
@@ -168,6 +171,8 @@ class Pipeline(ParameterAPI):
         # pipe.trace(path); set to None to record nothing.
         self.recorder: TraceRecorder | None = TraceRecorder()
         self._recomputed: dict[int, RecomputedForward] = {}  # stages the plan recomputes
+        # Mixed precision: every stage's forward (and the loss) under torch.autocast to this dtype.
+        self.autocast = autocast
         self._loss_reductions = LossReductions()
 
     # -- structure ---------------------------------------------------------------------------
@@ -214,10 +219,17 @@ class Pipeline(ParameterAPI):
             self._recomputed[s] = RecomputedForward(stage.gm)
         return self._recomputed[s]
 
+    def _precision(self, s: int) -> Any:
+        """``torch.autocast`` on stage ``s``'s device when the pipeline runs in mixed precision."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._devices[s].type, dtype=self.autocast)
+
     def _run_stage(self, s: int, i: int, values: Sequence[Any]) -> tuple[Any, ...]:
         stage = self.program.stages[s]
         try:
-            out = self._stage_call(s)(*values)
+            with self._precision(s):
+                out = self._stage_call(s)(*values)
         except Exception as exc:
             raise ExecutionError(
                 f"stage {s} failed on micro-batch {i} on {stage.device}: {type(exc).__name__}: {exc}",
@@ -254,6 +266,7 @@ class Pipeline(ParameterAPI):
         *args: Any,
         target: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor],
+        grad_scaler: torch.amp.GradScaler | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         """Forward and backward one batch through the pipeline; return the batch loss.
@@ -267,6 +280,10 @@ class Pipeline(ParameterAPI):
             loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch (the contract)
                 or a sum (``reduction="sum"``: found on the first micro-batch, then the
                 micro-batch losses are added unweighted).
+            grad_scaler: fp16 loss scaling (``torch.amp.GradScaler``): every micro-batch's loss
+                goes backward as ``grad_scaler.scale(loss)``, as ``scaler.scale(loss).backward()``
+                does in the unsplit model; then call ``grad_scaler.step(optimizer)`` and
+                ``grad_scaler.update()`` as usual. The returned loss is not scaled.
 
         Returns:
             The loss of the whole batch (detached, 0-d), as ``loss_fn(model(*args), target)``.
@@ -287,7 +304,7 @@ class Pipeline(ParameterAPI):
         mbs, sizes = split_microbatches(flat, m, batched=self.batched_inputs)
         # Target leaves are split with the inputs' batch size; leaves without it go whole.
         step = _Step(mbs, split_target(target, m, sum(sizes), self._target_dim), loss_weights(sizes), loss_fn, losses=[None] * m,
-                     sizes=sizes, reduction_checked=m == 1)
+                     sizes=sizes, reduction_checked=m == 1, scale=grad_scaler.scale if grad_scaler is not None else None)
         schedule, order = self._schedule_and_order(m)
         self._begin_step()
         saved = self._stash_grads()
@@ -332,7 +349,8 @@ class Pipeline(ParameterAPI):
                                                     step.targets[i], step.sizes[i], self._target_dim)
                     if kind == "sum":  # a sum over the batch is the plain sum of the micro-batches' sums
                         step.weights = [1.0] * len(step.weights)
-                loss = step.loss_fn(self._unflatten(outputs), step.targets[i])
+                with self._precision(s):  # as the unsplit model under autocast computes its loss
+                    loss = step.loss_fn(self._unflatten(outputs), step.targets[i])
             except ConfigError:
                 raise
             except Exception as exc:
@@ -354,13 +372,15 @@ class Pipeline(ParameterAPI):
         """A full backward (B), or with ``split`` its input half (I), whose weight half W runs later."""
         last = s == self.num_stages - 1
         slot = step.slots[(s, i)] if split else step.slots.pop((s, i))
-        outputs, grads = ([step.losses[i]], None) if last else (_tensor_leaves(slot.outputs), step.grads.pop((s, i)))
+        loss = step.losses[i]
+        if last and loss is not None and step.scale is not None:
+            loss = step.scale(loss)  # fp16: the scaled loss goes backward, the step returns the true one
+        outputs, grads = ([loss], None) if last else (_tensor_leaves(slot.outputs), step.grads.pop((s, i)))
         if split:
             weights = [p for p in self.program.stages[s].gm.parameters() if p.requires_grad]
             in_grads, slot.pending = self._guarded(
                 s, i, "input-gradient backward", lambda: backward_input(outputs, grads, _tensor_leaves(slot.inputs), weights))
         else:
-            loss = step.losses[i]
             self._guarded(s, i, "backward", lambda: self._backward_from(outputs, grads) if grads is not None
                           else loss.backward() if loss is not None and loss.requires_grad else None)
             in_grads = [t.grad if t is not None and t.requires_grad else None for t in _tensor_leaves(slot.inputs)]

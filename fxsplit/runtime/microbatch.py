@@ -166,7 +166,9 @@ def loss_reduction(
         return torch.cat([x, x], dim=dim) if dim is not None and isinstance(x, torch.Tensor) else x
 
     with torch.no_grad():
-        outs = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat_outputs]
+        # in float32: under mixed precision a bf16 mean of a doubled batch rounds differently
+        outs = [(x.detach().float() if x.is_floating_point() else x.detach()) if isinstance(x, torch.Tensor) else x
+                for x in flat_outputs]
         one = loss_fn(unflatten(outs), target)
         doubled_target = pytree.tree_map(lambda t: twice(t, target_batch_dim(t, size, target_dim)), target)
         two = loss_fn(unflatten([twice(x, 0 if b else None) for x, b in zip(outs, flags, strict=True)]), doubled_target)
