@@ -84,24 +84,30 @@ def plan_command(
     gantt: Annotated[Path | None, typer.Option(help="draw the predicted timeline (.png, .svg)")] = None,
     as_json: Annotated[Path | None, typer.Option("--json", help="write the plan as JSON here")] = None,
     recompute: Annotated[str, typer.Option(help="activation recomputation per stage: auto (where a stage would not fit otherwise), all or none")] = "auto",
+    cluster: Annotated[Path | None, typer.Option(help="a cluster file (JSON: device kinds, nodes, links; see fxsplit.ir.cluster); replaces --devices and --device")] = None,
 ) -> None:
     """Plan MODEL over DEVICES devices; print the stages and optionally draw them."""
     from fxsplit.api import CompileOptions, _check_compile_args, analyze
     from fxsplit.compiler import plan_pipeline
     from fxsplit.errors import FxsplitError
-    from fxsplit.ir import LinkSpec, Problem
+    from fxsplit.ir import LinkSpec, Problem, load_cluster
     from fxsplit.runtime.microbatch import batch_size_of
 
     console = Console()
     try:
         m: int | str = int(microbatches) if microbatches.isdigit() else microbatches
         _check_compile_args(solver, schedule, m, objective, "analytic")
-        ref = reference_device(device)
+        machine = load_cluster(cluster) if cluster is not None else None
+        ref = machine.devices[0].with_(name=machine.devices[0].kind) if machine else reference_device(device)
         with console.status(f"capturing and annotating {model} ..."):
             case = _load(model, size, batch_size, preset, meta)
             ins = analyze(case.model, case.example_inputs, case.example_kwargs or None, device=ref, name=model)
-        specs = tuple(ref.with_(name=f"{device}:{i}") for i in range(devices))
-        problem = Problem(ins.condensed.graph, specs, link=LinkSpec(), objective=objective,
+        if machine is not None:  # devices in node order, NVLink-like links inside a node
+            specs, link, links = machine.relative_to(ref), machine.inter_node, machine.link_overrides()
+            console.print(f"cluster {machine.name!r}: {len(specs)} devices in {len(set(machine.node_of))} nodes")
+        else:
+            specs, link, links = tuple(ref.with_(name=f"{device}:{i}") for i in range(devices)), LinkSpec(), ()
+        problem = Problem(ins.condensed.graph, specs, link=link, links=links, objective=objective,
                           recompute=recompute).check()
         options = CompileOptions(time_limit_s=time_limit, recompute=recompute)
         with console.status(f"planning over {devices} x {device} ..."):

@@ -75,7 +75,8 @@ class DeviceSpec:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> DeviceSpec:
-        """A known accelerator: ``h100``, ``h200``, ``a100``, ``a100-40gb``, ``v100``, ``t4``.
+        """A known accelerator: ``h100``, ``h200``, ``a100``, ``a100-40gb``, ``v100``, ``t4``, or
+        ``fpga`` (a generic FPGA-like card with assumed numbers, for what-if plans).
 
         Peaks are dense bf16/fp16 tensor-core FLOP/s from the vendors' data sheets; override
         ``peak_flops`` for fp32 training. A CPU is measured on the spot by
@@ -142,4 +143,8 @@ PRESETS: dict[str, DeviceSpec] = {
     "a100-40gb": DeviceSpec("a100-40gb", 312e12, 1.555e12, 40 * GiB, kind="a100", torch_device="cuda", op_overhead_s=5e-6),
     "v100": DeviceSpec("v100", 125e12, 900e9, 32 * GiB, kind="v100", torch_device="cuda", op_overhead_s=5e-6),
     "t4": DeviceSpec("t4", 65e12, 320e9, 16 * GiB, kind="t4", torch_device="cuda", op_overhead_s=5e-6),
+    # A generic FPGA-like accelerator for what-if plans (BaPipe simulates FPGA clusters): an
+    # Alveo-U280-class card's 8 GiB of HBM2 at 460 GB/s, with 2 TFLOP/s *assumed* for training
+    # arithmetic. Not a measured device: give your own numbers in a cluster file.
+    "fpga": DeviceSpec("fpga", 2e12, 460e9, 8 * GiB, kind="fpga", torch_device="cpu", op_overhead_s=1e-6),
 }
