@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fxsplit.errors import ConfigError, InfeasibleError
 from fxsplit.ir import CondensedGraph, DeviceSpec, GiB, LinkSpec, Problem
 from fxsplit.ir.graph import Block, Edge
 from fxsplit.schedule import default_microbatches, explore
+from fxsplit.schedule.explore import Candidate, pareto_front
 
 
 def two_stage_problem(memory_gib: float, latency_s: float = 0.0, edge_bytes: int = 0) -> Problem:
@@ -100,3 +105,47 @@ def test_default_microbatches():
     assert default_microbatches(1) == (1,)
     assert default_microbatches(12) == (1, 2, 3, 4, 6, 12)
     assert max(default_microbatches(2**12)) == 256
+
+
+def test_recomputation_joins_the_search_and_draws_the_memory_front():
+    """Issue 13 item 3: under recompute="auto" each (schedule, m) is costed with the stages that
+    must recompute recomputing, and once with every stage recomputing (the memory-lean end); the
+    choice is the fastest that fits, and the table marks the step-time / peak-memory front."""
+    # 6 GiB devices: GPipe keeps 8 GiB of activations per stage at any m, so it fits only by
+    # recomputing (inputs in flight and one micro-batch's activations: 8/m GiB)
+    problem = two_stage_problem(6).with_(recompute="auto")
+    choice = explore(problem, [[0], [1]], batch_size=8, microbatch_candidates=[1, 2, 4, 8])
+    rows = {c.key: c for c in choice.table_of_candidates}
+    assert len(rows) == 2 * 4 * 2
+    gpipe = rows[("gpipe", 8, "auto")]
+    assert gpipe.fits and gpipe.recompute_stages == 2 and gpipe.step_time_s > rows[("1f1b", 8, "auto")].step_time_s
+    assert rows[("1f1b", 8, "auto")].recompute_stages == 0  # 1F1B fits as it is: nothing recomputes
+    assert choice.key == ("1f1b", 8, "auto")  # never an "all" row: those only show the trade-off
+    for (kind, m, mode), c in rows.items():
+        if mode == "all":
+            keep = rows[(kind, m, "auto")]
+            assert max(c.memory_bytes) <= max(keep.memory_bytes) and c.step_time_s >= keep.step_time_s
+    front = choice.pareto()
+    assert front[0] == choice.chosen
+    assert all(max(a.memory_bytes) > max(b.memory_bytes) and a.step_time_s <= b.step_time_s
+               for a, b in itertools.pairwise(front))
+    text = choice.format_table()
+    assert "* 1f1b" in text and "+ " in text and "2 (auto)" in text
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.1, 10.0), st.integers(1, 100), st.booleans()), min_size=1, max_size=12))
+def test_the_front_is_exactly_the_undominated_fitting_candidates(points):
+    table = [Candidate("1f1b", i + 1, t, t, 0.0, (mem,), (100 if fits else mem - 1,), ("d",))
+             for i, (t, mem, fits) in enumerate(points)]
+    front = pareto_front(table)
+    fitting = [c for c in table if c.fits]
+
+    def dominated(c):
+        return any((o.step_time_s <= c.step_time_s and max(o.memory_bytes) < max(c.memory_bytes))
+                   or (o.step_time_s < c.step_time_s and max(o.memory_bytes) <= max(c.memory_bytes))
+                   for o in fitting)
+
+    assert all(c.fits and not dominated(c) for c in front)
+    assert all(dominated(c) or any(f.step_time_s <= c.step_time_s and max(f.memory_bytes) <= max(c.memory_bytes)
+                                   for f in front) for c in fitting)

@@ -84,6 +84,7 @@ def plan_command(
     gantt: Annotated[Path | None, typer.Option(help="draw the predicted timeline (.png, .svg)")] = None,
     as_json: Annotated[Path | None, typer.Option("--json", help="write the plan as JSON here")] = None,
     recompute: Annotated[str, typer.Option(help="activation recomputation per stage: auto (where a stage would not fit otherwise), all or none")] = "auto",
+    explore: Annotated[bool, typer.Option("--explore", help="print every schedule, micro-batch count and recomputation tried, with the step-time / peak-memory front")] = False,
     cluster: Annotated[Path | None, typer.Option(help="a cluster file (JSON: device kinds, nodes, links; see fxsplit.ir.cluster); replaces --devices and --device")] = None,
 ) -> None:
     """Plan MODEL over DEVICES devices; print the stages and optionally draw them."""
@@ -115,6 +116,8 @@ def plan_command(
         plan_problem = choice.problem.with_(graph=problem.graph.scaled(1.0 / choice.microbatches))
         console.print(plan_table(choice.plan, plan_problem))
         console.print(f"schedule: {choice.reason}")
+        if explore and choice.candidates:
+            console.print(choice.candidates, markup=False, highlight=False, soft_wrap=True)
         _outputs(console, choice, plan_problem, [s.name for s in specs], draw, gantt, as_json)
     except FxsplitError as exc:
         exit_with_error(console, exc, 2)

@@ -22,11 +22,12 @@ from fxsplit.errors import ConfigError, InfeasibleError, ScheduleError
 from fxsplit.ir.devices import GiB
 from fxsplit.ir.plan import Plan, evaluate
 from fxsplit.ir.problem import LOOPED_SCHEDULES, Problem
+from fxsplit.ir.units import format_bytes
 from fxsplit.schedule.actions import Schedule
 from fxsplit.schedule.gantt import format_seconds
 from fxsplit.schedule.simulate import Timeline, simulate_plan
 
-__all__ = ["Candidate", "ScheduleChoice", "explore", "default_microbatches", "MAX_DEFAULT_MICROBATCHES"]
+__all__ = ["Candidate", "ScheduleChoice", "explore", "default_microbatches", "pareto_front", "MAX_DEFAULT_MICROBATCHES"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class Candidate:
         capacity_bytes: ``[num_ranks]`` memory of each device.
         device_names: ``[num_ranks]`` name of each device.
         rank_stages: ``[num_ranks]`` the stages each device runs (one each unless looped).
+        recompute: The problem's recomputation mode this candidate was costed with.
+        recompute_stages: How many stages recompute their activations.
     """
 
     schedule: str
@@ -60,6 +63,12 @@ class Candidate:
     capacity_bytes: tuple[int, ...]
     device_names: tuple[str, ...]
     rank_stages: tuple[tuple[int, ...], ...] = ()
+    recompute: str = "none"
+    recompute_stages: int = 0
+
+    @property
+    def key(self) -> tuple[str, int, str]:
+        return (self.schedule, self.microbatches, self.recompute)
 
     @property
     def fits(self) -> bool:
@@ -80,7 +89,19 @@ class Candidate:
                 f"({self.device_names[r]} has {self.capacity_bytes[r] / GiB:.1f} GiB)")
 
     def label(self) -> str:
-        return f"{self.schedule} m={self.microbatches}: {format_seconds(self.step_time_s)}"
+        again = f", {self.recompute_stages} stage(s) recomputing" if self.recompute_stages else ""
+        return f"{self.schedule} m={self.microbatches}{again}: {format_seconds(self.step_time_s)}"
+
+
+def pareto_front(table: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates that fit memory and that no other fitting one beats on both step time and
+    peak memory (the largest device's), fastest first."""
+    fitting = sorted((c for c in table if c.fits), key=lambda c: (c.step_time_s, max(c.memory_bytes)))
+    front: list[Candidate] = []
+    for c in fitting:
+        if not front or max(c.memory_bytes) < max(front[-1].memory_bytes):
+            front.append(c)
+    return front
 
 
 @dataclass(frozen=True)
@@ -104,23 +125,40 @@ class ScheduleChoice:
     table_of_candidates: tuple[Candidate, ...]
     plan: Plan
     timeline: Timeline
+    recompute: str = "none"
 
     @property
     def kind(self) -> str:
         return self.schedule.name
 
+    @property
+    def key(self) -> tuple[str, int, str]:
+        return (self.kind, self.microbatches, self.recompute)
+
+    @property
+    def chosen(self) -> Candidate:
+        return next(c for c in self.table_of_candidates if c.key == self.key)
+
+    def pareto(self) -> list[Candidate]:
+        """:func:`pareto_front` of the candidates: the step-time / peak-memory trade-offs."""
+        return pareto_front(self.table_of_candidates)
+
     def format_table(self) -> str:
-        """The candidates as a text table, the choice marked with ``*``."""
-        head = f"  {'schedule':<16} {'m':>5} {'step':>10} {'formula':>10} {'bubble':>7} {'peak mem':>10}  fits"
+        """The candidates as a text table: the choice marked ``*``, the rest of the Pareto front
+        of (step time, peak memory) ``+``; ``recompute`` counts the stages that recompute."""
+        head = (f"  {'schedule':<16} {'m':>5} {'recompute':>10} {'step':>10} {'formula':>10} {'bubble':>7} "
+                f"{'peak mem':>10}  fits")
         rows = [head]
+        front = {c.key for c in self.pareto()}
         for c in self.table_of_candidates:
-            mark = "*" if (c.schedule, c.microbatches) == (self.kind, self.microbatches) else " "
+            mark = "*" if c.key == self.key else "+" if c.key in front else " "
+            again = f"{c.recompute_stages} ({c.recompute})" if c.recompute != "none" else "off"
             rows.append(
-                f"{mark} {c.schedule:<16} {c.microbatches:>5} {format_seconds(c.step_time_s):>10} "
+                f"{mark} {c.schedule:<16} {c.microbatches:>5} {again:>10} {format_seconds(c.step_time_s):>10} "
                 f"{format_seconds(c.closed_form_s):>10} {c.bubble_fraction:>7.1%} "
-                f"{max(c.memory_bytes) / GiB:>6.2f} GiB  {'yes' if c.fits else 'no: ' + c.memory_note()}"
+                f"{format_bytes(max(c.memory_bytes)):>10}  {'yes' if c.fits else 'no: ' + c.memory_note()}"
             )
-        return "\n".join(rows) + "\n"
+        return "\n".join(rows) + "\n  (the chosen row is starred; + marks the rest of the step-time / peak-memory front)\n"
 
 
 def default_microbatches(batch_size: int) -> tuple[int, ...]:
@@ -167,6 +205,9 @@ def explore(
     """
     candidates = _check_args(batch_size, schedules, microbatch_candidates)
     devs = list(devices) if devices is not None else list(range(len(stages)))
+    # Under recompute="auto" each candidate recomputes exactly the stages that need it (the
+    # fastest choice); "all" adds the memory-lean end of the trade-off to the table, never chosen.
+    modes = [problem.recompute] + (["all"] if problem.recompute == "auto" and problem.training else [])
     table, plans = [], {}
     for kind in schedules:
         placement = looped if kind in LOOPED_SCHEDULES else (stages, devs)
@@ -174,25 +215,27 @@ def explore(
             logger.debug("explore: no looping placement given, %s skipped", kind)
             continue
         for m in candidates:
-            try:
-                cand, plan, timeline = _try(problem, placement[0], list(placement[1]), kind, m, batch_size)
-            except ScheduleError as exc:  # e.g. interleaving m micro-batches that are no whole rounds
-                logger.debug("explore: %s m=%d cannot run: %s", kind, m, exc)
-                continue
-            table.append(cand)
-            plans[(kind, m)] = (plan, timeline)
-            logger.debug("explore %s", cand.label())
-    fitting = [c for c in table if c.fits]
+            for mode in modes:
+                try:
+                    cand, plan, timeline = _try(problem.with_(recompute=mode), placement[0], list(placement[1]),
+                                                kind, m, batch_size)
+                except ScheduleError as exc:  # e.g. interleaving m micro-batches that are no whole rounds
+                    logger.debug("explore: %s m=%d cannot run: %s", kind, m, exc)
+                    break
+                table.append(cand)
+                plans[cand.key] = (plan, timeline)
+                logger.debug("explore %s", cand.label())
+    fitting = [c for c in table if c.fits and c.recompute == problem.recompute]
     if not table:
         raise ConfigError(f"none of the schedules {list(schedules)} can run micro-batch counts {list(candidates)}")
     if not fitting:
         raise InfeasibleError(_infeasible_message(table, batch_size))
     best = min(fitting, key=lambda c: (round(c.step_time_s, 12), max(c.memory_bytes), c.microbatches))
-    plan, timeline = plans[(best.schedule, best.microbatches)]
-    reason = _reason(best, table)
+    plan, timeline = plans[best.key]
+    reason = _reason(best, [c for c in table if c.recompute == problem.recompute])
     logger.info("schedule choice: %s", reason)
     return ScheduleChoice(timeline.schedule, best.microbatches, best.step_time_s, reason, tuple(table),
-                          plan, timeline)
+                          plan, timeline, problem.recompute)
 
 
 def _check_args(batch_size: int, schedules: Sequence[str], candidates: Sequence[int] | None) -> tuple[int, ...]:
@@ -240,6 +283,8 @@ def _try(problem: Problem, stages: Sequence[Sequence[int]], devs: list[int], kin
         capacity_bytes=tuple(problem.devices[d].memory_bytes for d in ranks),
         device_names=tuple(problem.devices[d].name for d in ranks),
         rank_stages=held,
+        recompute=problem.recompute if problem.may_recompute() else "none",
+        recompute_stages=sum(st.recompute for st in plan.stages),
     )
     return cand, plan, timeline
 
