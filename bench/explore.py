@@ -6,7 +6,9 @@ of ``tests/data/llama70b-32xa100.problem.json.gz`` (captured on meta by
 fp32 weights with Adam state, analytic A100 costs). For each schedule and each ``recompute``
 mode, ``solve(..., "auto")`` plans it; the table gives the step the plan predicts (the
 schedule's simulated makespan), the bottleneck stage per micro-batch, the most memory a device
-needs, how many stages recompute, the solver's status and gap, and the seconds it took.
+needs, how many stages recompute, the solver's status and gap, and the seconds it took. Beside
+them, data parallelism over the same devices, plain and with ZeRO-1 optimizer sharding
+(:mod:`fxsplit.solvers.data_parallel`: an estimate kind to it, all-reduce hidden by backward).
 
 Run: ``python bench/explore.py [--time-limit 60] [--schedules gpipe,1f1b] [--markdown]``.
 """
@@ -26,6 +28,7 @@ from fxsplit.errors import InfeasibleError, SolverError
 from fxsplit.ir import Problem
 from fxsplit.schedule import plan_step_s
 from fxsplit.solvers import solve
+from fxsplit.solvers.data_parallel import data_parallel
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "llama70b-32xa100.problem.json.gz"
 GiB = 2.0**30
@@ -63,6 +66,11 @@ def main() -> None:
                           f"{max(st.memory_bytes for st in plan.stages) / GiB:.1f}",
                           str(sum(st.recompute for st in plan.stages)), f"{plan.solver} ({plan.status})",
                           f"{plan.gap:.1%}", f"{took:.1f}")
+    for zero in (0, 1):  # the baselines: the whole model on every device (ZeRO-1: optimizer state sharded)
+        dp = data_parallel(base, zero_stage=zero)
+        table.add_row("data parallel" + (" + ZeRO-1" if zero else ""), "none",
+                      "fits" if dp.fits else "does not fit", f"{dp.step_s:.3f}", "-",
+                      f"{dp.memory_bytes / GiB:.1f}", "-", "estimate", "-", "0.0")
     table.caption = f"load average {os.getloadavg()[0]:.2f} at the end"
     show(table, console(), args.markdown)
 

@@ -33,6 +33,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 import os
@@ -53,7 +54,8 @@ from fxsplit.passes.measure import measure_node_times, median_time_s
 from fxsplit.passes.profile import profile_node_times
 from fxsplit.passes.shapes import fake_mode_of, fake_state
 
-__all__ = ["NodeCost", "AnnotateCosts", "annotate_costs", "measure_cpu_spec", "COST_MODELS", "node_cost", "weight_share"]
+__all__ = ["NodeCost", "AnnotateCosts", "annotate_costs", "measure_cpu_spec", "COST_MODELS", "node_cost", "weight_share",
+           "cost_nodes"]
 
 log = logging.getLogger(__name__)
 
@@ -200,18 +202,27 @@ class _FlopInterpreter(torch.fx.Interpreter):
             return super().run_node(n)
         with FlopCounterMode(display=False) as counter:
             result = super().run_node(n)
-        flops = float(counter.get_total_flops())
-        self.counted[n.name] = flops > 0
-        if flops == 0 and n.target in _ATTENTION:
+        flops: Any = _number(counter.get_total_flops())
+        self.counted[n.name] = not _is_zero(flops)
+        if _is_zero(flops) and n.target in _ATTENTION:
             args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in n.args]
             flops, self.counted[n.name] = _attention_flops(args), True
-        if flops == 0 and not _is_embedding(n):
+        if _is_zero(flops) and not _is_embedding(n):
             operands = [t.numel() for a in n.all_input_nodes if a.op != "get_attr" for t in _tensors(a.meta.get("val"))]
-            flops = float(max([t.numel() for t in _tensors(result)] + operands + [0]))
-        elif flops == 0:
-            flops = float(sum(t.numel() for t in _tensors(result)))
+            flops = _number(functools.reduce(torch.sym_max, [t.numel() for t in _tensors(result)] + operands, 0))
+        elif _is_zero(flops):
+            flops = _number(sum(t.numel() for t in _tensors(result)))
         self.flops[n.name] = flops
         return result
+
+
+def _number(x: Any) -> Any:
+    """``x`` as a float, or as it is when symbolic (:mod:`fxsplit.passes.symbolic`)."""
+    return x if isinstance(x, torch.SymInt | torch.SymFloat) else float(x)
+
+
+def _is_zero(x: Any) -> bool:
+    return not isinstance(x, torch.SymInt | torch.SymFloat) and x == 0
 
 
 def _operand_vals(node: torch.fx.Node) -> list[torch.Tensor]:
@@ -288,9 +299,11 @@ def node_cost(
         state_read = sum(state) if read_bytes is None else read_bytes
         moved = out_bytes + sum(t.numel() * t.element_size() for t in _operand_vals(node)) + state_read
     bwd_flops = (2.0 if counted else 1.0) * flops if needs_grad else 0.0
-    fwd_s = max(flops / device.peak_flops, moved / device.memory_bandwidth_bytes_per_s) + device.op_overhead_s
+    # torch.sym_max: the max of floats, or a formula of the batch when shapes are symbolic
+    fwd_s = torch.sym_max(flops / device.peak_flops, moved / device.memory_bandwidth_bytes_per_s) + device.op_overhead_s
     bwd_s = (
-        max(bwd_flops / device.peak_flops, 2 * moved / device.memory_bandwidth_bytes_per_s) + 2 * device.op_overhead_s
+        torch.sym_max(bwd_flops / device.peak_flops, 2 * moved / device.memory_bandwidth_bytes_per_s)
+        + 2 * device.op_overhead_s
         if needs_grad
         else 0.0
     )
@@ -301,6 +314,27 @@ def node_cost(
         fwd_fixed_s=device.op_overhead_s, bwd_fixed_s=2 * device.op_overhead_s if needs_grad else 0.0,
         bwd_weight_s=bwd_s * weight_part,
     )
+
+
+def cost_nodes(gm: torch.fx.GraphModule, device: DeviceSpec) -> dict[torch.fx.Node, NodeCost]:
+    """The analytic :class:`NodeCost` of every node but the output, from ``node.meta["val"]``
+    (concrete shapes give numbers; symbolic ones, formulas: :mod:`fxsplit.passes.symbolic`)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    trainable = _trainable_names(gm)
+    flops, counted = _count_flops(gm, placeholders)
+    needs = _needs_grad(gm, trainable)
+    seen: set[int] = set()
+    out: dict[torch.fx.Node, NodeCost] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        state = _state_bytes(gm, node, trainable, seen)
+        read = sum(_state_bytes(gm, node, trainable, set()))
+        out[node] = node_cost(
+            node, flops.get(node.name, 0.0), counted.get(node.name, False), node.name in needs, state, device,
+            read_bytes=read, weight_part=weight_share(gm, node, needs, trainable),
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -350,19 +384,8 @@ class AnnotateCosts:
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         for p in placeholders:
             require_meta(p, "val", "propagate_shapes")
-        trainable = _trainable_names(gm)
-        flops, counted = _count_flops(gm, placeholders)
-        needs = _needs_grad(gm, trainable)
-        seen: set[int] = set()
-        for node in gm.graph.nodes:
-            if node.op == "output":
-                continue
-            state = _state_bytes(gm, node, trainable, seen)
-            read = sum(_state_bytes(gm, node, trainable, set()))
-            node.meta["fxsplit.cost"] = node_cost(
-                node, flops.get(node.name, 0.0), counted.get(node.name, False), node.name in needs, state, self.device,
-                read_bytes=read, weight_part=weight_share(gm, node, needs, trainable),
-            )
+        for node, cost in cost_nodes(gm, self.device).items():
+            node.meta["fxsplit.cost"] = cost
         if self.cost_model != "analytic" and self.example_inputs is None:
             raise ConfigError(f"cost_model={self.cost_model!r} needs example_inputs (real tensors) to time nodes")
         if self.cost_model == "measured":

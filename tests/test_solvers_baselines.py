@@ -56,3 +56,25 @@ def test_registry_refuses_duplicates_and_unknown_names() -> None:
     pb = Problem(CondensedGraph.chain([1.0, 2.0]), (DeviceSpec("a"),))
     assert isinstance(solve(pb, "mine", registry=reg), Plan)
     assert {"auto", "dp", "cpsat", "uniform", "params", "blockpartition", "greedy"} <= set(available_solvers())
+
+
+def test_data_parallel_baseline_by_hand_and_zero_1_shards_the_optimizer_state() -> None:
+    """Issue 13's bench baseline: 4 devices, 2 blocks of (fwd 1 s, bwd 2 s) per micro-batch, 8
+    micro-batches, 100 MB of parameters, a 1 GB/s ring: each device runs 2 micro-batches' worth
+    (6 s of compute), the all-reduce moves 2 * 3/4 * 100 MB = 150 ms, hidden by the backward."""
+    from fxsplit.ir import Block, CondensedGraph, DeviceSpec, LinkSpec, Problem
+    from fxsplit.solvers.data_parallel import data_parallel
+
+    blocks = tuple(Block(i, f"b{i}", fwd_s=1.0, bwd_s=2.0, param_bytes=50_000_000, activation_bytes=10_000_000)
+                   for i in range(2))
+    pb = Problem(CondensedGraph(blocks), tuple(DeviceSpec(f"d{i}", memory_bytes=10**9) for i in range(4)),
+                 link=LinkSpec(bytes_per_s=1e9, latency_s=0.0), microbatches=8)
+    plain, zero = data_parallel(pb), data_parallel(pb, zero_stage=1)
+    assert plain.compute_s == pytest.approx(2 * 3.0 * 2)
+    assert plain.allreduce_s == pytest.approx(0.15)
+    assert plain.step_s == pytest.approx(2 * 1.0 * 2 + 2 * 2.0 * 2)  # forward + backward (all-reduce hidden)
+    assert plain.memory_bytes == pytest.approx(100e6 * 4 + 2 * 10e6 * 2)  # params x (1 + grad + Adam 2) + acts
+    assert zero.memory_bytes == pytest.approx(100e6 * (2 + 2 / 4) + 2 * 10e6 * 2)
+    assert plain.fits and zero.fits and zero.step_s == plain.step_s
+    one = data_parallel(pb.with_(devices=pb.devices[:1]))
+    assert one.allreduce_s == 0.0 and one.compute_s == pytest.approx(4 * plain.compute_s)

@@ -12,7 +12,7 @@ from rich.table import Table
 from fxsplit.cli import exit_with_error
 from fxsplit.report import human_bytes, human_seconds
 
-__all__ = ["register", "node_table", "block_table"]
+__all__ = ["register", "node_table", "block_table", "formula_table"]
 
 
 def node_table(ins: object, limit: int | None = None) -> Table:
@@ -47,6 +47,23 @@ def block_table(condensed: object) -> Table:
     return table
 
 
+def formula_table(ins: object) -> Table:
+    """Rich table of each block's analytic costs as formulas of the batch size ``b``
+    (:mod:`fxsplit.passes.symbolic`)."""
+    from fxsplit.passes.symbolic import block_formulas, symbolic_node_costs
+
+    captured, condensed, device = ins.captured, ins.condensed, ins.device  # type: ignore[attr-defined]
+    formulas = block_formulas(captured.gm, condensed.graph,
+                              symbolic_node_costs(captured.gm, None, captured.batched_inputs, device))
+    table = Table(title=f"block costs as formulas of the batch size b (analytic, {device.name})")
+    for col in ("block", "name", "flops", "fwd_s", "bwd_s", "activation_bytes"):
+        table.add_column(col, justify="right" if col == "block" else "left")
+    for f in formulas:
+        table.add_row(str(f.block), f.name[:24], *(str(f.fields[k].evalf(4)) for k in ("flops", "fwd_s", "bwd_s",
+                                                                                   "activation_bytes")))
+    return table
+
+
 def register(app: typer.Typer) -> None:
     @app.command("inspect")
     def inspect_cmd(
@@ -57,6 +74,7 @@ def register(app: typer.Typer) -> None:
         dump: Annotated[Path | None, typer.Option(help="write the graph after every pass and a DOT/SVG here")] = None,
         limit: Annotated[int, typer.Option(help="show at most this many nodes")] = 60,
         max_ideals: Annotated[int, typer.Option(help="budget of the ideal enumeration")] = 20_000,
+        symbolic: Annotated[bool, typer.Option("--symbolic", help="print each block's analytic costs as formulas of the batch size b")] = False,
     ) -> None:
         """Capture MODEL, annotate costs and condense it; print the graph and the blocks."""
         from fxsplit.api import inspect
@@ -72,5 +90,7 @@ def register(app: typer.Typer) -> None:
         console.print(block_table(ins.condensed))
         passes = ", ".join(f"{r.name} {human_seconds(r.time_s)}" for r in ins.records)
         console.print(f"{ins!r}\npasses: {passes}")
+        if symbolic:
+            console.print(formula_table(ins))
         if dump is not None:
             console.print(f"graph after every pass and condensed.dot written to {dump}")
