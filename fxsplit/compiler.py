@@ -26,7 +26,7 @@ from fxsplit.codegen.buffers import defer_buffer_updates
 from fxsplit.errors import ConfigError, InfeasibleError, NotPerSampleWarning
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
 from fxsplit.ir.problem import AUTO_SCHEDULES, LOOPED_SCHEDULES
-from fxsplit.options import AUTOCAST_DTYPES, CompileOptions
+from fxsplit.options import CompileOptions, autocast_dtype
 from fxsplit.passes.batch_layout import primary_input
 from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
@@ -97,24 +97,9 @@ def front_end(
     return captured, pm.artifacts["condense_antichains"], flat
 
 
-def autocast_dtype(options: CompileOptions) -> torch.dtype | None:
-    """The ``torch.dtype`` of ``options.autocast`` (``None`` without mixed precision).
-
-    Raises:
-        ConfigError: for a name other than ``"bf16"``, ``"fp16"`` or ``None``.
-    """
-    if options.autocast is None:
-        return None
-    if options.autocast not in AUTOCAST_DTYPES:
-        raise ConfigError(f"autocast={options.autocast!r} is unknown; choose one of {sorted(AUTOCAST_DTYPES)} "
-                          "or None (the model's own dtypes)")
-    dtype: torch.dtype = getattr(torch, AUTOCAST_DTYPES[options.autocast])
-    return dtype
-
-
 def autocast_context(device: str, options: CompileOptions) -> Any:
     """``torch.autocast`` on ``device``'s type to ``options.autocast``, or a null context."""
-    dtype = autocast_dtype(options)
+    dtype = autocast_dtype(options.autocast)
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=dtype)
@@ -437,5 +422,5 @@ def assemble(
         report={"device_names": [specs[st.device].name for st in plan.stages], "training": model.training},
         executor=options.executor, bn_tracker=tracker,
         batched_inputs=captured.batched_inputs, batched_outputs=captured.batched_outputs, layout=captured.layout,
-        autocast=autocast_dtype(options),
+        autocast=autocast_dtype(options.autocast),
     )

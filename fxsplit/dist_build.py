@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fxsplit.codegen.place import get_state
+from fxsplit.options import autocast_dtype
 from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState
@@ -92,14 +93,17 @@ def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inpu
     flat = captured.flatten_inputs(*inputs)
     batched = batched_flags(captured, flat)
     batch = batch_size_of([x for x, b in zip(flat, batched, strict=True) if b] or flat)
+    dtype = autocast_dtype(meta.get("autocast"))  # mixed precision: stages, wire shapes and loss under autocast
     held = []
     for stage, state in stages:
         first, last = stage.index == 0, stage.index == num_stages - 1
         recompute = bool(meta["plan"]["stages"][stage.index].get("recompute", False))
-        module = StageModule(stage.gm, first=first, last=last, batched=batched, recompute=recompute)
+        module = StageModule(stage.gm, first=first, last=last, batched=batched, recompute=recompute,
+                             autocast=(device.type, dtype) if dtype is not None else None)
         shapes = WireShapes(
             captured.gm, to_meta(flat), batched, inputs=stage.inputs, outputs=stage.outputs,
             in_layouts=module.in_layouts, out_layouts=module.out_layouts, first=first, last=last, index=stage.index,
+            autocast=(device, dtype) if dtype is not None else None,
         )
         for size in sorted({s for s in microbatch_sizes(batch, m) if s > 0}):
             shapes.example_args(size, train=True)  # a boundary shape the data decides fails here, on every rank

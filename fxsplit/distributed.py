@@ -40,6 +40,7 @@ from fxsplit.dist_plan import example_batch, plan_on_rank0
 from fxsplit.errors import ConfigError, NotPerSampleWarning
 from fxsplit.ir import Plan
 from fxsplit.ir.problem import LOOPED_SCHEDULES
+from fxsplit.options import autocast_dtype
 from fxsplit.runtime.dist_state import StageState, materialise
 from fxsplit.runtime.distributed import SCHEDULES, DistributedPipeline
 
@@ -203,8 +204,8 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     Raises:
         ConfigError: for a launch without torchrun's environment, a plan whose stage count does
             not suit the world size and schedule, a bad schedule or micro-batch count, or stage
-            tensors no source fills, or ``options.autocast`` (mixed precision runs in the local
-            pipeline only); on every rank, before any stage is built.
+            tensors no source fills, or an unknown ``options.autocast``; on every rank, before
+            any stage is built.
         PlanError: on every rank, when a rank captured a different graph than rank 0, rank 0's
             plan does not fit a rank's capture, or capture or planning failed on another rank.
         CaptureError, InfeasibleError: as :func:`fxsplit.compile`.
@@ -217,9 +218,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     if cost_model not in ("auto", "profiled", "analytic"):
         raise ConfigError(f"cost_model={cost_model!r}; choose 'auto', 'profiled' or 'analytic'")
     options = with_batch_dim(options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0), batch_dim)
-    if options.autocast is not None:  # the wire shapes are computed in the graph's own dtypes
-        raise ConfigError(f"autocast={options.autocast!r} runs in the local pipeline (fxsplit.compile) only; "
-                          "fxsplit.distributed does not run mixed precision yet: pass autocast=None")
+    autocast_dtype(options.autocast)  # an unknown name fails here, on every rank, before any work
     rank, world, device = init_process_group(backend, timeout_s)
     asked = microbatches if microbatches is not None else ("auto" if schedule == "auto" else world)
     _check_args(schedule, asked, world, None)
@@ -243,7 +242,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         log.info("rank %d: stage %d state from %s", rank, stage.index, sorted(set(origin.values())))
     broadcast_tied([stage for stage, _ in mine], tied)
     meta = {"plan": plan.to_dict(), "schedule": schedule, "microbatches": m, "model": type(meta_model).__name__,
-            "reference": planned.reference.to_dict()}
+            "reference": planned.reference.to_dict(), "autocast": options.autocast}
     pipe = build_pipeline(mine, captured, (args, kwargs), plan.num_stages, device, schedule, m, tied,
                           meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s,
                           watchdog=watchdog, cls=CompiledDistributedPipeline)

@@ -9,13 +9,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, LinkSpec
 
-__all__ = ["AUTOCAST_DTYPES", "CompileOptions"]
+__all__ = ["AUTOCAST_DTYPES", "CompileOptions", "autocast_dtype"]
 
 #: ``CompileOptions.autocast`` names and the ``torch.dtype`` names they stand for.
 AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def autocast_dtype(name: str | None) -> Any:
+    """The ``torch.dtype`` of an ``autocast`` name (``None`` without mixed precision).
+
+    Raises:
+        ConfigError: for a name other than ``"bf16"``, ``"fp16"`` or ``None``.
+    """
+    if name is None:
+        return None
+    if name not in AUTOCAST_DTYPES:
+        raise ConfigError(f"autocast={name!r} is unknown; choose one of {sorted(AUTOCAST_DTYPES)} "
+                          "or None (the model's own dtypes)")
+    import torch
+
+    return getattr(torch, AUTOCAST_DTYPES[name])
 
 
 @dataclass(frozen=True)

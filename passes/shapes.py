@@ -30,15 +30,26 @@ def fake_mode_of(gm: torch.fx.GraphModule) -> FakeTensorMode | None:
 
 
 @contextlib.contextmanager
-def fake_state(gm: torch.nn.Module, mode: FakeTensorMode) -> Iterator[None]:
+def fake_state(gm: torch.nn.Module, mode: FakeTensorMode, device: torch.device | None = None) -> Iterator[None]:
     """Swap ``gm``'s parameters and buffers for fakes, so running it never touches real state.
 
     Without this, in-place buffer updates (BatchNorm's ``num_batches_tracked``) would change the
-    user's model while we only wanted shapes.
+    user's model while we only wanted shapes. With ``device`` the fakes sit there whatever the
+    state's own device (meta state run as on a CPU, where ``torch.autocast`` acts).
     """
+    made: dict[int, torch.Tensor] = {}  # one fake per tensor: tied weights stay tied
+
+    def fake(v: torch.Tensor) -> torch.Tensor:
+        if device is None:
+            return mode.from_tensor(v, static_shapes=True)
+        if id(v) not in made:
+            with mode:
+                made[id(v)] = torch.empty(tuple(v.shape), dtype=v.dtype, device=device, requires_grad=v.requires_grad)
+        return made[id(v)]
+
     state: dict[str, torch.Tensor] = {
-        **{k: mode.from_tensor(v, static_shapes=True) for k, v in gm.named_parameters(remove_duplicate=False)},
-        **{k: mode.from_tensor(v, static_shapes=True) for k, v in gm.named_buffers(remove_duplicate=False)},
+        **{k: fake(v) for k, v in gm.named_parameters(remove_duplicate=False)},
+        **{k: fake(v) for k, v in gm.named_buffers(remove_duplicate=False)},
     }
     with _reparametrize_module(gm, state, tie_weights=True):
         yield

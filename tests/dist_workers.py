@@ -7,6 +7,7 @@ stage's parameters by original name.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from typing import Any
@@ -568,5 +569,37 @@ def recompute_equal(rank: int, world: int, out_dir: str, schedules: list[str], b
         out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
         out[tag]["planned"] = [st["recompute"] for st in pipe.meta["plan"]["stages"]]
         out[tag]["running"] = [st.module.recomputed is not None for st in pipe.stages]
+        pipe.close()
+    return out
+
+
+def autocast_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, str, int, float]], batch: int) -> dict[str, Any]:
+    """Issue 13 item 2: bf16 autocast across processes. For each ``(model, schedule, m, rel)``: the
+    loss and every gradient equal the unsplit model's under the same autocast, to ``rel`` of the
+    largest magnitude; the dtypes of the tensors rank 0 sends are reported."""
+    out: dict[str, Any] = {}
+    for name, schedule, m, rel in runs:
+        tag = f"{name}/{schedule}/m={m}/bf16"
+        case = _case(name, batch)
+        inputs, target = case.make_batch(batch, 11)
+        model = copy.deepcopy(case.model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_loss = case.loss_fn(model(*inputs), target)
+        ref_loss.backward()
+        ref = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
+        pipe = fxd.compile(_model_fn(name, batch), case.example_inputs, schedule=schedule, microbatches=m,
+                           state_dict=case.model.state_dict(), timeout_s=30, cost_model="analytic",
+                           options=CompileOptions(link=LinkSpec(), autocast="bf16", allow_idle_devices=False))
+        loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
+        torch.testing.assert_close(float(loss), float(ref_loss), rtol=0, atol=rel * abs(float(ref_loss)))
+        checked = []
+        for pname, p in pipe.named_parameters():
+            scale = float(ref[pname].abs().max()) or 1.0
+            torch.testing.assert_close(p.grad, ref[pname], rtol=0, atol=rel * scale,
+                                       msg=lambda msg, n=pname, t=tag: f"{t}: gradient of {n}: {msg}")
+            checked.append(pname)
+        wire = [str(t.dtype) for st in pipe.stages if not st.module.last
+                for t in st.shapes.example_args(batch // m, train=True)[1]]
+        out[tag] = {"checked": checked, "wire": wire}
         pipe.close()
     return out

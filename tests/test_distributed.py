@@ -396,3 +396,17 @@ def test_recomputed_stages_train_like_the_unsplit_model_across_ranks(tmp_path):
         assert r0["planned"] == [True, True] and r0["running"] == r1["running"] == [True], tag
         checked = r0["checked"] + r1["checked"]
         assert checked.count("tok_emb.weight") == 2 and len(set(checked)) == len(checked) - 1, tag
+
+
+def test_bf16_autocast_trains_like_the_unsplit_model_across_ranks(tmp_path):
+    """Issue 13 item 2: mixed precision under ``fxsplit.distributed``: stages and loss under
+    ``torch.autocast(bf16)``, wire shapes computed under it too, so the MLP's bf16 activation
+    crosses as bf16 (a float32 receive buffer would garble it); one micro-batch equals the unsplit
+    model under autocast, four within bf16 rounding; the tied GPT keeps its tied gradients."""
+    runs = [("mlp", "gpipe", 1, 1e-5), ("mlp", "1f1b", 4, 2e-2), ("gpt", "1f1b", 4, 2e-2)]
+    results = launch(w.autocast_equal, 2, tmp_path, runs, 8, deadline_s=150)
+    check_ok(results)
+    r = results[0]["result"]
+    assert "torch.bfloat16" in r["mlp/gpipe/m=1/bf16"]["wire"], r["mlp/gpipe/m=1/bf16"]
+    checked = r["gpt/1f1b/m=4/bf16"]["checked"] + results[1]["result"]["gpt/1f1b/m=4/bf16"]["checked"]
+    assert checked.count("tok_emb.weight") == 2 and len(set(checked)) == len(checked) - 1

@@ -17,6 +17,7 @@ metadata from the same graph without talking, so their send and receive buffers 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -56,6 +57,7 @@ def boundary_values(
     *,
     batch: int | None = None,
     batched: Sequence[bool] = (),
+    autocast: tuple[torch.device, torch.dtype] | None = None,
 ) -> tuple[dict[str, Any], tuple[Any, ...]]:
     """Run ``gm`` under ``FakeTensorMode`` and keep the values of the nodes in ``names``.
 
@@ -69,6 +71,8 @@ def boundary_values(
         names: Node names whose values to keep.
         batch: Run at this batch size: the inputs flagged in ``batched`` get it on dim 0.
         batched: Which flat inputs carry the batch (``[num_inputs]``; used with ``batch``).
+        autocast: ``(device, dtype)``: run as the stages run under ``torch.autocast`` on that
+            device, so the values crossing have the dtypes autocast gives them.
 
     Returns:
         ``({name: value}, flat outputs)``; tensors are fakes, sizes plain ``int``.
@@ -76,23 +80,28 @@ def boundary_values(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     flags = list(batched) if batch is not None else [False] * len(flat_inputs)
     recorder = _Recorder(gm, set(names))
-    with fake_state(gm, mode), mode, torch.enable_grad():
+    device = autocast[0] if autocast is not None else None
+    precision = (torch.autocast(autocast[0].type, dtype=autocast[1]) if autocast is not None
+                 else contextlib.nullcontext())
+    with fake_state(gm, mode, device), mode, torch.enable_grad():
         fakes = [
-            _fake_input(mode, x, batch if b else None)
+            _fake_input(mode, x, batch if b else None, device)
             for x, b in zip(flat_inputs, flags, strict=True)
         ]
-        out = recorder.run(*fakes)
+        with precision:
+            out = recorder.run(*fakes)
     return recorder.values, tuple(out)
 
 
-def _fake_input(mode: FakeTensorMode, x: Any, batch: int | None) -> Any:
-    """``x`` as a fake (inside ``mode``), with ``batch`` samples on dim 0 when given."""
+def _fake_input(mode: FakeTensorMode, x: Any, batch: int | None, device: torch.device | None = None) -> Any:
+    """``x`` as a fake (inside ``mode``), with ``batch`` samples on dim 0 when given, on
+    ``device`` when given."""
     if not isinstance(x, torch.Tensor):
         return x
-    if batch is None:
+    if batch is None and device is None:
         return mode.from_tensor(x, static_shapes=True)
-    shape = (batch, *x.shape[1:])
-    return torch.empty(shape, dtype=x.dtype, device=x.device, requires_grad=x.requires_grad)
+    shape = (batch, *x.shape[1:]) if batch is not None else tuple(x.shape)
+    return torch.empty(shape, dtype=x.dtype, device=device or x.device, requires_grad=x.requires_grad)
 
 
 def _meta_like(value: Any, requires_grad: bool, what: str) -> torch.Tensor:
@@ -156,6 +165,7 @@ class WireShapes:
         in_layouts, out_layouts: Their layouts (``StageModule.in_layouts`` / ``out_layouts``).
         first, last: The stage's position.
         index: The stage index (for messages).
+        autocast: ``(device, dtype)`` when the stages run under ``torch.autocast``.
     """
 
     def __init__(
@@ -171,8 +181,10 @@ class WireShapes:
         first: bool,
         last: bool,
         index: int,
+        autocast: tuple[torch.device, torch.dtype] | None = None,
     ) -> None:
         self.gm, self.flat_inputs, self.batched = gm, list(flat_inputs), list(batched)
+        self.autocast = autocast
         self.inputs, self.outputs = list(inputs), list(outputs)
         self.in_layouts, self.out_layouts = list(in_layouts), list(out_layouts)
         self.first, self.last, self.index = first, last, index
@@ -183,7 +195,7 @@ class WireShapes:
             names = ([] if self.first else self.inputs) + ([] if self.last else self.outputs)
             try:
                 self._values[size] = boundary_values(
-                    self.gm, self.flat_inputs, names, batch=size, batched=self.batched
+                    self.gm, self.flat_inputs, names, batch=size, batched=self.batched, autocast=self.autocast
                 )
             except Exception as exc:
                 raise PlanError(

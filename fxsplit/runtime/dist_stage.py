@@ -175,6 +175,7 @@ class StageModule(nn.Module):
             those arrive positionally, the others through :meth:`bind_static`.
         recompute: Keep only the received tensors for backward and run ``gm`` again there
             (:class:`~fxsplit.runtime.recompute.RecomputedForward`).
+        autocast: ``(device type, dtype)``: run ``gm`` under ``torch.autocast`` (mixed precision).
 
     Shape:
         ``forward(*wire)``: the tensors of the received values (first stage: the batched
@@ -182,10 +183,11 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, gm: torch.fx.GraphModule, *, first: bool, last: bool, batched: Sequence[bool] = (),
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, autocast: tuple[str, torch.dtype] | None = None) -> None:
         super().__init__()
         self.gm = gm
         self.recomputed = RecomputedForward(gm) if recompute else None  # a plain object: no state of its own
+        self.autocast = autocast
         self.first, self.last = first, last
         self.in_layouts, self.out_layouts = boundary_layouts(gm)
         self.batched = list(batched) if first else []
@@ -206,7 +208,11 @@ class StageModule(nn.Module):
     def forward(self, *wire: torch.Tensor) -> Any:
         self.forwards += 1
         run = self.recomputed if self.recomputed is not None else self.gm
-        out = tuple(run(*self._inputs(wire)))
+        if self.autocast is None:
+            out = tuple(run(*self._inputs(wire)))
+        else:
+            with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
+                out = tuple(run(*self._inputs(wire)))
         if self.last:
             return out
         device = next((t.device for t in wire if isinstance(t, torch.Tensor)), torch.device("cpu"))
