@@ -219,6 +219,9 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         raise ConfigError(f"cost_model={cost_model!r}; choose 'auto', 'profiled' or 'analytic'")
     options = with_batch_dim(options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0), batch_dim)
     autocast_dtype(options.autocast)  # an unknown name fails here, on every rank, before any work
+    if options.autocast == "fp16":
+        raise ConfigError("autocast='fp16' needs loss scaling, which fxsplit.distributed does not do yet (each rank "
+                          "would skip or take its optimizer step on its own overflow check): use autocast='bf16'")
     rank, world, device = init_process_group(backend, timeout_s)
     asked = microbatches if microbatches is not None else ("auto" if schedule == "auto" else world)
     _check_args(schedule, asked, world, None)

@@ -74,7 +74,8 @@ class CompileOptions:
             state stay fp32), and annotates the costs under it (activation and boundary bytes
             in the dtypes autocast gives; measured and profiled times of the autocast kernels);
             ``None`` (default) runs in the model's own dtypes. With ``"fp16"`` pass a
-            ``torch.amp.GradScaler`` to ``train_step(grad_scaler=...)``.
+            ``torch.amp.GradScaler`` to ``train_step(grad_scaler=...)`` (local pipeline only;
+            ``fxsplit.distributed`` takes ``"bf16"``).
     """
 
     capture_method: str = "auto"

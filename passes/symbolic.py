@@ -29,6 +29,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
+from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec
 from fxsplit.ir.graph import CondensedGraph
 from fxsplit.passes.costs import cost_nodes
@@ -115,6 +116,10 @@ def symbolic_node_costs(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any] | N
         device: The reference device of the roofline.
 
     The graph's own ``node.meta["val"]`` are left as they were.
+
+    Raises:
+        ConfigError: when no cost depends on the batch (a graph captured at batch 1, which
+            ``torch.export`` fixes as a constant).
     """
     if flat_inputs is None:
         vals = [p.meta.get("val") for p in gm.graph.find_nodes(op="placeholder")]
@@ -123,7 +128,8 @@ def symbolic_node_costs(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any] | N
     if batched is None:  # every tensor whose dim 0 is the first input's
         first = next((x.shape[0] for x in flat_inputs if isinstance(x, torch.Tensor) and x.dim() >= 1), None)
         batched = [isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == first for x in flat_inputs]
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    # specialize_zero_one=False: an example batch of 1 stays a symbol (else every formula is a constant)
+    mode = FakeTensorMode(shape_env=ShapeEnv(specialize_zero_one=False), allow_non_fake_inputs=True)
     inputs = _symbolic_inputs(flat_inputs, batched, mode)
     symbols = {s for x in inputs if isinstance(x, torch.Tensor) for d in x.shape
                if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
@@ -136,6 +142,12 @@ def symbolic_node_costs(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any] | N
             fields = {"flops": c.flops, "fwd_s": c.fwd_s, "bwd_s": c.bwd_s, "activation_bytes": c.saved_bytes,
                       "value_bytes": 0 if node.op == "get_attr" else c.output_bytes, "param_bytes": c.param_bytes}
             out[node.name] = {k: _plain(_expr(v)).subs({s: BATCH for s in symbols}) for k, v in fields.items()}
+    if not any(BATCH in f.free_symbols for costs_of in out.values() for f in costs_of.values()):
+        sizes = sorted({int(x.shape[0]) for x, b in zip(flat_inputs, batched, strict=True) if b and isinstance(x, torch.Tensor)})
+        raise ConfigError(
+            f"no cost depends on the batch size (example batch {sizes or 'none'}): the graph fixed it when it was "
+            "captured (torch.export treats a batch of 1 as a constant). Capture with a batch of at least 2 and "
+            "dynamic_batch=True for formulas of b")
     return out
 
 

@@ -59,6 +59,7 @@ def test_a_plan_on_a_cluster_keeps_the_heavy_work_on_the_fast_devices() -> None:
     ({"links": {"intra_node": {"bytes_per_s": 0}}}, r"links\.intra_node: bytes_per_s=0"),
     ({"links": {"rack": {}}}, r"links may only give intra_node and inter_node"),
     ({"gpus": 8}, r"unknown fields \['gpus'\]"),
+    ({"device_kinds": {"x": {"memory_bytes": 2.5}}}, r"device_kinds\.x\.memory_bytes = 2.5 must be a whole number"),
 ])
 def test_a_bad_cluster_file_names_the_key_and_the_fix(change: dict, match: str) -> None:
     data = {**json.loads(FILE.read_text()), **change}
@@ -96,3 +97,12 @@ def test_plan_cli_plans_over_a_cluster_file(tmp_path: Path) -> None:
     assert "cluster '4 A100 + 4 FPGA': 8 devices in 2 nodes" in result.output
     plan = json.loads(out.read_text())
     assert plan["stages"][0]["device_name"] == "gpu0/a100:0"  # the reference kind leads
+
+
+def test_a_memory_size_written_as_a_float_is_a_whole_number_of_bytes() -> None:
+    """Review finding: ``"memory_bytes": 2e9`` reached the memory bound as a float and crashed it."""
+    c = cluster_from_dict({"device_kinds": {"x": {"peak_flops": 1e12, "memory_bytes": 2e9}},
+                           "nodes": [{"devices": {"x": 2}}]})
+    assert c.devices[0].memory_bytes == 2_000_000_000 and isinstance(c.devices[0].memory_bytes, int)
+    pb = Problem(CondensedGraph.chain([1.0] * 4), c.relative_to(c.devices[0])).check()
+    assert solve(pb, "cpsat", time_limit_s=10).status == "optimal"

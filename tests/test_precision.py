@@ -115,3 +115,11 @@ def test_the_profile_cache_keeps_mixed_precision_timings_apart() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mixed = graph_digest(gm, case.example_inputs)
     assert plain != mixed and plain == graph_digest(gm, case.example_inputs)
+
+
+def test_distributed_refuses_fp16_without_loss_scaling() -> None:
+    import fxsplit.distributed as fxd
+
+    case = zoo.get("mlp", batch_size=4)
+    with pytest.raises(ConfigError, match=r"autocast='fp16' needs loss scaling.*use autocast='bf16'"):
+        fxd.compile(lambda: case.model, case.example_inputs, options=fxsplit.CompileOptions(autocast="fp16"))

@@ -215,3 +215,33 @@ def test_compile_recomputes_where_the_memory_limit_demands_and_trains_like_the_o
     ref = dict(reference.named_parameters())
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-5)
+
+
+def test_inference_compiles_with_the_default_recompute_setting() -> None:
+    """Review finding: explore compared candidates' "none" (inference never recomputes) with the
+    options' default "auto" and found no candidate, so every inference compile failed."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]).eval()
+    x = torch.randn(8, 8)
+    pipe = fxsplit.compile(model, devices(2), (x,), cost_model="analytic",
+                           options=fxsplit.CompileOptions(training=False, executor="sequential"))
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_zero_bubble_runs_a_recomputing_stage_forward_once_more_only() -> None:
+    """Review finding: torch's weight half starts one autograd run per parameter group, and each
+    recomputed the stage; a recomputing stage now runs its whole backward in I (W: nothing)."""
+    case = zoo.get("mlp", batch_size=8)
+    compiled = Compiled(case)
+    pipe = _pipeline(compiled, 2, "zero-bubble", 2, "all")
+    assert all(st.recompute and st.bwd_weight_s == 0.0 for st in pipe.plan.stages)
+    calls = [0]
+    gm = pipe.program.stages[1].gm
+    hook = gm.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    inputs, target = case.make_batch(8, 7)
+    try:
+        assert_same_training(pipe, compiled, inputs, target)
+    finally:
+        hook.remove()
+    # pipe(*inputs) under no_grad: 2 forwards; train_step: 2 forwards + 2 recomputes
+    assert calls[0] == 2 + 2 * 2, calls

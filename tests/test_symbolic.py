@@ -61,3 +61,14 @@ def test_inspect_prints_the_formulas() -> None:
     result = CliRunner().invoke(cli.app, ["inspect", "mlp", "--size", "tiny", "--symbolic"])
     assert result.exit_code == 0, result.output
     assert "b" in result.output and "flops" in result.output
+
+
+def test_a_graph_whose_costs_do_not_depend_on_the_batch_is_refused_with_the_fix() -> None:
+    """Review finding: at an example batch of 1 every formula came out a constant (export fixes a
+    batch of 1) and graph_at silently returned batch-1 costs at any size."""
+    from fxsplit.errors import ConfigError
+
+    case, ins = _analyze("mlp", 1)
+    flat = ins.captured.flatten_inputs(tuple(case.example_inputs), {})
+    with pytest.raises(ConfigError, match=r"no cost depends on the batch size.*batch of at least 2"):
+        symbolic_node_costs(ins.captured.gm, flat, None, A100)

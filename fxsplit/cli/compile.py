@@ -104,7 +104,7 @@ def register(app: typer.Typer) -> None:
         backend: Annotated[str, typer.Option(help="--distributed: gloo, nccl or auto")] = "auto",
         timeout_s: Annotated[float, typer.Option(help="--distributed: seconds before a silent peer is an error")] = 60.0,
         recompute: Annotated[str, typer.Option(help="activation recomputation per stage: auto (where a stage would not fit otherwise), all or none")] = "auto",
-        autocast: Annotated[str | None, typer.Option(help="mixed precision: bf16 or fp16 (local pipeline; default: the model's dtypes)")] = None,
+        autocast: Annotated[str | None, typer.Option(help="mixed precision: bf16 or fp16 (fp16: local pipeline only; default: the model's dtypes)")] = None,
     ) -> None:
         """Plan MODEL over DEVICES, train STEPS steps, and compare with the unsplit model."""
         import fxsplit

@@ -82,6 +82,12 @@ def _kind(path: str, name: str, spec: Any) -> DeviceSpec:
         raise ConfigError(f"{_where(path, f'device_kinds.{name}')} has unknown fields {unknown}; "
                           f"known: preset, {', '.join(sorted(_DEVICE_FIELDS))}")
     numbers = {k: v for k, v in spec.items() if k != "preset"}
+    if "memory_bytes" in numbers:  # JSON writes 8e9 for 8 GB: a whole number of bytes is fine as a float
+        mem = numbers["memory_bytes"]
+        if not (isinstance(mem, int | float) and not isinstance(mem, bool) and float(mem).is_integer() and mem > 0):
+            raise ConfigError(f"{_where(path, f'device_kinds.{name}.memory_bytes')} = {mem!r} must be a whole "
+                              "number of bytes > 0 (e.g. 8589934592 or 8e9)")
+        numbers["memory_bytes"] = int(mem)
     if "preset" in spec:
         if spec["preset"] not in PRESETS:
             raise ConfigError(f"{_where(path, f'device_kinds.{name}.preset')} = {spec['preset']!r} is unknown; "

@@ -45,8 +45,9 @@ STATUSES = ("optimal", "feasible")
 class StagePlan:
     """One pipeline stage: which blocks, on which device, and what it costs per micro-batch
     (``bwd_weight_s``: the part of ``bwd_s`` that computes parameter gradients). A stage that
-    ``recompute`` s its activations has its forward once more in ``bwd_s`` (in the input half
-    under a zero-bubble schedule) and keeps only its inputs per in-flight micro-batch."""
+    ``recompute`` s its activations has its forward once more in ``bwd_s`` and keeps only its
+    inputs per in-flight micro-batch; under a zero-bubble schedule its whole backward runs in the
+    input half (``bwd_weight_s`` 0): each weight-half autograd run would recompute again."""
 
     device: int
     blocks: tuple[int, ...]
@@ -256,7 +257,8 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
         keep = problem.stage_memory_bytes(static, act, in_bytes, out_bytes, flight, False)
         again = problem.stage_memory_bytes(static, act, in_bytes, out_bytes, flight, True)
         recompute = problem.recomputes(keep, again, problem.devices[d].memory_bytes // sharing[d])
-        weight = sum(b.bwd_weight_s for b in bl) / speed if problem.training else 0.0
+        # a recomputing stage runs its whole backward in I (one recompute; fxsplit.runtime.split_backward)
+        weight = sum(b.bwd_weight_s for b in bl) / speed if problem.training and not recompute else 0.0
         out.append(StagePlan(d, tuple(blocks), fwd, bwd + (fwd if recompute else 0.0), k * comm, in_bytes,
                              out_bytes, int(again if recompute else keep), weight, recompute))
         in_bytes = out_bytes

@@ -234,8 +234,9 @@ class SplitBackwardStage(PipelineStage):
             outputs = list(out) if isinstance(out, list | tuple) else [out]
             grads = bwd_kwargs["output_grads"]
             weights = [p for p in self.submod.parameters() if p.requires_grad]
+            recomputed = getattr(self.submod, "recomputed", None) is not None  # one recompute: whole backward in I
             in_grads, pending = backward_input(outputs, None if grads is None else list(grads),
-                                               list(bwd_kwargs["input_values"]), weights)
+                                               list(bwd_kwargs["input_values"]), weights, whole=recomputed)
             return tuple(in_grads), pending
         if backward_type == "weight":
             backward_weight(bwd_kwargs["param_groups"])

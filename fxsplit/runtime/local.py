@@ -379,7 +379,9 @@ class Pipeline(ParameterAPI):
         if split:
             weights = [p for p in self.program.stages[s].gm.parameters() if p.requires_grad]
             in_grads, slot.pending = self._guarded(
-                s, i, "input-gradient backward", lambda: backward_input(outputs, grads, _tensor_leaves(slot.inputs), weights))
+                s, i, "input-gradient backward",
+                lambda: backward_input(outputs, grads, _tensor_leaves(slot.inputs), weights,
+                                       whole=self.plan is not None and self.plan.stages[s].recompute))
         else:
             self._guarded(s, i, "backward", lambda: self._backward_from(outputs, grads) if grads is not None
                           else loss.backward() if loss is not None and loss.requires_grad else None)

@@ -115,6 +115,7 @@ def backward_input(
     grads: Sequence[torch.Tensor | None] | None,
     inputs: Sequence[torch.Tensor | None],
     weights: Sequence[torch.nn.Parameter],
+    whole: bool = False,
 ) -> tuple[list[torch.Tensor | None], PendingWeights]:
     """Run ``I``: the gradients of ``inputs`` from ``outputs`` (their gradients ``grads``; None
     for a loss), keeping what :func:`backward_weight` needs.
@@ -124,6 +125,9 @@ def backward_input(
         grads: ``[num_outputs]`` gradients received for them, or None for a loss.
         inputs: ``[num_inputs]`` the stage's input leaves (autograd leaves of their own).
         weights: The stage's trainable parameters.
+        whole: Run the whole backward here and leave ``W`` nothing (a stage that recomputes its
+            activations: torch's weight half starts one autograd run per parameter group, and
+            each would run the stage's forward again).
 
     Returns:
         ``([num_inputs] input gradients, None where an input needs none; what W must finish)``.
@@ -137,8 +141,8 @@ def backward_input(
     if not needing:  # the first stage: nothing to hand back, W runs the whole backward
         pending.roots, pending.root_grads = roots, root_grads
         return [None] * len(inputs), pending
-    if not _splittable(roots, needing, weights):
-        log.debug("a weight's gradient path meets no stage input: whole backward in I")
+    if whole or not _splittable(roots, needing, weights):
+        log.debug("whole backward in I (%s)", "recomputing stage" if whole else "a weight's gradient path meets no stage input")
         torch.autograd.backward(roots, root_grads)
         return [t.grad if t is not None and t.requires_grad else None for t in inputs], pending
     _, pending.param_groups = stage_backward_input(detachable(roots), root_grads, needing, iter(weights))

@@ -207,7 +207,8 @@ def explore(
     devs = list(devices) if devices is not None else list(range(len(stages)))
     # Under recompute="auto" each candidate recomputes exactly the stages that need it (the
     # fastest choice); "all" adds the memory-lean end of the trade-off to the table, never chosen.
-    modes = [problem.recompute] + (["all"] if problem.recompute == "auto" and problem.training else [])
+    own = problem.recompute if problem.may_recompute() else "none"  # what a candidate records (inference: none)
+    modes = [problem.recompute] + (["all"] if own == "auto" else [])
     table, plans = [], {}
     for kind in schedules:
         placement = looped if kind in LOOPED_SCHEDULES else (stages, devs)
@@ -225,17 +226,17 @@ def explore(
                 table.append(cand)
                 plans[cand.key] = (plan, timeline)
                 logger.debug("explore %s", cand.label())
-    fitting = [c for c in table if c.fits and c.recompute == problem.recompute]
+    fitting = [c for c in table if c.fits and c.recompute == own]
     if not table:
         raise ConfigError(f"none of the schedules {list(schedules)} can run micro-batch counts {list(candidates)}")
     if not fitting:
         raise InfeasibleError(_infeasible_message(table, batch_size))
     best = min(fitting, key=lambda c: (round(c.step_time_s, 12), max(c.memory_bytes), c.microbatches))
     plan, timeline = plans[best.key]
-    reason = _reason(best, [c for c in table if c.recompute == problem.recompute])
+    reason = _reason(best, [c for c in table if c.recompute == own])
     logger.info("schedule choice: %s", reason)
     return ScheduleChoice(timeline.schedule, best.microbatches, best.step_time_s, reason, tuple(table),
-                          plan, timeline, problem.recompute)
+                          plan, timeline, own)
 
 
 def _check_args(batch_size: int, schedules: Sequence[str], candidates: Sequence[int] | None) -> tuple[int, ...]:
