@@ -32,7 +32,8 @@ import torch.utils._pytree as pytree
 
 from fxsplit.passes.capture import in_place_root, writes_in_place
 
-__all__ = ["BatchMixing", "buffer_writes", "find_batch_mixing", "mutated_buffers", "once_per_step_buffers", "reads_inputs"]
+__all__ = ["BatchMixing", "buffer_writes", "find_batch_mixing", "is_random", "mutated_buffers", "once_per_step_buffers",
+           "reads_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,11 @@ def _differs(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> floa
     return diff if diff > atol + rtol * scale else None
 
 
+def is_random(node: torch.fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (dropout, bernoulli, rand*, normal, multinomial)."""
+    return node.op == "call_function" and any(r in str(node.target) for r in _RANDOM)
+
+
 def find_batch_mixing(
     gm: torch.fx.GraphModule,
     flat_inputs: Sequence[Any],
@@ -230,7 +236,7 @@ def _first_mixing_node(gm: torch.fx.GraphModule, full_in: list[Any], part_in: li
                                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}), so dim 0 is not "
                                        "a batch it can split")
                 upstream = next((differing[a] for a in node.all_input_nodes if a in differing), None)
-                if node.op == "call_function" and any(r in str(node.target) for r in _RANDOM):
+                if is_random(node):
                     if upstream is not None:  # its input already differs: so does it, for that reason
                         differing.setdefault(node, upstream)
                     else:

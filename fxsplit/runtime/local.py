@@ -29,6 +29,7 @@ from torch import nn
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, ExecutionError, InternalError
 from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
+from fxsplit.passes.per_sample import is_random
 from fxsplit.runtime.microbatch import (
     LossReductions,
     batch_size_of,
@@ -158,6 +159,7 @@ class Pipeline(ParameterAPI):
         self._schedules: dict[tuple[str, int], tuple[Schedule, list[Action]]] = {}
         self.schedule = self._schedule_for(microbatches)
         self.executor = _choose_executor(executor, [st.device for st in program.stages])
+        _check_recompute_draws(self.executor, program, plan)
         self._devices = [torch.device(st.device) for st in program.stages]
         # Deferred BatchNorm (fxsplit.codegen.batchnorm): running statistics updated once per
         # step with the whole batch's statistics, as in the unsplit model.
@@ -479,6 +481,26 @@ class Pipeline(ParameterAPI):
 
 
 EXECUTORS = ("auto", "sequential", "threads")
+
+
+def _check_recompute_draws(executor: str, program: StagedProgram, plan: Any) -> None:
+    """Refuse what would give silently wrong gradients: a recomputing CPU stage that draws random
+    numbers (dropout), run by the threads executor beside another CPU stage. Its recomputation
+    replays the global CPU generator from where its forward began, and the other stage's worker
+    may have drawn from that generator in between, so the masks would differ.
+
+    Raises:
+        ConfigError: naming the stage and the fix (``executor="sequential"``).
+    """
+    if executor != "threads" or plan is None:
+        return
+    cpu = [s for s, st in enumerate(program.stages) if torch.device(st.device).type == "cpu"]
+    for s in cpu:
+        if len(cpu) > 1 and plan.stages[s].recompute and any(is_random(n) for n in program.stages[s].gm.graph.nodes):
+            raise ConfigError(
+                f"stage {s} recomputes its activations and draws random numbers (dropout) on the CPU, which "
+                f"{len(cpu) - 1} other stage(s) share under executor='threads': its recomputation would draw "
+                "other masks than its forward. Use executor='sequential', or recompute='none'")
 
 
 def _choose_executor(executor: str, devices: Sequence[str]) -> str:
