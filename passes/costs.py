@@ -17,8 +17,9 @@ Analytic model (default), per node, on a :class:`~fxsplit.ir.DeviceSpec` ``d``:
   it whole.
 * memory: ``param_bytes``/``buffer_bytes`` of the state the node reads (a tensor read by
   several nodes, e.g. a tied embedding, is counted once, at the first), ``output_bytes`` of its
-  result, ``saved_bytes`` = its result when it needs a gradient and is not a view (the tensor the
-  next op keeps for backward).
+  result, ``saved_bytes`` = the bytes of what it produced that autograd saves for backward
+  (:mod:`fxsplit.passes.autograd_memory`, read from autograd on fake tensors; where the graph
+  does not run on fakes, its result when it needs a gradient and is not a view).
 
 ``cost_model="measured"`` runs every node on real tensors on ``device`` (warm-up, median of
 repeats) for forward and backward time, and keeps the analytic times beside them.
@@ -49,6 +50,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, GiB
+from fxsplit.passes.autograd_memory import autograd_saved_bytes
 from fxsplit.passes.manager import PassResult, carries_value, getattr_path, require_meta
 from fxsplit.passes.measure import measure_node_times, median_time_s
 from fxsplit.passes.profile import profile_node_times
@@ -334,6 +336,9 @@ def cost_nodes(gm: torch.fx.GraphModule, device: DeviceSpec) -> dict[torch.fx.No
             node, flops.get(node.name, 0.0), counted.get(node.name, False), node.name in needs, state, device,
             read_bytes=read, weight_part=weight_share(gm, node, needs, trainable),
         )
+    kept = autograd_saved_bytes(gm)  # what autograd saves, charged to the node that made it
+    if kept is not None:
+        out = {node: dataclasses.replace(c, saved_bytes=kept.get(node.name, 0)) for node, c in out.items()}
     return out
 
 

@@ -1,0 +1,98 @@
+"""What autograd keeps for backward, per node, read from autograd itself on fake tensors.
+
+The activation memory of a stage is what autograd saves during its forward: a linear layer
+keeps its input, a ReLU its output, an addition nothing. Counting every node's output instead
+(the first model) overstated it 1.5-1.8x on GPT and U-Net (bench/README.md, *Activation
+recomputation*). Here the graph runs once under ``FakeTensorMode`` (no memory, no compute) with
+``torch.autograd.graph.saved_tensors_hooks`` recording every tensor autograd packs; each is
+charged once, by its storage, to the node that produced that storage (a view is its base's).
+Parameters and buffers are state, not activations, and are not charged.
+
+References:
+    https://pytorch.org/docs/stable/autograd.html#saved-tensors-hooks
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fxsplit.passes.shapes import fake_mode_of, fake_state
+
+__all__ = ["autograd_saved_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+def _key(t: torch.Tensor) -> int:
+    return int(StorageWeakRef(t.untyped_storage()).cdata)
+
+
+class _Producers(torch.fx.Interpreter):
+    """Runs the graph, noting which node first produced each storage."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        # every value stays alive until the run ends: a freed storage's address (its key) could
+        # be reused by a later one and be charged to the wrong node
+        super().__init__(gm, garbage_collect_values=False)
+        self.producer: dict[int, str] = {}
+        self.nbytes: dict[int, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.op != "get_attr":
+            for t in pytree.tree_leaves(result):
+                if isinstance(t, torch.Tensor):
+                    key = _key(t)
+                    self.producer.setdefault(key, n.name)
+                    # a tensor's own size (symbolic when its shape is; a fake input's storage may
+                    # carry the example's size), its storage's for a view
+                    self.nbytes.setdefault(key, t.numel() * t.element_size() if t._base is None
+                                           else t.untyped_storage().nbytes())
+        return result
+
+
+def autograd_saved_bytes(gm: torch.fx.GraphModule) -> dict[str, Any] | None:
+    """``{node name: bytes autograd keeps of the storages it produced}`` (ints, or ``SymInt``
+    when the graph's shapes are symbolic), or ``None`` when the graph does not run on fake
+    tensors (then the caller keeps its own estimate).
+
+    The placeholders' ``"val"`` are the inputs (not requiring gradients, as a model's inputs);
+    parameters keep their ``requires_grad``.
+    """
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    vals = [p.meta.get("val") for p in placeholders]
+    mode = fake_mode_of(gm) or FakeTensorMode(allow_non_fake_inputs=True)
+    saved: set[int] = set()
+    held: list[torch.Tensor] = []  # alive until the end, for the same reason
+    state = {_key(t) for t in [*gm.parameters(), *gm.buffers()]}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(_key(t))
+        held.append(t)
+        return t
+
+    interp = _Producers(gm)
+    try:
+        with fake_state(gm, mode), mode, torch.enable_grad():
+            state |= {_key(t) for t in [*gm.parameters(), *gm.buffers()]}  # the fakes standing for the state
+            inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) and getattr(v, "fake_mode", None) is not mode
+                      else v for v in vals]
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                interp.run(*inputs)
+    except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: keep the caller's estimate
+        log.info("autograd memory: the graph did not run on fake tensors (%s: %s); keeping the output-based estimate",
+                 type(exc).__name__, exc)
+        return None
+    out: dict[str, Any] = {}
+    for key in saved - state:
+        name = interp.producer.get(key)
+        if name is not None:
+            out[name] = out.get(name, 0) + interp.nbytes[key]
+    return out
