@@ -5,8 +5,10 @@ keeps its input, a ReLU its output, an addition nothing. Counting every node's o
 (the first model) overstated it 1.5-1.8x on GPT and U-Net (bench/README.md, *Activation
 recomputation*). Here the graph runs once under ``FakeTensorMode`` (no memory, no compute) with
 ``torch.autograd.graph.saved_tensors_hooks`` recording every tensor autograd packs; each is
-charged once, by its storage, to the node that produced that storage (a view is its base's).
-Parameters and buffers are state, not activations, and are not charged.
+charged once, by its storage, to the node that produced that storage (a view is its base's), or,
+for a tensor made inside a node and never handed on (dropout's mask, attention's internals, a
+copy a reshape made), to the node that was running when autograd saved it. Parameters, buffers
+and other constants the graph reads are state, not activations, and are not charged.
 
 References:
     https://pytorch.org/docs/stable/autograd.html#saved-tensors-hooks
@@ -43,10 +45,15 @@ class _Producers(torch.fx.Interpreter):
         super().__init__(gm, garbage_collect_values=False)
         self.producer: dict[int, str] = {}
         self.nbytes: dict[int, Any] = {}
+        self.constants: set[int] = set()  # storages of what get_attr reads: state, never charged
+        self.running = ""
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        self.running = n.name
         result = super().run_node(n)
-        if n.op != "get_attr":
+        if n.op == "get_attr":
+            self.constants |= {_key(t) for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)}
+        else:
             for t in pytree.tree_leaves(result):
                 if isinstance(t, torch.Tensor):
                     key = _key(t)
@@ -73,26 +80,32 @@ def autograd_saved_bytes(gm: torch.fx.GraphModule) -> dict[str, Any] | None:
     held: list[torch.Tensor] = []  # alive until the end, for the same reason
     state = {_key(t) for t in [*gm.parameters(), *gm.buffers()]}
 
+    interp = _Producers(gm)
+    inside: dict[int, tuple[str, Any]] = {}  # saved storages no node handed on: the node then running
+
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.add(_key(t))
+        key = _key(t)
+        saved.add(key)
         held.append(t)
+        if key not in interp.producer and key not in inside:
+            inside[key] = (interp.running, t.untyped_storage().nbytes())
         return t
 
-    interp = _Producers(gm)
     try:
         with fake_state(gm, mode), mode, torch.enable_grad():
             state |= {_key(t) for t in [*gm.parameters(), *gm.buffers()]}  # the fakes standing for the state
-            inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) and getattr(v, "fake_mode", None) is not mode
-                      else v for v in vals]
+            # clones: an in-place op on an input must not touch the placeholders' "val"
+            inputs = [(v if getattr(v, "fake_mode", None) is mode else mode.from_tensor(v)).detach().clone()
+                      if isinstance(v, torch.Tensor) else v for v in vals]
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 interp.run(*inputs)
     except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: keep the caller's estimate
-        log.info("autograd memory: the graph did not run on fake tensors (%s: %s); keeping the output-based estimate",
-                 type(exc).__name__, exc)
+        log.warning("activation memory: the graph did not run on fake tensors (%s: %s); each node's output counts "
+                    "instead, which can overstate what autograd keeps 1.5-1.8x", type(exc).__name__, exc)
         return None
     out: dict[str, Any] = {}
-    for key in saved - state:
-        name = interp.producer.get(key)
-        if name is not None:
-            out[name] = out.get(name, 0) + interp.nbytes[key]
+    for key in saved - state - interp.constants:
+        name, nbytes = (interp.producer[key], interp.nbytes[key]) if key in interp.producer else inside.get(key, ("", 0))
+        if name:
+            out[name] = out.get(name, 0) + nbytes
     return out

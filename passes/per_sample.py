@@ -37,7 +37,16 @@ __all__ = ["BatchMixing", "buffer_writes", "find_batch_mixing", "is_random", "mu
 
 log = logging.getLogger(__name__)
 
-_RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial")
+#: Names (whole, of an op, function or method) that draw random numbers.
+_RANDOM = frozenset({
+    "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d",
+    "dropout2d", "dropout3d", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint",
+    "randint_like", "randperm", "normal", "normal_", "uniform_", "exponential_", "geometric_", "cauchy_",
+    "log_normal_", "random_", "multinomial", "rrelu", "rrelu_", "rrelu_with_noise", "gumbel_softmax",
+})
+_RANDOM_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+                   torch.nn.FeatureAlphaDropout, torch.nn.RReLU)
+_ATTENTION_NAMES = frozenset({"scaled_dot_product_attention"})
 _DEFERRED_BUFFERS = (".running_mean", ".running_var", ".num_batches_tracked")
 
 
@@ -156,9 +165,28 @@ def _differs(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> floa
     return diff if diff > atol + rtol * scale else None
 
 
+def _names(node: torch.fx.Node) -> set[str]:
+    """The name parts of what ``node`` calls (``aten.native_dropout.default`` -> its three parts)."""
+    target = node.target
+    text = target if isinstance(target, str) else getattr(target, "__name__", None) or str(target)
+    return set(str(text).split("."))
+
+
 def is_random(node: torch.fx.Node) -> bool:
-    """Whether ``node`` draws random numbers (dropout, bernoulli, rand*, normal, multinomial)."""
-    return node.op == "call_function" and any(r in str(node.target) for r in _RANDOM)
+    """Whether ``node`` draws random numbers: a dropout (function, op or module in training mode),
+    ``bernoulli``, ``rand*``, ``normal``, ``uniform_``, ``multinomial``, ``rrelu``... (whole names,
+    so ``normalize`` is not one), or attention with ``dropout_p > 0``."""
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        module = owner.get_submodule(str(node.target)) if owner is not None else None
+        return isinstance(module, _RANDOM_MODULES) and module.training
+    if node.op not in ("call_function", "call_method"):
+        return False
+    names = _names(node)
+    if names & _ATTENTION_NAMES:
+        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        return not isinstance(p, int | float) or p > 0
+    return bool(names & _RANDOM)
 
 
 def find_batch_mixing(

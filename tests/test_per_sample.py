@@ -174,3 +174,29 @@ def test_rank_0_checks_the_meta_capture_materialised_with_stand_in_weights(mode,
     assert found is not None
     assert (found == []) if expected is None else (expected in found[0]), found
     assert per_sample_on_rank0(captured, ((x.to("meta"),), {}), torch.device("cpu")) is None  # nothing real to run
+
+
+@pytest.mark.parametrize("method", ["export", "symbolic_trace"])
+def test_random_ops_are_found_by_whole_name_module_and_attention_dropout(method: str) -> None:
+    """Review finding: a symbolic_trace ``nn.Dropout`` (a module call) and attention with
+    ``dropout_p`` were not seen as random; ``F.normalize`` was ("normal")."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from fxsplit.passes.capture import capture
+    from fxsplit.passes.per_sample import is_random
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop, self.fc = nn.Dropout(0.5), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = F.normalize(self.fc(x), dim=-1)
+            q = y.view(2, 1, 4, 8)
+            a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3)
+            return self.drop(y) + a.view(8, 8) + torch.rand_like(y)
+
+    gm = capture(M().train(), (torch.randn(8, 8),), method=method).gm
+    random = [n.name for n in gm.graph.nodes if is_random(n)]
+    assert len(random) == 3 and not any("normalize" in r for r in random), random

@@ -247,7 +247,8 @@ def test_zero_bubble_runs_a_recomputing_stage_forward_once_more_only() -> None:
     assert calls[0] == 2 + 2 * 2, calls
 
 
-def test_threads_refuse_a_recomputing_cpu_stage_with_dropout_beside_another_cpu_stage() -> None:
+@pytest.mark.parametrize("method", ["export", "symbolic_trace"])
+def test_threads_refuse_a_recomputing_cpu_stage_with_dropout_beside_another_cpu_stage(method: str) -> None:
     """Review finding: the recomputation replays the global CPU generator from where the forward
     began; under the threads executor another CPU stage's worker may draw in between, so the
     masks (and the gradients) would silently differ. Refused, with the fix; sequential runs."""
@@ -256,7 +257,8 @@ def test_threads_refuse_a_recomputing_cpu_stage_with_dropout_beside_another_cpu_
     kwargs = dict(microbatches=2, schedule="1f1b", cost_model="analytic")
     with pytest.raises(ConfigError, match=r"recomputes its activations and draws random numbers.*executor='sequential'"):
         fxsplit.compile(copy.deepcopy(model), devices(2), (x,), **kwargs,
-                        options=fxsplit.CompileOptions(recompute="all", executor="threads", allow_idle_devices=False))
+                        options=fxsplit.CompileOptions(recompute="all", executor="threads", allow_idle_devices=False,
+                                                       capture_method=method))
     pipe = fxsplit.compile(copy.deepcopy(model), devices(2), (x,), **kwargs,
                            options=fxsplit.CompileOptions(recompute="all", executor="sequential", allow_idle_devices=False))
     assert all(st.recompute for st in pipe.plan.stages)

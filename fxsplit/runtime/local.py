@@ -494,13 +494,16 @@ def _check_recompute_draws(executor: str, program: StagedProgram, plan: Any) -> 
     """
     if executor != "threads" or plan is None:
         return
-    cpu = [s for s, st in enumerate(program.stages) if torch.device(st.device).type == "cpu"]
-    for s in cpu:
-        if len(cpu) > 1 and plan.stages[s].recompute and any(is_random(n) for n in program.stages[s].gm.graph.nodes):
+    # one worker thread per rank; the stages of one rank (a looped schedule) run in turn on it
+    cpu_ranks = [held for held in plan.rank_stages if torch.device(program.stages[held[0]].device).type == "cpu"]
+    if len(cpu_ranks) < 2:
+        return
+    for s in (s for held in cpu_ranks for s in held):
+        if plan.stages[s].recompute and any(is_random(n) for n in program.stages[s].gm.graph.nodes):
             raise ConfigError(
                 f"stage {s} recomputes its activations and draws random numbers (dropout) on the CPU, which "
-                f"{len(cpu) - 1} other stage(s) share under executor='threads': its recomputation would draw "
-                "other masks than its forward. Use executor='sequential', or recompute='none'")
+                f"{len(cpu_ranks) - 1} other worker(s) share under executor='threads': its recomputation would "
+                "draw other masks than its forward. Use executor='sequential', or recompute='none'")
 
 
 def _choose_executor(executor: str, devices: Sequence[str]) -> str:
