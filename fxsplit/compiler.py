@@ -6,7 +6,6 @@ runtime). Called by :func:`fxsplit.api.compile` after the arguments are checked.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -26,7 +25,7 @@ from fxsplit.codegen.buffers import defer_buffer_updates
 from fxsplit.errors import ConfigError, InfeasibleError, NotPerSampleWarning
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
 from fxsplit.ir.problem import AUTO_SCHEDULES, LOOPED_SCHEDULES
-from fxsplit.options import CompileOptions, autocast_dtype
+from fxsplit.options import CompileOptions, autocast_dtype, precision
 from fxsplit.passes.batch_layout import primary_input
 from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
@@ -84,7 +83,7 @@ def front_end(
         force_shapes=True, timed_inputs=timed, measure_device=reference.torch_device, measure_scale=scale,
         profile=profile,
     ))
-    with autocast_context(reference.torch_device, options):  # dtypes, bytes and timings as they will run
+    with precision(reference.torch_device, autocast_dtype(options.autocast)):  # dtypes, bytes, timings as they run
         pm.run(captured.gm)
     if profile is not None and profile["profile_cache"] is not None:
         cache = profile["profile_cache"]
@@ -95,14 +94,6 @@ def front_end(
             cache.save()
         log.info("profile cache %s: %d hits, %d misses", cache.path, cache.hits, cache.misses)
     return captured, pm.artifacts["condense_antichains"], flat
-
-
-def autocast_context(device: str, options: CompileOptions) -> Any:
-    """``torch.autocast`` on ``device``'s type to ``options.autocast``, or a null context."""
-    dtype = autocast_dtype(options.autocast)
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, options: CompileOptions) -> Captured:

@@ -14,7 +14,7 @@ from typing import Any
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, LinkSpec
 
-__all__ = ["AUTOCAST_DTYPES", "CompileOptions", "autocast_dtype"]
+__all__ = ["AUTOCAST_DTYPES", "CompileOptions", "autocast_dtype", "precision"]
 
 #: ``CompileOptions.autocast`` names and the ``torch.dtype`` names they stand for.
 AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -34,6 +34,19 @@ def autocast_dtype(name: str | None) -> Any:
     import torch
 
     return getattr(torch, AUTOCAST_DTYPES[name])
+
+
+def precision(device: Any, dtype: Any) -> Any:
+    """``torch.autocast`` on ``device``'s type (a ``torch.device`` or its string) to ``dtype``,
+    or a null context when ``dtype`` is None: every place that runs a stage, a loss or a shape
+    computation in mixed precision enters this one."""
+    import contextlib
+
+    import torch
+
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 @dataclass(frozen=True)

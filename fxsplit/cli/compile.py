@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from typing import Annotated, Any
@@ -13,6 +12,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
+from fxsplit.options import precision
 from fxsplit.report import human_seconds
 
 __all__ = ["register", "parse_devices", "train_and_compare"]
@@ -47,8 +47,7 @@ def train_and_compare(pipe: Any, case: Any, reference: Any, steps: int, lr: floa
         start = time.perf_counter()
         loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
         out["step_s"].append(time.perf_counter() - start)
-        dtype = getattr(pipe, "autocast", None)  # mixed precision: the unsplit model under the same autocast
-        with torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
+        with precision("cpu", getattr(pipe, "autocast", None)):  # mixed precision: the unsplit model under it too
             ref_loss = case.loss_fn(reference(*inputs), target)
         ref_loss.backward()
         out["losses"].append(float(loss))

@@ -17,7 +17,6 @@ metadata from the same graph without talking, so their send and receive buffers 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +26,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxsplit.errors import InternalError, PlanError
+from fxsplit.options import precision
 from fxsplit.passes.shapes import fake_state
 from fxsplit.runtime.dist_stage import SCALAR_DTYPES, Layout
 
@@ -81,14 +81,13 @@ def boundary_values(
     flags = list(batched) if batch is not None else [False] * len(flat_inputs)
     recorder = _Recorder(gm, set(names))
     device = autocast[0] if autocast is not None else None
-    precision = (torch.autocast(autocast[0].type, dtype=autocast[1]) if autocast is not None
-                 else contextlib.nullcontext())
+    mixed = precision(*autocast) if autocast is not None else precision("cpu", None)
     with fake_state(gm, mode, device), mode, torch.enable_grad():
         fakes = [
             _fake_input(mode, x, batch if b else None, device)
             for x, b in zip(flat_inputs, flags, strict=True)
         ]
-        with precision:
+        with mixed:
             out = recorder.run(*fakes)
     return recorder.values, tuple(out)
 

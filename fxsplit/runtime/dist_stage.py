@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from fxsplit.errors import PlanError
+from fxsplit.options import precision
 from fxsplit.runtime.recompute import RecomputedForward
 from fxsplit.runtime.split_backward import backward_input, backward_weight
 
@@ -208,11 +209,8 @@ class StageModule(nn.Module):
     def forward(self, *wire: torch.Tensor) -> Any:
         self.forwards += 1
         run = self.recomputed if self.recomputed is not None else self.gm
-        if self.autocast is None:
+        with precision(*self.autocast) if self.autocast is not None else precision("cpu", None):
             out = tuple(run(*self._inputs(wire)))
-        else:
-            with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
-                out = tuple(run(*self._inputs(wire)))
         if self.last:
             return out
         device = next((t.device for t in wire if isinstance(t, torch.Tensor)), torch.device("cpu"))

@@ -47,7 +47,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleL
 
 from fxsplit.checkpoint import PLAN_FILE, commit, next_version, shard_name, write_atomic
 from fxsplit.errors import ConfigError, ExecutionError
-from fxsplit.options import autocast_dtype
+from fxsplit.options import autocast_dtype, precision
 from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
 from fxsplit.runtime.dist_faults import Progress, Watchdog
 from fxsplit.runtime.dist_schedule import lowered_schedule
@@ -344,10 +344,7 @@ class DistributedPipeline(ParameterAPI):
                 self._loss_fn, outs, self.batched_outputs, self._unflatten, target, self._mb_size,
                 self._target_dim or 0)
         weight = 1.0 if self._reduction == "sum" else self._weight
-        dtype = autocast_dtype(self.meta.get("autocast"))
-        if dtype is None:
-            return self._loss_fn(self._unflatten(outs), target) * weight
-        with torch.autocast(self.device.type, dtype=dtype):  # as the unsplit model under autocast
+        with precision(self.device, autocast_dtype(self.meta.get("autocast"))):  # as the unsplit model runs it
             return self._loss_fn(self._unflatten(outs), target) * weight
 
     def _run(self, what: str, call: Callable[[], Any]) -> Any:

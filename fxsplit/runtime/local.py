@@ -15,7 +15,6 @@ References:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,6 +27,7 @@ from torch import nn
 
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, ExecutionError, InternalError
+from fxsplit.options import precision
 from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
 from fxsplit.passes.per_sample import is_random
 from fxsplit.runtime.microbatch import (
@@ -223,9 +223,7 @@ class Pipeline(ParameterAPI):
 
     def _precision(self, s: int) -> Any:
         """``torch.autocast`` on stage ``s``'s device when the pipeline runs in mixed precision."""
-        if self.autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self._devices[s].type, dtype=self.autocast)
+        return precision(self._devices[s], self.autocast)
 
     def _run_stage(self, s: int, i: int, values: Sequence[Any]) -> tuple[Any, ...]:
         stage = self.program.stages[s]
