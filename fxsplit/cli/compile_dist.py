@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fxsplit.options import autocast_dtype, precision
 from fxsplit.report import human_seconds
 
 __all__ = ["run_distributed"]
@@ -36,7 +37,8 @@ def _train(pipe: Any, case: Any, reference: Any, steps: int, lr: float, batch_si
         start = time.perf_counter()
         loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
         out["step_s"].append(time.perf_counter() - start)
-        ref_loss = case.loss_fn(reference(*inputs), target)
+        with precision("cpu", autocast_dtype(pipe.meta.get("autocast"))):  # the unsplit model under it too
+            ref_loss = case.loss_fn(reference(*inputs), target)
         ref_loss.backward()
         ref_loss = ref_loss.detach()
         out["losses"].append(float(loss))
