@@ -1,10 +1,13 @@
-"""Helpers shared by the benches: a wide console, a rich table as Markdown (for README.md), and
-two gloo ranks on this machine."""
+"""Helpers shared by the benches: a wide console, a rich table as Markdown (for README.md), two
+gloo ranks on this machine, and two pipeline variants timed from the runtime trace in alternating
+rounds."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Console
@@ -61,3 +64,45 @@ def spawn_two(worker: Any, *args: Any) -> Any:
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(worker, args=(free_port(), queue, *args), nprocs=2, join=True)
     return queue.get()
+
+
+# -- two variants of one pipeline, timed per action from the runtime trace ---------------------
+def variant_parser(description: str, microbatches: int) -> argparse.ArgumentParser:
+    """The arguments of a bench that compares pipeline variants of zoo models (``--models``,
+    ``--size``, ``--batch``, ``--microbatches``, ``--rounds``, ``--steps``, ``--markdown``)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--models", default="gpt,mlp,unet")
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--microbatches", type=int, default=microbatches)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--markdown", action="store_true")
+    return parser
+
+
+def timed(pipe: Any, case: Any, batch: int, steps: int, into: dict[tuple[int, str], list[float]]) -> None:
+    """Run ``steps`` training steps after a warm-up; add each action's seconds to ``into[(stage, kind)]``."""
+    inputs, target = case.make_batch(batch, 0)
+    for i in range(steps + 1):
+        pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
+        pipe.zero_grad(set_to_none=True)
+        if i:
+            for e in pipe.recorder.events:
+                into.setdefault((e.stage, e.kind), []).append(e.duration_s)
+
+
+def alternate(pipes: Mapping[str, Any], case: Any, batch: int, rounds: int,
+              steps: int) -> dict[str, dict[tuple[int, str], list[float]]]:
+    """Each variant's action seconds by ``(stage, kind)``, the variants alternating round by round
+    so that a machine that drifts drifts for all of them."""
+    times: dict[str, dict[tuple[int, str], list[float]]] = {k: {} for k in pipes}
+    for _ in range(rounds):
+        for key, pipe in pipes.items():
+            timed(pipe, case, batch, steps, times[key])
+    return times
+
+
+def same_split(a: Any, b: Any) -> bool:
+    """Whether two pipelines split the blocks the same way."""
+    return [st.blocks for st in a.plan.stages] == [st.blocks for st in b.plan.stages]

@@ -18,14 +18,13 @@ Run: ``python bench/recompute.py [--models gpt,mlp,unet --size small --batch 16 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics
 from typing import Any
 
 import torch
-from common import console, show
+from common import alternate, console, same_split, show, variant_parser
 from rich.table import Table
 
 import fxsplit
@@ -39,17 +38,6 @@ def build(case: Any, mode: str, m: int) -> Any:
     return fxsplit.compile(copy.deepcopy(case.model), ["cpu", "cpu"], case.example_inputs, schedule="gpipe",
                            microbatches=m, cost_model="analytic",
                            options=CompileOptions(executor="sequential", recompute=mode, allow_idle_devices=False))
-
-
-def timed(pipe: Any, case: Any, batch: int, steps: int, into: dict[tuple[int, str], list[float]]) -> None:
-    """Run ``steps`` training steps after a warm-up; add each action's seconds to ``into[(stage, kind)]``."""
-    inputs, target = case.make_batch(batch, 0)
-    for i in range(steps + 1):
-        pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
-        pipe.zero_grad(set_to_none=True)
-        if i:
-            for e in pipe.recorder.events:
-                into.setdefault((e.stage, e.kind), []).append(e.duration_s)
 
 
 def saved_bytes(pipe: Any, case: Any, batch: int) -> list[float]:
@@ -89,26 +77,15 @@ def predicted_bytes(pipe: Any, mode: str) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt,mlp,unet")
-    parser.add_argument("--size", default="small")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--markdown", action="store_true")
-    args = parser.parse_args()
+    args = variant_parser(__doc__.splitlines()[0], microbatches=4).parse_args()
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     rows = []
     for name in args.models.split(","):
         case = zoo.get(name, size=args.size, batch_size=args.batch)
         pipes = {mode: build(case, mode, args.microbatches) for mode in MODES}
-        same = [st.blocks for st in pipes["none"].plan.stages] == [st.blocks for st in pipes["all"].plan.stages]
-        times: dict[str, dict[tuple[int, str], list[float]]] = {mode: {} for mode in MODES}
-        for _ in range(args.rounds):  # alternate the two variants, round by round
-            for mode, pipe in pipes.items():
-                timed(pipe, case, args.batch, args.steps, times[mode])
+        same = same_split(pipes["none"], pipes["all"])
+        times = alternate(pipes, case, args.batch, args.rounds, args.steps)
         kept = {mode: saved_bytes(pipe, case, args.batch) for mode, pipe in pipes.items()}
         model = {mode: predicted_bytes(pipe, mode) for mode, pipe in pipes.items()}
         for s in range(pipes["none"].num_stages):

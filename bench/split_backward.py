@@ -14,14 +14,13 @@ Run: ``python bench/split_backward.py [--models gpt,mlp --size small --batch 16 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics
 from typing import Any
 
 import torch
-from common import console, show
+from common import alternate, console, same_split, show, variant_parser
 from rich.table import Table
 
 import fxsplit
@@ -34,38 +33,16 @@ def build(case: Any, kind: str, m: int) -> Any:
                            cost_model="analytic", options=CompileOptions(executor="sequential"))
 
 
-def timed(pipe: Any, case: Any, batch: int, steps: int, into: dict[tuple[int, str], list[float]]) -> None:
-    """Run ``steps`` training steps after a warm-up; add each action's seconds to ``into[(stage, kind)]``."""
-    inputs, target = case.make_batch(batch, 0)
-    for i in range(steps + 1):
-        pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
-        pipe.zero_grad(set_to_none=True)
-        if i:
-            for e in pipe.recorder.events:
-                into.setdefault((e.stage, e.kind), []).append(e.duration_s)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt,mlp,unet")
-    parser.add_argument("--size", default="small")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--markdown", action="store_true")
-    args = parser.parse_args()
+    args = variant_parser(__doc__.splitlines()[0], microbatches=8).parse_args()
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     rows = []
     for name in args.models.split(","):
         case = zoo.get(name, size=args.size, batch_size=args.batch)
         pipes = {kind: build(case, kind, args.microbatches) for kind in ("1f1b", "zero-bubble")}
-        same = [st.blocks for st in pipes["1f1b"].plan.stages] == [st.blocks for st in pipes["zero-bubble"].plan.stages]
-        times: dict[str, dict[tuple[int, str], list[float]]] = {k: {} for k in pipes}
-        for _ in range(args.rounds):  # alternate the two schedules, round by round
-            for kind, pipe in pipes.items():
-                timed(pipe, case, args.batch, args.steps, times[kind])
+        same = same_split(pipes["1f1b"], pipes["zero-bubble"])
+        times = alternate(pipes, case, args.batch, args.rounds, args.steps)
         for s, st in enumerate(pipes["zero-bubble"].plan.stages):
             b = statistics.median(times["1f1b"][(s, "B")])
             i, w = (statistics.median(times["zero-bubble"][(s, k)]) for k in ("I", "W"))
