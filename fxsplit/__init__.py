@@ -16,7 +16,8 @@ from fxsplit import errors
 from fxsplit.errors import FxsplitError
 
 __version__ = "0.1.0"
-__all__ = ["errors", "FxsplitError", "__version__", "compile", "inspect", "capture", "load", "CompileOptions"]
+__all__ = ["errors", "FxsplitError", "__version__", "compile", "inspect", "capture", "load", "CompileOptions", "train_many",
+           "Task"]
 
 _LAZY = {
     "compile": ("fxsplit.api", "compile"),
@@ -25,6 +26,8 @@ _LAZY = {
     "capture": ("fxsplit.passes.capture", "capture"),
     "load": ("fxsplit.distributed", "load"),
     "Captured": ("fxsplit.passes.capture", "Captured"),
+    "train_many": ("fxsplit.multi", "train_many"),
+    "Task": ("fxsplit.multi", "Task"),
 }
 
 

@@ -297,24 +297,17 @@ class Pipeline(ParameterAPI):
             ExecutionError: when a stage fails (names the stage, micro-batch and device).
                 Whatever fails, every gradient is left as it was before the step.
         """
-        if not callable(loss_fn):
-            raise ConfigError(f"train_step needs loss_fn=callable(output, target) -> scalar, got {loss_fn!r}")
-        flat = self._flatten(args, kwargs)
-        m = self.microbatches
-        mbs, sizes = split_microbatches(flat, m, batched=self.batched_inputs)
-        # Target leaves are split with the inputs' batch size; leaves without it go whole.
-        step = _Step(mbs, split_target(target, m, sum(sizes), self._target_dim), loss_weights(sizes), loss_fn, losses=[None] * m,
-                     sizes=sizes, reduction_checked=m == 1, scale=grad_scaler.scale if grad_scaler is not None else None)
-        schedule, order = self._schedule_and_order(m)
+        step = self.new_step(args, kwargs, target=target, loss_fn=loss_fn, grad_scaler=grad_scaler)
+        schedule, order = self._schedule_and_order(self.microbatches)
         self._begin_step()
         saved = self._stash_grads()
         try:
             if self.executor == "threads":
-                run_threaded(schedule, lambda action: self._run_action(action, step),
+                run_threaded(schedule, lambda action: self.run_action(action, step),
                              [self.program.stages[schedule.stages_of(r)[0]].device for r in range(schedule.num_ranks)])
             else:
                 for action in order:
-                    self._run_action(action, step)
+                    self.run_action(action, step)
             self._sync_tied()
         except BaseException:
             self._unstash_grads(saved, ok=False)  # the gradients are as before the step
@@ -323,8 +316,29 @@ class Pipeline(ParameterAPI):
         self._end_step()
         return step.total_loss()
 
-    def _run_action(self, action: Action, step: _Step) -> None:
-        """Run one F, B, I or W action; the recorder (runtime trace) gets its start and end times."""
+    def new_step(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, target: Any,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], grad_scaler: torch.amp.GradScaler | None = None) -> _Step:
+        """The state of one training step on a batch, for :meth:`run_action` (``train_step`` runs
+        its schedule's actions on it; the shard runtime, :mod:`fxsplit.runtime.shards`, runs them
+        one unit at a time). Arguments as :meth:`train_step`'s.
+
+        Raises:
+            ConfigError: for a ``loss_fn`` that is not callable or inputs of the wrong structure.
+        """
+        if not callable(loss_fn):
+            raise ConfigError(f"train_step needs loss_fn=callable(output, target) -> scalar, got {loss_fn!r}")
+        flat = self._flatten(args, kwargs)
+        m = self.microbatches
+        mbs, sizes = split_microbatches(flat, m, batched=self.batched_inputs)
+        # Target leaves are split with the inputs' batch size; leaves without it go whole.
+        return _Step(mbs, split_target(target, m, sum(sizes), self._target_dim), loss_weights(sizes), loss_fn,
+                     losses=[None] * m, sizes=sizes, reduction_checked=m == 1,
+                     scale=grad_scaler.scale if grad_scaler is not None else None)
+
+    def run_action(self, action: Action, step: _Step) -> None:
+        """Run one F, B, I or W action of ``step`` (:meth:`new_step`); the recorder (runtime
+        trace) gets its start and end times. Actions must come in an order the schedule
+        validator accepts (a stage's forward before its backward, stage by stage)."""
         s, kind, i = action.stage, action.kind, action.microbatch
         start = time.perf_counter()
         if kind == "F":

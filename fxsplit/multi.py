@@ -1,0 +1,354 @@
+"""Train many models at once with shard parallelism and spilling (Hydra): :func:`train_many`.
+
+Orchestration only: each model is captured and costed by the front end, cut into the fewest
+shards that fit a device (:func:`fxsplit.solvers.shards.fewest_shards`), split by codegen, and
+its units run by :mod:`fxsplit.runtime.shards` as the scheduler of
+:mod:`fxsplit.schedule.shards` chooses; the simulator predicts the makespan beforehand.
+
+Example:
+    >>> import torch
+    >>> from fxsplit.multi import Task, train_many
+    >>> def data(seed):
+    ...     g = torch.Generator().manual_seed(seed)
+    ...     return [((torch.randn(4, 8, generator=g),), torch.randn(4, 2, generator=g)) for _ in range(2)]
+    >>> tasks = [Task(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)),
+    ...               lambda p: torch.optim.SGD(p, lr=lr), torch.nn.functional.mse_loss, data(0), steps=2)
+    ...          for lr in (0.1, 0.01)]
+    >>> result = train_many(tasks, devices=2)
+    >>> len(result.models), result.report.shards
+    (2, (1, 1))
+
+References:
+    Nagrecha and Kumar, "Model-Parallel Model Selection for Deep Learning Systems", SIGMOD 2021;
+    "Hydra: A System for Large Multi-Model Deep Learning", 2021.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxsplit.compiler import assemble, front_end
+from fxsplit.errors import ConfigError
+from fxsplit.ir import DeviceSpec, Plan, Problem
+from fxsplit.options import CompileOptions
+from fxsplit.passes.costs import measure_cpu_spec
+from fxsplit.passes.per_sample import is_random
+from fxsplit.runtime import Pipeline
+from fxsplit.runtime.shards import DevicePool, ShardedModel, run_shards
+from fxsplit.schedule.shards import (
+    ShardRun,
+    ShardTask,
+    makespan_lower_bound,
+    render_shard_gantt,
+    simulate_shards,
+)
+from fxsplit.solvers.shards import fewest_shards
+
+__all__ = ["Task", "TrainManyReport", "TrainManyResult", "train_many", "optimizer_state_factor", "optimizer_step_s"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Task:
+    """One model to train.
+
+    Args:
+        model: The module, or a factory ``() -> nn.Module`` called once.
+        optimizer: ``optimizer(params) -> torch.optim.Optimizer`` (e.g. ``lambda p:
+            torch.optim.AdamW(p, lr=3e-4)``); called once per shard with the parameters it owns.
+            Per-parameter optimizers (SGD, Adam, AdamW, ...) train exactly as one optimizer over
+            the whole model; one that couples parameters (gradient-norm clipping inside it,
+            LAMB's global norms) would not.
+        loss_fn: ``loss_fn(output, target) -> scalar``.
+        data: An iterable of ``(inputs, target)`` batches; ``inputs`` is the tuple of the model's
+            positional inputs (or one tensor), batch on dim 0.
+        steps: Training steps; or ``epochs`` passes over ``data`` (which must then have a length).
+        epochs: See ``steps``; give exactly one of the two.
+        name: Shown in reports (default ``task{i}``).
+    """
+
+    model: nn.Module | Callable[[], nn.Module]
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    data: Iterable[Any]
+    steps: int | None = None
+    epochs: int | None = None
+    name: str = ""
+
+    def num_steps(self) -> int:
+        """Training steps this task runs.
+
+        Raises:
+            ConfigError: unless exactly one of ``steps`` and ``epochs`` is a positive count, or
+                for ``epochs`` with data that has no length.
+        """
+        if (self.steps is None) == (self.epochs is None):
+            raise ConfigError(f"task {self.name!r}: give steps=N or epochs=N (exactly one); got steps={self.steps}, "
+                              f"epochs={self.epochs}")
+        count = self.steps if self.steps is not None else self.epochs
+        if not isinstance(count, int) or count < 1:
+            raise ConfigError(f"task {self.name!r}: steps/epochs={count!r}; give a positive integer")
+        if self.epochs is None:
+            return count
+        if not isinstance(self.data, Sized):
+            raise ConfigError(f"task {self.name!r}: epochs={self.epochs} needs data with a length (a list, a "
+                              "DataLoader); give steps=N for an iterator")
+        return count * len(self.data)
+
+    def batches(self) -> Iterator[Any]:
+        """The task's batches, ``epochs`` passes over ``data`` (or ``data`` once for ``steps``)."""
+        if self.epochs is None:
+            return iter(self.data)
+        return itertools.chain.from_iterable(self.data for _ in range(self.epochs))
+
+
+@dataclass(frozen=True)
+class TrainManyReport:
+    """What :func:`train_many` did.
+
+    Attributes:
+        names: ``[num_tasks]`` task names.
+        shards: ``[num_tasks]`` shards of each model.
+        plans: ``[num_tasks]`` each model's shard plan (per-shard times and memory).
+        scheduler: The policy that ran.
+        measured: The run's timeline (seconds from its start).
+        predicted: The simulator's timeline from the cost model's shard times.
+        lower_bound_s: ``max(total work / devices, longest model)`` from the cost model's times.
+        moved_bytes: Bytes of state that moves between host and devices carried.
+        losses: ``[num_tasks][steps]`` each step's loss.
+        budget_bytes: Each device's memory budget (None: unlimited).
+    """
+
+    names: tuple[str, ...]
+    shards: tuple[int, ...]
+    plans: tuple[Plan, ...]
+    scheduler: str
+    measured: ShardRun
+    predicted: ShardRun
+    lower_bound_s: float
+    moved_bytes: int
+    losses: tuple[tuple[float, ...], ...]
+    budget_bytes: int | None = None
+
+    @property
+    def makespan_s(self) -> float:
+        return self.measured.makespan_s
+
+    @property
+    def utilisation(self) -> tuple[float, ...]:
+        return self.measured.utilisation()
+
+    @property
+    def measured_lower_bound_s(self) -> float:
+        """The makespan bound from the measured unit times: ``max(total busy time / devices,
+        the longest model's units back to back)``, seconds. The scheduler's own loss against a
+        perfect schedule of the same units is ``makespan_s / measured_lower_bound_s``."""
+        per_task = [0.0] * len(self.names)
+        for e in self.measured.events:
+            per_task[e.task] += e.end_s - e.start_s
+        return max(sum(per_task) / self.measured.num_devices, max(per_task, default=0.0))
+
+    def gantt(self, width: int = 72) -> str:
+        """The measured timeline as text (:func:`~fxsplit.schedule.shards.render_shard_gantt`)."""
+        return render_shard_gantt(self.measured, self.names, width)
+
+
+@dataclass(frozen=True)
+class TrainManyResult:
+    """The trained models (the tasks' own modules, parameters updated in place, original names),
+    each shard's optimizer, and the report."""
+
+    models: tuple[nn.Module, ...]
+    optimizers: tuple[tuple[torch.optim.Optimizer, ...], ...]
+    report: TrainManyReport
+    sharded: tuple[ShardedModel, ...] = ()
+
+    def optimizer_state(self, task: int) -> dict[str, dict[str, Any]]:
+        """Task ``task``'s optimizer state per parameter, keyed by the parameter's original name
+        (compare with ``optimizer.state[param]`` of training the model alone)."""
+        sharded = self.sharded[task]
+        names = {id(p): n for n, p in self.models[task].named_parameters()}
+        return {names[id(p)]: dict(opt.state[p]) for opt, params in zip(sharded.optimizers, sharded.owned, strict=True)
+                for p in params if p in opt.state}
+
+
+def optimizer_state_factor(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> float:
+    """Bytes of optimizer state per parameter byte, measured: one step on a probe parameter
+    (SGD 0, SGD with momentum 1, Adam/AdamW 2). Falls back to 2.0 (Adam) when the factory
+    cannot build an optimizer for a lone parameter."""
+    probe = nn.Parameter(torch.zeros(4096))
+    probe.grad = torch.full_like(probe, 1e-3)
+    try:
+        opt = optimizer([probe])
+        opt.step()
+    except Exception as exc:  # a factory written for the model's own parameters (groups by name)
+        log.warning("cannot measure the optimizer's state on a probe parameter (%s: %s); assuming Adam's "
+                    "2 bytes per parameter byte", type(exc).__name__, exc)
+        return 2.0
+    size = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.numel() == probe.numel())
+    return size / (probe.numel() * probe.element_size())
+
+
+def optimizer_step_s(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                     params: Sequence[nn.Parameter], repeats: int = 3) -> float:
+    """Seconds of one optimizer step over ``params``, measured on copies (the median of
+    ``repeats`` steps after one that creates the state); the parameters are left untouched."""
+    if not params:
+        return 0.0
+    copies = [nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in params]
+    for c in copies:
+        c.grad = torch.zeros_like(c)
+    try:
+        opt = optimizer(copies)
+        opt.step()
+    except Exception as exc:  # a factory written for the model's own parameters
+        log.warning("cannot time the optimizer step on copies (%s: %s); counting it as 0 s", type(exc).__name__, exc)
+        return 0.0
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def train_many(
+    tasks: Sequence[Task],
+    devices: int | Sequence[str],
+    *,
+    memory_per_device_bytes: int | None = None,
+    scheduler: str = "lrtf",
+    prefetch: bool = True,
+    cost_model: str = "analytic",
+    options: CompileOptions | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> TrainManyResult:
+    """Train ``tasks`` concurrently on ``devices`` by shard parallelism (Hydra).
+
+    Each model is cut into the fewest shards whose parameters, gradients, optimizer state and
+    one mini-batch of activations fit ``memory_per_device_bytes``; its training becomes a chain
+    of units (forward of a shard keeping its inputs, backward recomputing it, optimizer step per
+    shard), and free devices take the next unit of the model ``scheduler`` prefers. Every model
+    ends as training it alone would leave it (same parameters and optimizer state).
+
+    Args:
+        tasks: The models and how to train each.
+        devices: A count of CPU workers or ``["cpu", ...]``.
+        memory_per_device_bytes: Each device's memory budget, bytes; None: whole models.
+        scheduler: ``"lrtf"`` (Hydra's Sharded-LRTF), ``"fifo"`` or ``"round-robin"``.
+        prefetch: Hide the move of a shard's state behind the device's previous unit in the
+            prediction (on the CPU the state does not move).
+        cost_model: ``"analytic"`` (default), ``"measured"`` or ``"profiled"``: the unit times
+            the scheduler starts from (it re-estimates them from measurement as units finish).
+        options: :class:`CompileOptions` of the capture (``capture_method``, ``max_ideals``).
+        progress: ``progress(task, units_done, units_total)`` after each unit.
+
+    Returns:
+        A :class:`TrainManyResult`.
+
+    Raises:
+        ConfigError: for no tasks, a bad task, a device that is not a CPU, an unknown scheduler,
+            or a model that draws random numbers (dropout) trained on several workers (its
+            recomputed forward would draw other masks than its first forward).
+        InfeasibleError: when a single block of a model does not fit the memory budget.
+        ExecutionError: when a unit fails (names the shard and device).
+    """
+    if not tasks:
+        raise ConfigError("train_many needs at least one Task")
+    pool_devices = _cpu_devices(devices)
+    options = options or CompileOptions()
+    tasks = [t if t.name else dataclasses.replace(t, name=f"task{i}") for i, t in enumerate(tasks)]
+    if len({t.name for t in tasks}) != len(tasks):
+        raise ConfigError(f"task names repeat: {[t.name for t in tasks]}; give each task its own name")
+    reference = measure_cpu_spec()
+    if memory_per_device_bytes is not None:
+        reference = reference.with_(memory_bytes=int(memory_per_device_bytes))
+    models = [_shard_task(t, reference, cost_model, options, len(pool_devices)) for t in tasks]
+    shard_tasks = [m.task for m in models]
+    predicted = simulate_shards(shard_tasks, len(pool_devices), scheduler, prefetch=prefetch)
+    pool = DevicePool(pool_devices, [memory_per_device_bytes] * len(pool_devices))
+    measured = run_shards(models, pool, scheduler, progress)
+    report = TrainManyReport(
+        names=tuple(t.name for t in tasks), shards=tuple(m.num_shards for m in models),
+        plans=tuple(m.pipe.plan for m in models), scheduler=scheduler, measured=measured.run, predicted=predicted,
+        lower_bound_s=makespan_lower_bound(shard_tasks, len(pool_devices)), moved_bytes=measured.moved_bytes,
+        losses=tuple(tuple(m.losses) for m in models), budget_bytes=memory_per_device_bytes,
+    )
+    return TrainManyResult(tuple(m.model for m in models), tuple(tuple(m.optimizers) for m in models), report,
+                           tuple(models))
+
+
+def _cpu_devices(devices: int | Sequence[str]) -> list[torch.device]:
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ConfigError(f"devices={devices}; give at least 1 worker")
+        return [torch.device("cpu")] * devices
+    found = [torch.device(d) for d in devices]
+    if not found or any(d.type != "cpu" for d in found):
+        raise ConfigError(f"devices={list(map(str, devices))}: train_many runs on CPU workers for now "
+                          "(devices=N or ['cpu'] * N); CUDA spilling is not built yet")
+    return found
+
+
+def _shard_task(task: Task, reference: DeviceSpec, cost_model: str, options: CompileOptions,
+                workers: int) -> ShardedModel:
+    """Capture, cost and cut one task's model; its pipeline of shards, optimizers and units."""
+    steps = task.num_steps()
+    model = task.model if isinstance(task.model, nn.Module) else task.model()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"task {task.name!r}: model is {type(model).__name__}; give an nn.Module or a factory of one")
+    batches = task.batches()
+    try:
+        first = next(batches)
+    except StopIteration:
+        raise ConfigError(f"task {task.name!r}: its data is empty") from None
+    inputs, _ = _batch(task, first)
+    opts = dataclasses.replace(options, executor="sequential", recompute="none", deferred_batch_norm=False)
+    captured, condensed, _ = front_end(model, inputs, {}, reference, cost_model, opts, microbatches=1)
+    problem = Problem(condensed.graph, (reference,), optimizer_state_factor=optimizer_state_factor(task.optimizer),
+                      training=True)
+    plan = fewest_shards(problem, time_limit_s=options.time_limit_s)
+    last = plan.num_stages - 1
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, recompute=s < last)
+                                                  for s, st in enumerate(plan.stages)))
+    specs = [reference.with_(torch_device="cpu")] * plan.num_stages
+    pipe: Pipeline = assemble(model, captured, plan, specs, "gpipe", 1, opts)
+    if workers > 1:
+        _check_draws(task.name, pipe, last)
+    sharded = ShardedModel(task.name, pipe, task.optimizer, task.loss_fn,
+                           (_batch(task, b) for b in itertools.chain([first], batches)), ShardTask(task.name, (0.0,), (0.0,)),
+                           tuple(st.memory_bytes for st in plan.stages), model=model)
+    # the plan was costed without recomputation: its bwd_s is the backward alone (task_units adds the forward)
+    sharded.task = ShardTask(task.name, tuple(st.fwd_s for st in plan.stages), tuple(st.bwd_s for st in plan.stages),
+                             steps, shard_step_s=tuple(optimizer_step_s(task.optimizer, p) for p in sharded.owned))
+    return sharded
+
+
+def _batch(task: Task, batch: Any) -> tuple[tuple[Any, ...], Any]:
+    if not isinstance(batch, tuple | list) or len(batch) != 2:
+        raise ConfigError(f"task {task.name!r}: each batch must be (inputs, target); got {type(batch).__name__}")
+    inputs, target = batch
+    return (tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)), target
+
+
+def _check_draws(name: str, pipe: Any, last: int) -> None:
+    """Refuse random ops in a shard that recomputes while other workers draw from the same
+    generator: its recomputation would replay other masks than its forward drew."""
+    for s, stage in enumerate(pipe.stages[:last]):
+        drawn = [n.name for n in stage.gm.graph.nodes if is_random(n)]
+        if drawn:
+            raise ConfigError(
+                f"task {name!r}: shard {s} draws random numbers ({', '.join(drawn[:3])}) and recomputes its forward "
+                "in backward while other workers draw from the same CPU generator, so its masks would differ; "
+                "train it with dropout off (p=0 or model.eval()), or on devices=1")

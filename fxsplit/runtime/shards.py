@@ -1,0 +1,254 @@
+"""Run shard units of many models on a pool of devices with memory budgets (Hydra's executor).
+
+A :class:`ShardedModel` is one model split into shards (a :class:`~fxsplit.runtime.Pipeline`
+with one micro-batch whose stages are the shards) with one optimizer per shard over the
+parameters it owns. It runs the units of :mod:`fxsplit.schedule.shards`: ``F`` runs a shard's
+forward under activation recomputation (:class:`~fxsplit.runtime.recompute.RecomputedForward`:
+it keeps only what the shard received), ``L`` the last shard's forward, loss and backward, ``B``
+a shard's backward (its forward again, then backward), each backward followed by the shard's
+optimizer step. A tied parameter belongs to the first shard that reads it, whose backward runs
+last in a step, so its gradient is complete when it steps.
+
+:func:`run_shards` runs the units with one worker thread per device; a
+:class:`~fxsplit.schedule.shards.ShardDispatcher` chooses what a free device runs next and is
+told each unit's measured time. :class:`DevicePool` holds each device's memory budget: a shard
+runs on a device only when its predicted peak memory fits the budget, else the run stops with
+an :class:`ExecutionError` (so a budget is a limit, not a label). On the CPU the shard's state
+stays where it is (host and device are one memory); the pool counts the bytes a move between
+host and device would carry.
+
+References:
+    Nagrecha and Kumar, "Hydra: A System for Large Multi-Model Deep Learning", 2021.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxsplit.errors import ConfigError, ExecutionError
+from fxsplit.runtime.local import Pipeline
+from fxsplit.schedule import Action
+from fxsplit.schedule.shards import ShardDispatcher, ShardEvent, ShardRun, ShardTask, ShardUnit
+
+__all__ = ["DevicePool", "ShardedModel", "owned_parameters", "run_shards"]
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[tuple[Any, ...], Any]  # (model inputs, target)
+
+
+def owned_parameters(pipe: Pipeline) -> list[list[nn.Parameter]]:
+    """``[num_stages]`` the parameters each stage owns: every distinct parameter once, in the
+    first stage that reads it (a tied weight read by stages 0 and 3 belongs to stage 0, whose
+    backward ends the step)."""
+    seen: set[int] = set()
+    owned: list[list[nn.Parameter]] = []
+    for stage in pipe.stages:
+        mine = [p for p in stage.gm.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in mine)
+        owned.append(mine)
+    return owned
+
+
+def _tensor_bytes(tensors: Iterator[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+@dataclass
+class ShardedModel:
+    """One model split into shards, trained one unit at a time.
+
+    Args:
+        name: Shown in reports.
+        pipe: The shards as a pipeline of one micro-batch; every stage but the last recomputes.
+        optimizer: ``optimizer(params) -> torch.optim.Optimizer``, called once per shard with the
+            parameters the shard owns (:func:`owned_parameters`).
+        loss_fn: ``loss_fn(output, target) -> scalar``.
+        batches: Yields ``(inputs, target)`` per step; ``inputs`` a tuple of the model's
+            positional inputs.
+        task: The units and their estimated times.
+        memory_bytes: ``[num_shards]`` predicted peak memory of each shard's units, bytes.
+        model: The original module (its parameters are the shards' parameters).
+    """
+
+    name: str
+    pipe: Pipeline
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    batches: Iterator[Batch]
+    task: ShardTask
+    memory_bytes: tuple[int, ...]
+    model: nn.Module
+    losses: list[float] = field(default_factory=list)
+    owned: list[list[nn.Parameter]] = field(init=False)
+    optimizers: list[torch.optim.Optimizer] = field(init=False)
+    _step: Any = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.owned = owned_parameters(self.pipe)
+        self.optimizers = [self.optimizer(params) for params in self.owned]
+
+    @property
+    def num_shards(self) -> int:
+        return self.pipe.num_stages
+
+    def state_bytes(self, shard: int) -> int:
+        """Bytes of the shard's parameters, gradients, optimizer state and buffers now: what a
+        move between host and device carries."""
+        params = self.owned[shard]
+        opt = self.optimizers[shard]
+        return (_tensor_bytes(iter(params)) + _tensor_bytes(p.grad for p in params)
+                + _tensor_bytes(v for st in opt.state.values() for v in st.values())
+                + _tensor_bytes(self.pipe.stages[shard].gm.buffers()))
+
+    def run(self, unit: ShardUnit) -> None:
+        """Run one unit (in the order of ``task.units``).
+
+        Raises:
+            ConfigError: when the data runs out before the last step.
+            ExecutionError: when a shard fails (from the pipeline, naming the stage).
+        """
+        if self._step is None:
+            self._begin(unit.step)
+        s = unit.shard
+        if unit.kind in ("F", "L"):
+            self.pipe.run_action(Action(s, "F", 0), self._step)
+        if unit.kind in ("L", "B"):
+            self.pipe.run_action(Action(s, "B", 0), self._step)
+            self.optimizers[s].step()
+            self.optimizers[s].zero_grad(set_to_none=True)
+        if unit.kind == "L":
+            self.losses.append(float(self._step.total_loss()))
+        if s == 0 and unit.kind != "F":
+            self._step = None  # the step's last unit
+
+    def _begin(self, step: int) -> None:
+        try:
+            inputs, target = next(self.batches)
+        except StopIteration:
+            raise ConfigError(f"task {self.name!r}: its data ran out at step {step} of {self.task.steps}; "
+                              "give a data iterable with at least that many batches (or fewer steps)") from None
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        self._step = self.pipe.new_step(inputs, {}, target=target, loss_fn=self.loss_fn)
+
+
+class DevicePool:
+    """Devices with memory budgets and the shards they hold.
+
+    Args:
+        devices: ``[num_devices]`` torch devices (CPU here).
+        budget_bytes: ``[num_devices]`` memory of each device, bytes (None: unlimited).
+
+    Each device holds the shard it ran last until another shard needs it; a shard is on at most
+    one device. ``moved_bytes`` counts what moves between host and device would carry.
+    """
+
+    def __init__(self, devices: Sequence[torch.device], budget_bytes: Sequence[int | None]) -> None:
+        if len(devices) != len(budget_bytes):
+            raise ConfigError(f"{len(devices)} devices but {len(budget_bytes)} memory budgets")
+        self.devices = list(devices)
+        self.budget_bytes = list(budget_bytes)
+        self.held: list[tuple[int, int] | None] = [None] * len(devices)
+        self.moved_bytes = 0
+        self._lock = threading.Lock()
+
+    def bring(self, device: int, key: tuple[int, int], model: ShardedModel) -> int:
+        """Make shard ``key = (task, shard)`` resident on ``device``; return the bytes moved.
+
+        Raises:
+            ExecutionError: when the shard's predicted peak memory exceeds the device's budget.
+        """
+        need = model.memory_bytes[key[1]]
+        budget = self.budget_bytes[device]
+        if budget is not None and need > budget:
+            raise ExecutionError(
+                f"shard {key[1]} of task {model.name!r} needs {need / 2**20:.2f} MiB at its peak, more than "
+                f"device {device} ({self.devices[device]}) has ({budget / 2**20:.2f} MiB); split it into more "
+                "shards (a smaller memory_per_device_bytes when planning) or give the device more memory",
+                device=str(self.devices[device]))
+        with self._lock:
+            if self.held[device] == key:
+                return 0
+            moved = model.state_bytes(key[1])
+            for other, held in enumerate(self.held):
+                if held == key:  # it was left on another device: back to host first
+                    self.held[other] = None
+                    moved += model.state_bytes(key[1])
+            self.held[device] = key
+            self.moved_bytes += moved
+            return moved
+
+
+@dataclass(frozen=True)
+class ShardRunResult:
+    """What :func:`run_shards` measured: the timeline (seconds from the start) and bytes moved."""
+
+    run: ShardRun
+    moved_bytes: int
+
+
+def run_shards(models: Sequence[ShardedModel], pool: DevicePool, policy: str = "lrtf",
+               progress: Callable[[int, int, int], None] | None = None) -> ShardRunResult:
+    """Train every model to its last step, units on the pool's devices as ``policy`` chooses.
+
+    Args:
+        models: The sharded models (their ``task`` gives the units).
+        pool: The devices and their budgets.
+        policy: A :data:`~fxsplit.schedule.shards.POLICIES` name.
+        progress: ``progress(task, units_done, units_total)`` after each unit (in the caller's
+            thread; the CLI draws a bar per task with it).
+
+    Returns:
+        The measured timeline and the bytes moved.
+
+    Raises:
+        ConfigError: for an unknown policy, or data that runs out.
+        ExecutionError: when a unit fails or a shard exceeds its device's budget; the other
+            workers finish their unit and nothing more starts.
+    """
+    dispatch = ShardDispatcher([m.task for m in models], policy)
+    workers = [cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fxsplit-shard{d}")
+               for d in range(len(pool.devices))]
+    t0 = time.perf_counter()
+    events: list[ShardEvent] = []
+    last_task: list[int | None] = [None] * len(workers)
+    running: dict[cf.Future[tuple[float, float, float]], tuple[int, int, ShardUnit]] = {}
+
+    def work(d: int, j: int, unit: ShardUnit) -> tuple[float, float, float]:
+        start = time.perf_counter()
+        pool.bring(d, (j, unit.shard), models[j])
+        loaded = time.perf_counter()
+        models[j].run(unit)
+        return start - t0, loaded - start, time.perf_counter() - t0
+
+    try:
+        while not dispatch.done:
+            busy = {d for d, _, _ in running.values()}
+            for d in (d for d in range(len(workers)) if d not in busy):
+                j = dispatch.pick(prefer=last_task[d])
+                if j is None:
+                    break
+                unit = dispatch.start(j)
+                running[workers[d].submit(work, d, j, unit)] = (d, j, unit)
+            finished, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                d, j, unit = running.pop(fut)
+                start_s, load_s, end_s = fut.result()  # re-raises a unit's error
+                dispatch.finish(j, end_s - start_s - load_s)
+                events.append(ShardEvent(d, j, unit, start_s, end_s, load_s))
+                last_task[d] = j
+                if progress is not None:
+                    progress(j, dispatch.next_unit[j], len(models[j].task.units))
+    finally:
+        for w in workers:
+            w.shutdown(wait=True, cancel_futures=True)
+    return ShardRunResult(ShardRun(tuple(events), len(workers)), pool.moved_bytes)
