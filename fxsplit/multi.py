@@ -233,14 +233,16 @@ def train_many(
     cost_model: str = "analytic",
     options: CompileOptions | None = None,
     progress: Callable[[int, int, int], None] | None = None,
+    recompute: bool = False,
 ) -> TrainManyResult:
     """Train ``tasks`` concurrently on ``devices`` by shard parallelism (Hydra).
 
     Each model is cut into the fewest shards whose parameters, gradients, optimizer state and
     one mini-batch of activations fit ``memory_per_device_bytes``; its training becomes a chain
-    of units (forward of a shard keeping its inputs, backward recomputing it, optimizer step per
-    shard), and free devices take the next unit of the model ``scheduler`` prefers. Every model
-    ends as training it alone would leave it (same parameters and optimizer state).
+    of units (forward of each shard, the last shard's loss and backward, the backward of each
+    other shard, optimizer step per shard), and free devices take the next unit of the model
+    ``scheduler`` prefers. Every model ends as training it alone would leave it (same parameters
+    and optimizer state).
 
     Args:
         tasks: The models and how to train each.
@@ -251,6 +253,10 @@ def train_many(
             prediction (on the CPU the state does not move).
         cost_model: ``"analytic"`` (default), ``"measured"`` or ``"profiled"``: the unit times
             the scheduler starts from (it re-estimates them from measurement as units finish).
+        recompute: False (default): a shard's forward keeps its activations, spilled to host
+            memory until its backward (Hydra's spilling; on the CPU they stay where they are).
+            True: it keeps only its inputs and its backward runs the forward again (one more
+            forward per shard and step; host memory holds only the shard boundaries).
         options: :class:`CompileOptions` of the capture (``capture_method``, ``max_ideals``).
         progress: ``progress(task, units_done, units_total)`` after each unit.
 
@@ -259,8 +265,8 @@ def train_many(
 
     Raises:
         ConfigError: for no tasks, a bad task, a device that is not a CPU, an unknown scheduler,
-            or a model that draws random numbers (dropout) trained on several workers (its
-            recomputed forward would draw other masks than its first forward).
+            or with ``recompute`` a model that draws random numbers (dropout) trained on several
+            workers (its recomputed forward would draw other masks than its first forward).
         InfeasibleError: when a single block of a model does not fit the memory budget.
         ExecutionError: when a unit fails (names the shard and device).
     """
@@ -274,7 +280,7 @@ def train_many(
     reference = measure_cpu_spec()
     if memory_per_device_bytes is not None:
         reference = reference.with_(memory_bytes=int(memory_per_device_bytes))
-    models = [_shard_task(t, reference, cost_model, options, len(pool_devices)) for t in tasks]
+    models = [_shard_task(t, reference, cost_model, options, len(pool_devices), recompute) for t in tasks]
     shard_tasks = [m.task for m in models]
     predicted = simulate_shards(shard_tasks, len(pool_devices), scheduler, prefetch=prefetch)
     pool = DevicePool(pool_devices, [memory_per_device_bytes] * len(pool_devices))
@@ -302,7 +308,7 @@ def _cpu_devices(devices: int | Sequence[str]) -> list[torch.device]:
 
 
 def _shard_task(task: Task, reference: DeviceSpec, cost_model: str, options: CompileOptions,
-                workers: int) -> ShardedModel:
+                workers: int, recompute: bool) -> ShardedModel:
     """Capture, cost and cut one task's model; its pipeline of shards, optimizers and units."""
     steps = task.num_steps()
     model = task.model if isinstance(task.model, nn.Module) else task.model()
@@ -320,18 +326,24 @@ def _shard_task(task: Task, reference: DeviceSpec, cost_model: str, options: Com
                       training=True)
     plan = fewest_shards(problem, time_limit_s=options.time_limit_s)
     last = plan.num_stages - 1
-    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, recompute=s < last)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, recompute=recompute and s < last)
                                                   for s, st in enumerate(plan.stages)))
     specs = [reference.with_(torch_device="cpu")] * plan.num_stages
     pipe: Pipeline = assemble(model, captured, plan, specs, "gpipe", 1, opts)
-    if workers > 1:
+    drawn = [n.name for stage in pipe.stages for n in stage.gm.graph.nodes if is_random(n)]
+    if workers > 1 and recompute:
         _check_draws(task.name, pipe, last)
+    elif drawn:
+        log.warning("task %r draws random numbers (%s) from the one CPU generator that all tasks share, in the order "
+                    "units run: its masks differ from training it alone (as another seed's would)",
+                    task.name, ", ".join(drawn[:3]))
     sharded = ShardedModel(task.name, pipe, task.optimizer, task.loss_fn,
                            (_batch(task, b) for b in itertools.chain([first], batches)), ShardTask(task.name, (0.0,), (0.0,)),
                            tuple(st.memory_bytes for st in plan.stages), model=model)
     # the plan was costed without recomputation: its bwd_s is the backward alone (task_units adds the forward)
     sharded.task = ShardTask(task.name, tuple(st.fwd_s for st in plan.stages), tuple(st.bwd_s for st in plan.stages),
-                             steps, shard_step_s=tuple(optimizer_step_s(task.optimizer, p) for p in sharded.owned))
+                             steps, shard_step_s=tuple(optimizer_step_s(task.optimizer, p) for p in sharded.owned),
+                             recompute=recompute)
     return sharded
 
 

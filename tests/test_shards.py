@@ -43,8 +43,11 @@ def test_units_of_one_step_follow_the_chain_forward_then_backward() -> None:
     units = task_units([1.0, 2.0, 3.0], [10.0, 20.0, 30.0], steps=2, shard_step_s=[0.1, 0.2, 0.3])
     assert [str(u) for u in units] == ["F0", "F1", "L2", "B1", "B0"] * 2
     assert [u.step for u in units] == [0] * 5 + [1] * 5
-    # a backward unit runs its shard's forward again, its backward and its optimizer step
-    assert [round(u.est_s, 6) for u in units[:5]] == [1.0, 2.0, 33.3, 22.2, 11.1]
+    # a backward unit runs its shard's backward and optimizer step; the last shard all of it
+    assert [round(u.est_s, 6) for u in units[:5]] == [1.0, 2.0, 33.3, 20.2, 10.1]
+    # recomputing, the backward runs the shard's forward again first
+    again = task_units([1.0, 2.0, 3.0], [10.0, 20.0, 30.0], steps=1, shard_step_s=[0.1, 0.2, 0.3], recompute=True)
+    assert [round(u.est_s, 6) for u in again] == [1.0, 2.0, 33.3, 22.2, 11.1]
 
 
 @pytest.mark.parametrize("fwd, bwd, steps, step_s", [

@@ -4,6 +4,7 @@ leave it, whatever the scheduler interleaves; budgets are enforced; bad input is
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -61,9 +62,9 @@ def _check_same_as_alone(result: Any, alone: list[tuple[nn.Module, torch.optim.O
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(widths=st.lists(st.sampled_from([16, 32, 48]), min_size=1, max_size=3), devices=st.integers(1, 3),
        policy=st.sampled_from(POLICIES), optimizer=st.sampled_from(sorted(OPTIMIZERS)),
-       budget_kib=st.sampled_from([None, 40, 70]), steps=st.integers(1, 3))
+       budget_kib=st.sampled_from([None, 40, 70]), steps=st.integers(1, 3), recompute=st.booleans())
 def test_every_model_ends_as_training_it_alone(widths: list[int], devices: int, policy: str, optimizer: str,
-                                               budget_kib: int | None, steps: int) -> None:
+                                               budget_kib: int | None, steps: int, recompute: bool) -> None:
     tasks, alone = [], []
     for j, width in enumerate(widths):
         model = _mlp(width, 3, seed=j)
@@ -73,15 +74,15 @@ def test_every_model_ends_as_training_it_alone(widths: list[int], devices: int, 
         alone.append((ref, _train_alone(ref, opt, nn.functional.mse_loss, data)))
         tasks.append(Task(model, opt, nn.functional.mse_loss, data, steps=steps))
     budget = None if budget_kib is None else budget_kib * 1024
-    result = train_many(tasks, devices, memory_per_device_bytes=budget, scheduler=policy)
+    result = train_many(tasks, devices, memory_per_device_bytes=budget, scheduler=policy, recompute=recompute)
     _check_same_as_alone(result, alone)
     if budget is not None:
         assert all(st.memory_bytes <= budget for plan in result.report.plans for st in plan.stages)
     assert all(len(losses) == steps for losses in result.report.losses)
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_gpt_with_tied_embeddings_in_several_shards_ends_as_alone(optimizer: str) -> None:
+@pytest.mark.parametrize("optimizer, recompute", [("sgd", False), ("adamw", True)])
+def test_gpt_with_tied_embeddings_in_several_shards_ends_as_alone(optimizer: str, recompute: bool) -> None:
     """The zoo GPT ties its LM head to the token embedding: the weight is read by the first and
     the last shard. It belongs to the first shard, whose backward ends the step, so it steps
     once, with both gradients."""
@@ -93,7 +94,7 @@ def test_gpt_with_tied_embeddings_in_several_shards_ends_as_alone(optimizer: str
         ref = copy.deepcopy(case.model)
         alone.append((ref, _train_alone(ref, opt, case.loss_fn, data)))
         tasks.append(Task(case.model, opt, case.loss_fn, data, steps=2))
-    result = train_many(tasks, 2, memory_per_device_bytes=300 * 1024)
+    result = train_many(tasks, 2, memory_per_device_bytes=300 * 1024, recompute=recompute)
     for sharded, model in zip(result.sharded, result.models, strict=True):
         assert sharded.num_shards >= 2
         tied = model.tok_emb.weight
@@ -131,7 +132,7 @@ def test_a_block_larger_than_the_budget_is_infeasible() -> None:
         train_many([task], 2, memory_per_device_bytes=4 * 1024)
 
 
-def test_dropout_on_several_workers_is_refused_and_runs_on_one() -> None:
+def test_dropout_recomputed_on_several_workers_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     def make() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.1), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 3))
@@ -140,8 +141,13 @@ def test_dropout_on_several_workers_is_refused_and_runs_on_one() -> None:
         return Task(make, OPTIMIZERS["sgd"](1e-2), nn.functional.mse_loss, _data(4, 1, 0), steps=1)
 
     with pytest.raises(ConfigError, match="random"):
-        train_many([task(), task()], 2, memory_per_device_bytes=16 * 1024)
-    assert train_many([task()], 1, memory_per_device_bytes=16 * 1024).report.shards[0] >= 2
+        train_many([task(), task()], 2, memory_per_device_bytes=16 * 1024, recompute=True)
+    assert train_many([task()], 1, memory_per_device_bytes=16 * 1024, recompute=True).report.shards[0] >= 2
+    # without recomputation each forward's masks are the ones its backward uses: runs, and says the
+    # masks are not those of training alone
+    with caplog.at_level(logging.WARNING, logger="fxsplit.multi"):
+        assert train_many([task(), task()], 2, memory_per_device_bytes=16 * 1024).report.shards == (2, 2)
+    assert "differ from training it alone" in caplog.text
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -96,6 +96,7 @@ def register(app: typer.Typer) -> None:
         scheduler: Annotated[str, typer.Option(help="lrtf (Hydra's Sharded-LRTF), fifo or round-robin")] = "lrtf",
         optimizer: Annotated[str, typer.Option(help="adamw or sgd")] = "adamw",
         cost_model: Annotated[str, typer.Option(help="analytic, measured or profiled: unit times the scheduler starts from")] = "analytic",
+        recompute: Annotated[bool, typer.Option(help="shards keep only their inputs and recompute in backward (default: activations wait in host memory)")] = False,
         gantt: Annotated[bool, typer.Option(help="draw the measured timeline")] = True,
     ) -> None:
         """Train a grid of MODEL (learning rates x batch sizes) at once by shard parallelism."""
@@ -126,7 +127,7 @@ def register(app: typer.Typer) -> None:
                     bar.update(ids[j], completed=done, total=total)
 
                 result = train_many(tasks, devices, memory_per_device_bytes=budget, scheduler=scheduler,
-                                    cost_model=cost_model, progress=progress)
+                                    cost_model=cost_model, progress=progress, recompute=recompute)
         except FxsplitError as exc:
             exit_with_error(console, exc, 2)
         diffs = [alone_difference(init, trained, tasks[j].optimizer, loss_fn, data)

@@ -3,11 +3,12 @@
 A :class:`ShardedModel` is one model split into shards (a :class:`~fxsplit.runtime.Pipeline`
 with one micro-batch whose stages are the shards) with one optimizer per shard over the
 parameters it owns. It runs the units of :mod:`fxsplit.schedule.shards`: ``F`` runs a shard's
-forward under activation recomputation (:class:`~fxsplit.runtime.recompute.RecomputedForward`:
-it keeps only what the shard received), ``L`` the last shard's forward, loss and backward, ``B``
-a shard's backward (its forward again, then backward), each backward followed by the shard's
-optimizer step. A tied parameter belongs to the first shard that reads it, whose backward runs
-last in a step, so its gradient is complete when it steps.
+forward, keeping its autograd graph (its activations, in host memory on the CPU) or, when the
+plan marks the shard ``recompute``, under activation recomputation
+(:class:`~fxsplit.runtime.recompute.RecomputedForward`: only what the shard received); ``L``
+the last shard's forward, loss and backward; ``B`` a shard's backward; each backward is followed
+by the shard's optimizer step. A tied parameter belongs to the first shard that reads it, whose
+backward runs last in a step, so its gradient is complete when it steps.
 
 :func:`run_shards` runs the units with one worker thread per device; a
 :class:`~fxsplit.schedule.shards.ShardDispatcher` chooses what a free device runs next and is
@@ -69,7 +70,8 @@ class ShardedModel:
 
     Args:
         name: Shown in reports.
-        pipe: The shards as a pipeline of one micro-batch; every stage but the last recomputes.
+        pipe: The shards as a pipeline of one micro-batch (stages the plan marks ``recompute``
+            keep only their inputs between forward and backward).
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``, called once per shard with the
             parameters the shard owns (:func:`owned_parameters`).
         loss_fn: ``loss_fn(output, target) -> scalar``.

@@ -1,9 +1,11 @@
 """Shard parallelism (Hydra): units of many models, a scheduler, a simulator and a bound (torch-free).
 
 A model cut into ``S`` shards trains as a chain of *units* per step: the forward of shards
-``0 .. S-2`` (each keeps only what it received), then the last shard's forward, loss and backward
-in one unit, then the backward of shards ``S-2 .. 0`` (each runs its forward again from what it
-kept, then its backward, then its optimizer step). The units of one model run one after another;
+``0 .. S-2``, then the last shard's forward, loss and backward in one unit, then the backward of
+shards ``S-2 .. 0``, each backward followed by the shard's optimizer step. A shard's forward
+either keeps its activations (spilled to host memory until its backward) or, with
+recomputation, only what it received, and its backward then runs the forward again. The units
+of one model run one after another;
 units of different models are independent, so a free device can run any model's next unit: that
 is shard parallelism. :class:`ShardDispatcher` decides which model's next unit a free device runs
 (:data:`POLICIES`); :func:`simulate_shards` drives it with estimated times to predict the makespan,
@@ -53,9 +55,9 @@ POLICIES = ("lrtf", "fifo", "round-robin")
 
 @dataclass(frozen=True)
 class ShardUnit:
-    """One unit of a model's training: ``kind`` ``"F"`` (forward of ``shard``, keeping its
-    inputs), ``"L"`` (the last shard's forward, loss, backward and optimizer step) or ``"B"``
-    (forward again, backward and optimizer step of ``shard``) of training step ``step``."""
+    """One unit of a model's training: ``kind`` ``"F"`` (forward of ``shard``), ``"L"`` (the last
+    shard's forward, loss, backward and optimizer step) or ``"B"`` (backward, after the forward
+    again when the shard recomputes, and optimizer step of ``shard``) of training step ``step``."""
 
     step: int
     shard: int
@@ -67,7 +69,7 @@ class ShardUnit:
 
 
 def task_units(shard_fwd_s: Sequence[float], shard_bwd_s: Sequence[float], steps: int,
-               shard_step_s: Sequence[float] = ()) -> tuple[ShardUnit, ...]:
+               shard_step_s: Sequence[float] = (), recompute: bool = False) -> tuple[ShardUnit, ...]:
     """The units of ``steps`` training steps of a model with these shard times, in order.
 
     Args:
@@ -75,11 +77,12 @@ def task_units(shard_fwd_s: Sequence[float], shard_bwd_s: Sequence[float], steps
         shard_bwd_s: ``[num_shards]`` backward time, seconds (without the recomputed forward).
         steps: Training steps.
         shard_step_s: ``[num_shards]`` optimizer step time of each shard, seconds (default 0).
+        recompute: Whether a shard's backward runs its forward again (all but the last).
 
     Returns:
         ``steps * (2 * num_shards - 1)`` units: per step ``F0 .. F(S-2)``, ``L(S-1)``,
-        ``B(S-2) .. B0``. A ``B`` unit costs its shard's forward plus backward (it recomputes)
-        plus its optimizer step; ``L`` its forward, backward and step.
+        ``B(S-2) .. B0``. A ``B`` unit costs its shard's backward (plus its forward with
+        ``recompute``) plus its optimizer step; ``L`` its forward, backward and step.
 
     Raises:
         ConfigError: for no shards, lists of different lengths, negative times or ``steps < 1``.
@@ -98,7 +101,8 @@ def task_units(shard_fwd_s: Sequence[float], shard_bwd_s: Sequence[float], steps
     last = len(shard_fwd_s) - 1
     one: list[tuple[int, str, float]] = [(s, "F", shard_fwd_s[s]) for s in range(last)]
     one.append((last, "L", shard_fwd_s[last] + shard_bwd_s[last] + opt[last]))
-    one += [(s, "B", shard_fwd_s[s] + shard_bwd_s[s] + opt[s]) for s in range(last - 1, -1, -1)]
+    again = shard_fwd_s if recompute else (0.0,) * len(shard_fwd_s)
+    one += [(s, "B", again[s] + shard_bwd_s[s] + opt[s]) for s in range(last - 1, -1, -1)]
     return tuple(ShardUnit(t, s, kind, est) for t in range(steps) for s, kind, est in one)
 
 
@@ -114,6 +118,7 @@ class ShardTask:
         load_s: ``[num_shards]`` seconds to bring each shard's state (parameters, optimizer
             state) to a device, 0 where it stays (CPU); defaults to zeros.
         shard_step_s: ``[num_shards]`` optimizer step seconds of each shard; defaults to zeros.
+        recompute: Whether shard backwards run their forward again (see :func:`task_units`).
     """
 
     name: str
@@ -122,11 +127,12 @@ class ShardTask:
     steps: int = 1
     load_s: tuple[float, ...] = ()
     shard_step_s: tuple[float, ...] = ()
+    recompute: bool = False
     units: tuple[ShardUnit, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", task_units(self.shard_fwd_s, self.shard_bwd_s, self.steps,
-                                                     self.shard_step_s))
+                                                     self.shard_step_s, self.recompute))
         if self.load_s and len(self.load_s) != len(self.shard_fwd_s):
             raise ConfigError(f"task {self.name!r}: {len(self.load_s)} load times for {len(self.shard_fwd_s)} shards")
 
@@ -202,7 +208,10 @@ class ShardDispatcher:
         """The task whose next unit runs on a free device now, or None when none is ready.
 
         Args:
-            prefer: The task the device ran last; it wins ties (its shard may still be there).
+            prefer: The task the device ran last (its shard may still be there). Under LRTF it
+                keeps the device unless another task's remaining time exceeds its own by more
+                than its next unit: equal models would otherwise swap after every unit, moving
+                their state each time for nothing.
         """
         ready = self.ready()
         if not ready:
@@ -212,7 +221,13 @@ class ShardDispatcher:
         if self.policy == "round-robin":
             later = [j for j in ready if j > self._last_started]
             return later[0] if later else ready[0]
-        return max(ready, key=lambda j: (self.remaining_s(j), j == prefer, -j))
+        def rank(j: int) -> tuple[float, bool, int]:
+            left = self.remaining_s(j)
+            if j == prefer:
+                left += self.estimate_s(j, self.tasks[j].units[self.next_unit[j]])
+            return (left, j == prefer, -j)
+
+        return max(ready, key=rank)
 
     def start(self, task: int) -> ShardUnit:
         """Mark ``task``'s next unit running; return it.
