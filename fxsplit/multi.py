@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from fxsplit.compiler import assemble, front_end
-from fxsplit.errors import ConfigError
+from fxsplit.errors import ConfigError, InfeasibleError
 from fxsplit.ir import DeviceSpec, Plan, Problem
 from fxsplit.options import CompileOptions
 from fxsplit.passes.costs import measure_cpu_spec
@@ -99,6 +99,9 @@ class Task:
         if not isinstance(count, int) or count < 1:
             raise ConfigError(f"task {self.name!r}: steps/epochs={count!r}; give a positive integer")
         if self.epochs is None:
+            if isinstance(self.data, Sized) and len(self.data) < count:
+                raise ConfigError(f"task {self.name!r}: steps={count} but its data has {len(self.data)} batches; "
+                                  "give at least that many (or epochs=N to pass over them again)")
             return count
         if not isinstance(self.data, Sized):
             raise ConfigError(f"task {self.name!r}: epochs={self.epochs} needs data with a length (a list, a "
@@ -166,10 +169,10 @@ class TrainManyReport:
 @dataclass(frozen=True)
 class TrainManyResult:
     """The trained models (the tasks' own modules, parameters updated in place, original names),
-    each shard's optimizer, and the report."""
+    each shard's optimizer (None for a shard without parameters), and the report."""
 
     models: tuple[nn.Module, ...]
-    optimizers: tuple[tuple[torch.optim.Optimizer, ...], ...]
+    optimizers: tuple[tuple[torch.optim.Optimizer | None, ...], ...]
     report: TrainManyReport
     sharded: tuple[ShardedModel, ...] = ()
 
@@ -179,7 +182,7 @@ class TrainManyResult:
         sharded = self.sharded[task]
         names = {id(p): n for n, p in self.models[task].named_parameters()}
         return {names[id(p)]: dict(opt.state[p]) for opt, params in zip(sharded.optimizers, sharded.owned, strict=True)
-                for p in params if p in opt.state}
+                if opt is not None for p in params if p in opt.state}
 
 
 def optimizer_state_factor(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> float:
@@ -273,14 +276,18 @@ def train_many(
     if not tasks:
         raise ConfigError("train_many needs at least one Task")
     pool_devices = _cpu_devices(devices)
-    options = options or CompileOptions()
+    options = _checked_options(options or CompileOptions())
     tasks = [t if t.name else dataclasses.replace(t, name=f"task{i}") for i, t in enumerate(tasks)]
     if len({t.name for t in tasks}) != len(tasks):
         raise ConfigError(f"task names repeat: {[t.name for t in tasks]}; give each task its own name")
-    reference = measure_cpu_spec()
-    if memory_per_device_bytes is not None:
-        reference = reference.with_(memory_bytes=int(memory_per_device_bytes))
-    models = [_shard_task(t, reference, cost_model, options, len(pool_devices), recompute) for t in tasks]
+    _check_shared_data(tasks)
+    with torch.random.fork_rng(devices=[]):  # setup draws (the CPU probe) leave the tasks' generator alone
+        reference = measure_cpu_spec()
+        if memory_per_device_bytes is not None:
+            reference = reference.with_(memory_bytes=int(memory_per_device_bytes))
+        models = [_shard_task(t, reference, cost_model, options, recompute) for t in tasks]
+    _check_shared_state(models)
+    _check_draws(models, len(pool_devices), recompute)
     shard_tasks = [m.task for m in models]
     predicted = simulate_shards(shard_tasks, len(pool_devices), scheduler, prefetch=prefetch)
     pool = DevicePool(pool_devices, [memory_per_device_bytes] * len(pool_devices))
@@ -293,6 +300,70 @@ def train_many(
     )
     return TrainManyResult(tuple(m.model for m in models), tuple(tuple(m.optimizers) for m in models), report,
                            tuple(models))
+
+
+def _checked_options(options: CompileOptions) -> CompileOptions:
+    """The capture options train_many uses: its own executor, no recomputation planning, tied
+    weights shared (not copied: each copy would get its own optimizer), no deferred BatchNorm.
+
+    Raises:
+        ConfigError: for ``autocast`` (not built for train_many).
+    """
+    if options.autocast is not None:
+        raise ConfigError(f"options.autocast={options.autocast!r}: train_many does not run mixed precision yet; "
+                          "leave autocast=None")
+    return dataclasses.replace(options, executor="sequential", recompute="none", deferred_batch_norm=False,
+                               copy_tied=False)
+
+
+def _check_shared_data(tasks: Sequence[Task]) -> None:
+    """Refuse one iterator given to several tasks: they would split its batches between them."""
+    for i, a in enumerate(tasks):
+        for b in tasks[i + 1:]:
+            if a.data is b.data and iter(a.data) is a.data:
+                raise ConfigError(f"tasks {a.name!r} and {b.name!r} share one data iterator, so each would train on "
+                                  "part of its batches; give each task its own iterable (a list is fine to share)")
+
+
+def _check_shared_state(models: Sequence[ShardedModel]) -> None:
+    """Refuse tasks whose models share parameters or buffers: each task's optimizer would update
+    the other's weights, and neither would end as trained alone."""
+    owner: dict[int, str] = {}
+    for m in models:
+        for name, t in itertools.chain(m.model.named_parameters(), m.model.named_buffers()):
+            other = owner.setdefault(id(t), m.name)
+            if other != m.name:
+                raise ConfigError(f"task {m.name!r} shares {name!r} with task {other!r}: tasks train separate models; "
+                                  "give each task its own module (copy.deepcopy, or a factory)")
+
+
+def _check_draws(models: Sequence[ShardedModel], workers: int, recompute: bool) -> None:
+    """Random ops (dropout) draw from the one CPU generator every task shares.
+
+    With ``recompute`` on several workers this is refused: a recomputing shard rewinds the
+    generator to replay its masks while other workers draw, so both sides could get wrong masks.
+    Otherwise masks are drawn in the order units run, which is not training alone's order when
+    several tasks share the workers: logged.
+
+    Raises:
+        ConfigError: naming the task, the shard and the ops.
+    """
+    drawing = [(m, s, [n.name for n in st.gm.graph.nodes if is_random(n)]) for m in models
+               for s, st in enumerate(m.pipe.stages)]
+    drawing = [(m, s, ops) for m, s, ops in drawing if ops]
+    if not drawing:
+        return
+    m, s, ops = drawing[0]
+    if recompute and workers > 1:
+        raise ConfigError(
+            f"task {m.name!r}: shard {s} draws random numbers ({', '.join(ops[:3])}) while shards recompute on "
+            f"{workers} workers: a recomputation rewinds the one CPU generator to replay its masks while other workers "
+            "draw, so masks would differ between a forward and its recomputation; use recompute=False, devices=1, "
+            "or dropout off (p=0 or model.eval())")
+    if len(models) > 1:
+        log.warning("task %r draws random numbers (%s) from the one CPU generator that all tasks share, in the order "
+                    "units run: its masks differ from training it alone (as another seed's would)", m.name,
+                    ", ".join(ops[:3]))
 
 
 def _cpu_devices(devices: int | Sequence[str]) -> list[torch.device]:
@@ -308,7 +379,7 @@ def _cpu_devices(devices: int | Sequence[str]) -> list[torch.device]:
 
 
 def _shard_task(task: Task, reference: DeviceSpec, cost_model: str, options: CompileOptions,
-                workers: int, recompute: bool) -> ShardedModel:
+                recompute: bool) -> ShardedModel:
     """Capture, cost and cut one task's model; its pipeline of shards, optimizers and units."""
     steps = task.num_steps()
     model = task.model if isinstance(task.model, nn.Module) else task.model()
@@ -320,31 +391,54 @@ def _shard_task(task: Task, reference: DeviceSpec, cost_model: str, options: Com
     except StopIteration:
         raise ConfigError(f"task {task.name!r}: its data is empty") from None
     inputs, _ = _batch(task, first)
-    opts = dataclasses.replace(options, executor="sequential", recompute="none", deferred_batch_norm=False)
-    captured, condensed, _ = front_end(model, inputs, {}, reference, cost_model, opts, microbatches=1)
+    captured, condensed, _ = front_end(model, inputs, {}, reference, cost_model, options, microbatches=1)
     problem = Problem(condensed.graph, (reference,), optimizer_state_factor=optimizer_state_factor(task.optimizer),
                       training=True)
-    plan = fewest_shards(problem, time_limit_s=options.time_limit_s)
+    try:
+        plan = fewest_shards(problem, time_limit_s=options.time_limit_s)
+    except InfeasibleError as exc:
+        raise InfeasibleError(f"task {task.name!r}: no cut into shards fits a device's "
+                              f"{reference.memory_bytes / 2**20:.3g} MiB, not even one block per shard (a shard "
+                              f"holds its parameters, gradients, optimizer state and one mini-batch's activations); "
+                              f"give more memory per device. The solver said: {exc}") from exc
     last = plan.num_stages - 1
     plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, recompute=recompute and s < last)
                                                   for s, st in enumerate(plan.stages)))
     specs = [reference.with_(torch_device="cpu")] * plan.num_stages
-    pipe: Pipeline = assemble(model, captured, plan, specs, "gpipe", 1, opts)
-    drawn = [n.name for stage in pipe.stages for n in stage.gm.graph.nodes if is_random(n)]
-    if workers > 1 and recompute:
-        _check_draws(task.name, pipe, last)
-    elif drawn:
-        log.warning("task %r draws random numbers (%s) from the one CPU generator that all tasks share, in the order "
-                    "units run: its masks differ from training it alone (as another seed's would)",
-                    task.name, ", ".join(drawn[:3]))
+    pipe: Pipeline = assemble(model, captured, plan, specs, "gpipe", 1, options)
+    loss_s = _loss_s(captured, task.loss_fn, _batch(task, first)[1])
     sharded = ShardedModel(task.name, pipe, task.optimizer, task.loss_fn,
                            (_batch(task, b) for b in itertools.chain([first], batches)), ShardTask(task.name, (0.0,), (0.0,)),
                            tuple(st.memory_bytes for st in plan.stages), model=model)
-    # the plan was costed without recomputation: its bwd_s is the backward alone (task_units adds the forward)
-    sharded.task = ShardTask(task.name, tuple(st.fwd_s for st in plan.stages), tuple(st.bwd_s for st in plan.stages),
+    # the plan was costed without recomputation: its bwd_s is the backward alone (task_units adds
+    # the forward); the last shard's unit also runs the loss, forward and backward
+    fwd_s = [st.fwd_s for st in plan.stages]
+    fwd_s[last] += loss_s
+    sharded.task = ShardTask(task.name, tuple(fwd_s), tuple(st.bwd_s for st in plan.stages),
                              steps, shard_step_s=tuple(optimizer_step_s(task.optimizer, p) for p in sharded.owned),
                              recompute=recompute)
     return sharded
+
+
+def _loss_s(captured: Any, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, repeats: int = 3) -> float:
+    """Seconds of the loss's forward and backward on outputs shaped as the model's (zeros that
+    require grad, from the capture's output values); 0 when it cannot run on them."""
+    out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in out_node.args[0]]
+    times = []
+    try:
+        flat = [torch.zeros(tuple(int(d) for d in v.shape), dtype=v.dtype, requires_grad=v.dtype.is_floating_point)
+                if isinstance(v, torch.Tensor) else v for v in vals]
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            loss = loss_fn(captured.unflatten_outputs(flat), target)
+            if loss.requires_grad:
+                loss.backward()
+            times.append(time.perf_counter() - start)
+    except Exception as exc:  # an output the loss cannot take as zeros; the runtime measures it anyway
+        log.info("cannot time the loss on stand-in outputs (%s: %s)", type(exc).__name__, exc)
+        return 0.0
+    return sorted(times[1:])[len(times[1:]) // 2]
 
 
 def _batch(task: Task, batch: Any) -> tuple[tuple[Any, ...], Any]:
@@ -352,15 +446,3 @@ def _batch(task: Task, batch: Any) -> tuple[tuple[Any, ...], Any]:
         raise ConfigError(f"task {task.name!r}: each batch must be (inputs, target); got {type(batch).__name__}")
     inputs, target = batch
     return (tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)), target
-
-
-def _check_draws(name: str, pipe: Any, last: int) -> None:
-    """Refuse random ops in a shard that recomputes while other workers draw from the same
-    generator: its recomputation would replay other masks than its forward drew."""
-    for s, stage in enumerate(pipe.stages[:last]):
-        drawn = [n.name for n in stage.gm.graph.nodes if is_random(n)]
-        if drawn:
-            raise ConfigError(
-                f"task {name!r}: shard {s} draws random numbers ({', '.join(drawn[:3])}) and recomputes its forward "
-                "in backward while other workers draw from the same CPU generator, so its masks would differ; "
-                "train it with dropout off (p=0 or model.eval()), or on devices=1")

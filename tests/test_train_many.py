@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import fxsplit
 import fxsplit.models as zoo
 from fxsplit.errors import ConfigError, ExecutionError, InfeasibleError
 from fxsplit.multi import Task, optimizer_state_factor, train_many
@@ -122,7 +123,7 @@ def test_a_budget_smaller_than_a_shard_is_refused_when_it_runs() -> None:
     sharded = result.sharded[0]
     pool = DevicePool([torch.device("cpu")], [sharded.memory_bytes[0] - 1])
     with pytest.raises(ExecutionError, match="more than device 0"):
-        pool.bring(0, (0, 0), sharded)
+        pool.bring(0, (0, 0), [sharded])
     assert pool.moved_bytes == 0 and pool.held == [None]  # nothing was brought
 
 
@@ -155,7 +156,8 @@ def test_dropout_recomputed_on_several_workers_is_refused(caplog: pytest.LogCapt
     ({"steps": 1, "epochs": 1}, "exactly one"),
     ({"steps": 0}, "positive"),
     ({"steps": None, "epochs": 1, "data": iter([])}, "length"),
-    ({"steps": 3}, "ran out"),
+    ({"steps": 3}, "has 2 batches"),
+    ({"steps": 3, "data": iter(_data(4, 2, 0))}, "ran out"),
     ({"data": [(torch.randn(4, 8),)]}, r"\(inputs, target\)"),
     ({"model": lambda: 3}, "nn.Module"),
 ])
@@ -214,3 +216,127 @@ def test_sweep_cli_refuses_a_bad_grid() -> None:
     assert result.exit_code == 2 and "--lr" in result.output
     result = CliRunner().invoke(cli.app, ["sweep", "mlp", "--size", "tiny", "--memory-per-device", "0.0000001"])
     assert result.exit_code == 2 and "error" in result.output
+
+
+# -- regressions (review of the first version) ------------------------------------------------------
+def test_gradients_left_on_the_model_do_not_enter_the_first_step() -> None:
+    """Regression: nothing cleared ``.grad`` before step 0, so a gradient left from an earlier
+    backward was added to the first step's (training alone starts with ``zero_grad``)."""
+    model, data = _mlp(32, 2, 0), _data(4, 2, 0)
+    nn.functional.mse_loss(model(*data[0][0]), data[0][1]).backward()
+    ref = copy.deepcopy(model)
+    opt = OPTIMIZERS["sgd"](1e-2)
+    ref_opt = _train_alone(ref, opt, nn.functional.mse_loss, data)
+    result = train_many([Task(model, opt, nn.functional.mse_loss, data, steps=2)], 1, memory_per_device_bytes=16 * 1024)
+    assert result.report.shards[0] >= 2
+    _check_same_as_alone(result, [(ref, ref_opt)])
+
+
+def test_a_shard_without_parameters_trains() -> None:
+    """Regression: a parameter-free shard made ``optimizer([])`` raise ValueError."""
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            o = torch.tanh(h.unsqueeze(2) * h.unsqueeze(1))  # parameter-free, large activations
+            return self.b(o.mean(-1) + o.amax(-1))
+
+    g = torch.Generator().manual_seed(0)
+    data = [((torch.randn(4, 64, generator=g),), torch.randn(4, 3, generator=g)) for _ in range(2)]
+    model = Outer()
+    ref = copy.deepcopy(model)
+    opt = OPTIMIZERS["adamw"](1e-3)
+    ref_opt = _train_alone(ref, opt, nn.functional.mse_loss, data)
+    result = train_many([Task(model, opt, nn.functional.mse_loss, data, steps=2)], 1, memory_per_device_bytes=70 * 1024)
+    assert any(o is None for o in result.optimizers[0]), [len(o) for o in result.sharded[0].owned]
+    _check_same_as_alone(result, [(ref, ref_opt)])
+
+
+def test_one_model_with_dropout_on_one_worker_draws_the_masks_of_training_alone() -> None:
+    """Regression: setting up (the CPU probe) drew from the global generator, so even one model
+    on one worker drew other dropout masks than training it alone from the same seed."""
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.Dropout(0.3), nn.Linear(32, 3))
+
+    data, opt = _data(4, 3, 0), OPTIMIZERS["sgd"](1e-2)
+    ref = make()
+    torch.manual_seed(123)
+    ref_opt = _train_alone(ref, opt, nn.functional.mse_loss, data)
+    model = make()
+    torch.manual_seed(123)
+    result = train_many([Task(model, opt, nn.functional.mse_loss, data, steps=3)], 1)
+    _check_same_as_alone(result, [(ref, ref_opt)])
+
+
+def test_tasks_sharing_weights_or_an_iterator_are_refused() -> None:
+    model, data, opt = _mlp(16, 2, 0), _data(4, 1, 0), OPTIMIZERS["sgd"](1e-2)
+    with pytest.raises(ConfigError, match="shares"):
+        train_many([Task(model, opt, nn.functional.mse_loss, data, steps=1),
+                    Task(model, opt, nn.functional.mse_loss, data, steps=1)], 1)
+    stream = iter(_data(4, 2, 0))
+    with pytest.raises(ConfigError, match="share one data iterator"):
+        train_many([Task(_mlp(16, 2, 0), opt, nn.functional.mse_loss, stream, steps=1),
+                    Task(_mlp(16, 2, 1), opt, nn.functional.mse_loss, stream, steps=1)], 1)
+
+
+def test_copied_tied_weights_and_autocast_are_not_taken_silently() -> None:
+    """Regression: ``CompileOptions(copy_tied=True)`` gave each shard its own copy of a tied weight,
+    each with its own optimizer, and the copies drifted apart."""
+    case = zoo.get("gpt", size="tiny", batch_size=2)
+    data = [case.make_batch(2, s) for s in range(2)]
+    ref, opt = copy.deepcopy(case.model), OPTIMIZERS["sgd"](1e-3)
+    ref_opt = _train_alone(ref, opt, case.loss_fn, data)
+    result = train_many([Task(case.model, opt, case.loss_fn, data, steps=2)], 1, memory_per_device_bytes=300 * 1024,
+                        options=fxsplit.CompileOptions(copy_tied=True))
+    _check_same_as_alone(result, [(ref, ref_opt)])
+    with pytest.raises(ConfigError, match="autocast"):
+        train_many([Task(_mlp(16, 2, 0), opt, nn.functional.mse_loss, _data(4, 1, 0), steps=1)], 1,
+                   options=fxsplit.CompileOptions(autocast="bf16"))
+
+
+def test_a_failing_unit_says_where_every_model_stopped() -> None:
+    data = [_data(4, 3, j) for j in range(2)]
+    bad = data[1][1][1]  # task 1's second target
+
+    def flaky(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if target is bad:
+            raise RuntimeError("boom")
+        return nn.functional.mse_loss(output, target)
+
+    tasks = [Task(_mlp(16, 2, j), OPTIMIZERS["sgd"](1e-2), flaky, data[j], steps=3) for j in range(2)]
+    with pytest.raises(ExecutionError, match=r"boom.*stopped where they were: 'task0' after \d whole step.*'task1' after 1 "):
+        train_many(tasks, 1)
+
+
+def test_buffers_read_after_their_update_recompute_as_training_alone() -> None:
+    """Regression: with recompute=True the second forward read the buffers as the first forward
+    had left them (a counter one ahead, a normaliser already moved): wrong gradients, no error."""
+    class Stateful(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 3)
+            self.register_buffer("t", torch.zeros(()))
+            self.register_buffer("mean", torch.zeros(32))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.t += 1
+            h = self.a(x) * torch.clamp(self.t / 10, max=1.0)
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * h.mean(0))
+            return self.c(torch.tanh(self.b(h - self.mean)))
+
+    model, data, opt = Stateful(), _data(8, 3, 0), OPTIMIZERS["sgd"](1e-1)
+    ref = copy.deepcopy(model)
+    ref_opt = _train_alone(ref, opt, nn.functional.mse_loss, data)
+    result = train_many([Task(model, opt, nn.functional.mse_loss, data, steps=3)], 1, memory_per_device_bytes=16 * 1024,
+                        recompute=True)
+    assert result.report.shards[0] >= 2 and result.sharded[0].pipe.plan.stages[0].recompute
+    _check_same_as_alone(result, [(ref, ref_opt)])
+    torch.testing.assert_close(model.mean, ref.mean)
+    assert float(model.t) == float(ref.t) == 3.0

@@ -6,9 +6,13 @@ preserved, so dropout draws the same masks): the forward keeps only what the sta
 the backward runs the forward once more to rebuild the activations it needs. Both runtimes call
 :class:`RecomputedForward` where they would call the stage.
 
-The second forward must change nothing the first one already did. Buffers it writes
-(``nn.BatchNorm``'s running statistics in a ``symbolic_trace`` graph, a step counter) are put
-back as they were before it ran, and a deferred BatchNorm
+The second forward must compute what the first one computed and change nothing it already did.
+It reads every buffer at the value the first forward read, also one that the first forward
+itself updated (a step counter, a running normaliser, however the graph writes it) or another
+stage updated in between (stages on one device share the tensor): each forward keeps a copy of
+the stage's buffers (small beside its activations) for its recomputation. Every buffer
+the second forward writes (also ``nn.BatchNorm``'s running statistics in a ``symbolic_trace``
+graph) is put back as it was before it ran, and a deferred BatchNorm
 (:class:`~fxsplit.codegen.batchnorm.DeferredBatchNorm`) does not record the micro-batch's
 statistics twice. Updates fxsplit already runs once per step
 (:class:`~fxsplit.codegen.buffers.OncePerStep`) need nothing: the step's first call ran them.
@@ -52,12 +56,14 @@ class RecomputedForward:
         if not torch.is_grad_enabled() or not self._needs_grad(values):
             return self.gm(*values)
         calls = [0]
+        with torch.no_grad():  # what the first forward reads
+            before = [(b, b.detach().clone()) for b in self.gm.buffers()]
 
         def run(*inputs: Any) -> Any:
             calls[0] += 1
             if calls[0] == 1:
                 return self.gm(*inputs)
-            return self._again(inputs)
+            return self._again(inputs, before)
 
         return checkpoint(run, *values, use_reentrant=False, preserve_rng_state=True)
 
@@ -65,11 +71,16 @@ class RecomputedForward:
         leaves = [v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, torch.Tensor)]
         return any(t.requires_grad for t in leaves) or any(p.requires_grad for p in self.gm.parameters())
 
-    def _again(self, inputs: tuple[Any, ...]) -> Any:
-        """The forward run a second time, with the stage's buffers and deferred statistics left as
-        the first run left them."""
+    def _again(self, inputs: tuple[Any, ...], before: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """The forward run a second time on the buffer values the first run read (``before``),
+        with the stage's buffers and deferred statistics left afterwards as they were before it.
+        Buffers are compared by value: kernels such as BatchNorm's update their running
+        statistics without bumping the tensor's version counter."""
         with torch.no_grad():
             saved = [(b, b.detach().clone()) for b in self.gm.buffers()]
+            for b, value in before:
+                if not torch.equal(b, value):
+                    b.copy_(value)
         for m in self._deferred:
             m.replaying = True
         try:

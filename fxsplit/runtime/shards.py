@@ -25,6 +25,7 @@ References:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import logging
 import threading
 import time
@@ -92,12 +93,13 @@ class ShardedModel:
     model: nn.Module
     losses: list[float] = field(default_factory=list)
     owned: list[list[nn.Parameter]] = field(init=False)
-    optimizers: list[torch.optim.Optimizer] = field(init=False)
+    optimizers: list[torch.optim.Optimizer | None] = field(init=False)
+    steps_done: int = field(init=False, default=0)
     _step: Any = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.owned = owned_parameters(self.pipe)
-        self.optimizers = [self.optimizer(params) for params in self.owned]
+        self.optimizers = [self.optimizer(params) if params else None for params in self.owned]
 
     @property
     def num_shards(self) -> int:
@@ -108,8 +110,9 @@ class ShardedModel:
         move between host and device carries."""
         params = self.owned[shard]
         opt = self.optimizers[shard]
+        states = opt.state.values() if opt is not None else []
         return (_tensor_bytes(iter(params)) + _tensor_bytes(p.grad for p in params)
-                + _tensor_bytes(v for st in opt.state.values() for v in st.values())
+                + _tensor_bytes(v for st in states for v in st.values())
                 + _tensor_bytes(self.pipe.stages[shard].gm.buffers()))
 
     def run(self, unit: ShardUnit) -> None:
@@ -126,14 +129,20 @@ class ShardedModel:
             self.pipe.run_action(Action(s, "F", 0), self._step)
         if unit.kind in ("L", "B"):
             self.pipe.run_action(Action(s, "B", 0), self._step)
-            self.optimizers[s].step()
-            self.optimizers[s].zero_grad(set_to_none=True)
+            opt = self.optimizers[s]
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
         if unit.kind == "L":
             self.losses.append(float(self._step.total_loss()))
         if s == 0 and unit.kind != "F":
             self._step = None  # the step's last unit
+            self.steps_done += 1
 
     def _begin(self, step: int) -> None:
+        if step == 0:  # as the usual loop's zero_grad: gradients left from before do not count
+            for p in itertools.chain.from_iterable(self.owned):
+                p.grad = None
         try:
             inputs, target = next(self.batches)
         except StopIteration:
@@ -163,13 +172,18 @@ class DevicePool:
         self.moved_bytes = 0
         self._lock = threading.Lock()
 
-    def bring(self, device: int, key: tuple[int, int], model: ShardedModel) -> int:
-        """Make shard ``key = (task, shard)`` resident on ``device``; return the bytes moved.
+    def bring(self, device: int, key: tuple[int, int], models: Sequence[ShardedModel]) -> int:
+        """Make shard ``key = (task, shard)`` resident on ``device``; return the bytes moved: the
+        state of the shard the device held, written back to host, and of the one brought in
+        (also from another device, through host).
 
         Raises:
-            ExecutionError: when the shard's predicted peak memory exceeds the device's budget.
+            ExecutionError: when the shard's peak memory (predicted, or its state now if larger)
+                exceeds the device's budget.
         """
-        need = model.memory_bytes[key[1]]
+        model = models[key[0]]
+        state = model.state_bytes(key[1])
+        need = max(model.memory_bytes[key[1]], state)
         budget = self.budget_bytes[device]
         if budget is not None and need > budget:
             raise ExecutionError(
@@ -180,11 +194,14 @@ class DevicePool:
         with self._lock:
             if self.held[device] == key:
                 return 0
-            moved = model.state_bytes(key[1])
+            moved = state
+            evicted = self.held[device]
+            if evicted is not None:  # written back to host
+                moved += models[evicted[0]].state_bytes(evicted[1])
             for other, held in enumerate(self.held):
                 if held == key:  # it was left on another device: back to host first
                     self.held[other] = None
-                    moved += model.state_bytes(key[1])
+                    moved += state
             self.held[device] = key
             self.moved_bytes += moved
             return moved
@@ -227,7 +244,7 @@ def run_shards(models: Sequence[ShardedModel], pool: DevicePool, policy: str = "
 
     def work(d: int, j: int, unit: ShardUnit) -> tuple[float, float, float]:
         start = time.perf_counter()
-        pool.bring(d, (j, unit.shard), models[j])
+        pool.bring(d, (j, unit.shard), models)
         loaded = time.perf_counter()
         models[j].run(unit)
         return start - t0, loaded - start, time.perf_counter() - t0
@@ -244,7 +261,12 @@ def run_shards(models: Sequence[ShardedModel], pool: DevicePool, policy: str = "
             finished, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
             for fut in finished:
                 d, j, unit = running.pop(fut)
-                start_s, load_s, end_s = fut.result()  # re-raises a unit's error
+                if fut.exception() is not None:
+                    cf.wait(list(running))  # the other workers end their unit; nothing more starts
+                    exc = fut.exception()
+                    error = _failed(models, j, unit, d, exc)
+                    raise error from (None if error is exc else exc)
+                start_s, load_s, end_s = fut.result()
                 dispatch.finish(j, end_s - start_s - load_s)
                 events.append(ShardEvent(d, j, unit, start_s, end_s, load_s))
                 last_task[d] = j
@@ -254,3 +276,15 @@ def run_shards(models: Sequence[ShardedModel], pool: DevicePool, policy: str = "
         for w in workers:
             w.shutdown(wait=True, cancel_futures=True)
     return ShardRunResult(ShardRun(tuple(events), len(workers)), pool.moved_bytes)
+
+
+def _failed(models: Sequence[ShardedModel], j: int, unit: ShardUnit, device: int, exc: BaseException | None) -> BaseException:
+    """The error of a failed unit, saying where every model stopped (a model stopped mid-step has
+    some shards stepped and others not: it matches no number of training steps)."""
+    if isinstance(exc, ConfigError) or exc is None:
+        return exc or ExecutionError("a unit failed without an exception")
+    where = "; ".join(f"{m.name!r} after {m.steps_done} whole step(s)" + (" and part of the next" if m._step else "")
+                      for m in models)
+    return ExecutionError(f"unit {unit} (step {unit.step}) of task {models[j].name!r} failed on worker {device}: "
+                          f"{type(exc).__name__}: {exc}. The models stopped where they were: {where}",
+                          device=f"worker {device}")

@@ -18,7 +18,7 @@ Example:
     >>> b = ShardTask("b", shard_fwd_s=(1.0,), shard_bwd_s=(2.0,), steps=1)
     >>> run = simulate_shards([a, b], num_devices=2, policy="lrtf")
     >>> run.makespan_s, makespan_lower_bound([a, b], 2)
-    (7.0, 7.0)
+    (6.0, 6.0)
 
 References:
     Nagrecha and Kumar, "Model-Parallel Model Selection for Deep Learning Systems" (SIGMOD 2021)
@@ -289,7 +289,7 @@ def simulate_shards(tasks: Sequence[ShardTask], num_devices: int, policy: str = 
     """Predict the timeline of training ``tasks`` on ``num_devices`` identical devices.
 
     Whenever a device is free and a task is ready, the policy picks the task; its next unit
-    starts at once. A unit of a shard the device does not hold pays the shard's ``load_s``
+    starts at once (free devices in index order, as the runtime does). A unit of a shard the device does not hold pays the shard's ``load_s``
     first, or with ``prefetch`` only what the device's previous unit did not hide.
 
     Returns:
@@ -309,7 +309,7 @@ def simulate_shards(tasks: Sequence[ShardTask], num_devices: int, policy: str = 
     events: list[ShardEvent] = []
     now = 0.0
     while not dispatch.done:
-        for d in sorted(range(num_devices), key=lambda d: free_at[d]):
+        for d in range(num_devices):  # free devices in index order, as the runtime takes them
             if free_at[d] > now:
                 continue
             task = dispatch.pick(prefer=last_task[d])
@@ -319,6 +319,7 @@ def simulate_shards(tasks: Sequence[ShardTask], num_devices: int, policy: str = 
             load = _load_s(tasks[task], unit, held[d], (task, unit.shard), prefetch, last_len[d])
             end = now + load + unit.est_s
             events.append(ShardEvent(d, task, unit, now, end, load))
+            held = [None if h == (task, unit.shard) else h for h in held]  # a shard is on one device at most
             free_at[d], held[d], last_task[d], last_len[d] = end, (task, unit.shard), task, unit.est_s
             heapq.heappush(finishing, (end, d, task))
         if not finishing:

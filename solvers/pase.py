@@ -1,0 +1,264 @@
+"""The best parallelization strategy per layer: PaSE's exact DP, CP-SAT and brute force (torch-free).
+
+Given a :class:`~fxsplit.ir.strategy.StrategyGraph`, choose one option per vertex to minimise
+compute plus redistribution seconds. PaSE's DP orders the vertices so that the *dependent set*
+of each position (the vertices already placed that still have an edge to one not yet placed)
+stays small, and keeps for every configuration of the dependent set the cheapest cost of what is
+placed; a vertex leaves the set once its last neighbour is placed. The table holds
+``prod(|options|)`` over the dependent set, small for the chains and cells of real networks; past
+``max_states`` :func:`solve_strategies` uses CP-SAT (one Boolean per vertex option, one per edge
+option pair, an optional memory limit), which proves the same optimum.
+
+Example:
+    >>> from fxsplit.ir.strategy import StrategyEdge, StrategyGraph, StrategyOption, StrategyVertex
+    >>> opts = (StrategyOption("dp", 4.0), StrategyOption("tp", 3.0))
+    >>> g = StrategyGraph((StrategyVertex("a", opts), StrategyVertex("b", opts), StrategyVertex("c", opts)),
+    ...                   (StrategyEdge(0, 1, ((0.0, 2.0), (2.0, 0.5))), StrategyEdge(1, 2, ((0.0, 2.0), (2.0, 0.5)))))
+    >>> best = solve_pase_dp(g)
+    >>> best.choice, best.cost_s, best.cost_s == solve_brute_force(g).cost_s
+    ((1, 1, 1), 10.0, True)
+
+References:
+    Elango, "Automatic Parallelization Strategies for Efficient DNN Training", IPDPS 2021, §IV
+    (vertex ordering, dependent sets, the DP); code: github.com/baidu-research/PaSE.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fxsplit.errors import InfeasibleError, SolverError
+from fxsplit.ir.strategy import StrategyGraph
+
+__all__ = ["StrategyChoice", "dependent_sets", "order_vertices", "solve_brute_force", "solve_pase_cpsat",
+           "solve_pase_dp", "solve_strategies"]
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """The option chosen per vertex, its seconds and per-device bytes, and how it was found
+    (``proven``: an exact solver finished)."""
+
+    choice: tuple[int, ...]
+    cost_s: float
+    memory_bytes: float
+    solver: str
+    proven: bool = True
+    max_states: int = 0
+    solve_time_s: float = 0.0
+
+    def names(self, graph: StrategyGraph) -> list[str]:
+        """``[num_vertices]`` the chosen option's name per vertex."""
+        return [v.options[c].name for v, c in zip(graph.vertices, self.choice, strict=True)]
+
+
+def dependent_sets(graph: StrategyGraph, order: Sequence[int]) -> list[tuple[int, ...]]:
+    """For each position ``i`` of ``order``, the vertices placed at ``0..i`` with an edge to one
+    placed later (PaSE's dependent set after placing ``order[i]``)."""
+    pos = {v: i for i, v in enumerate(order)}
+    last = [max((pos[w] for w in nbrs), default=-1) for nbrs in graph.neighbours()]
+    sets, live = [], []
+    for i, v in enumerate(order):
+        live = [u for u in (*live, v) if last[u] > i]
+        sets.append(tuple(live))
+    return sets
+
+
+def _table_size(graph: StrategyGraph, order: Sequence[int]) -> int:
+    sizes = [len(v.options) for v in graph.vertices]
+    return max((math.prod(sizes[u] for u in dep) for dep in dependent_sets(graph, order)), default=1)
+
+
+def order_vertices(graph: StrategyGraph) -> list[int]:
+    """A vertex order with small dependent sets: the best of the given (topological) order, a
+    breadth-first order from the first vertex over the undirected graph (PaSE's ordering), and
+    a greedy order that always places the vertex adding the fewest new dependents."""
+    n = len(graph)
+    nbrs = graph.neighbours()
+    candidates = [list(range(n)), _breadth_first(nbrs), _greedy(nbrs)]
+    return min(candidates, key=lambda order: (_table_size(graph, order), order))
+
+
+def _breadth_first(nbrs: list[set[int]]) -> list[int]:
+    order: list[int] = []
+    seen: set[int] = set()
+    for start in range(len(nbrs)):
+        if start in seen:
+            continue
+        queue = [start]
+        seen.add(start)
+        while queue:
+            v = queue.pop(0)
+            order.append(v)
+            for w in sorted(nbrs[v] - seen):
+                seen.add(w)
+                queue.append(w)
+    return order
+
+
+def _greedy(nbrs: list[set[int]]) -> list[int]:
+    placed: list[int] = []
+    left = set(range(len(nbrs)))
+    while left:  # place the vertex that brings the fewest unplaced neighbours into play
+        v = min(left, key=lambda u: (len(nbrs[u] & left - {u}), u))
+        placed.append(v)
+        left.remove(v)
+    return placed
+
+
+def solve_pase_dp(graph: StrategyGraph, *, max_states: int = 1_000_000) -> StrategyChoice:
+    """PaSE's DP over dependent-set configurations; exact, without a memory limit.
+
+    Args:
+        graph: The strategy graph.
+        max_states: Largest dependent-set table allowed.
+
+    Returns:
+        The cheapest choice.
+
+    Raises:
+        SolverError: when the best order's table exceeds ``max_states`` (use CP-SAT).
+    """
+    start = time.perf_counter()
+    order = order_vertices(graph)
+    size = _table_size(graph, order)
+    if size > max_states:
+        raise SolverError(f"PaSE DP: the smallest dependent-set table of {len(graph)} vertices has {size} states, "
+                          f"more than max_states={max_states}; use solve_pase_cpsat (or raise max_states)")
+    pos = {v: i for i, v in enumerate(order)}
+    incoming: list[list[tuple[int, tuple[tuple[float, ...], ...], bool]]] = [[] for _ in graph.vertices]
+    for e in graph.edges:  # each edge costed when its later-placed end is placed
+        if pos[e.src] < pos[e.dst]:
+            incoming[e.dst].append((e.src, e.cost_s, True))
+        else:
+            incoming[e.src].append((e.dst, e.cost_s, False))
+    deps = dependent_sets(graph, order)
+    # table: configuration of the current dependent set (option per vertex in it) -> (cost, back)
+    table: dict[tuple[int, ...], tuple[float, tuple[int, ...], int]] = {(): (0.0, (), -1)}
+    history: list[dict[tuple[int, ...], tuple[float, tuple[int, ...], int]]] = []
+    prev: tuple[int, ...] = ()
+    for i, v in enumerate(order):
+        scope = (*prev, v)  # vertices the new table's keys are projected from
+        keep = [scope.index(u) for u in deps[i]]
+        new: dict[tuple[int, ...], tuple[float, tuple[int, ...], int]] = {}
+        for key, (cost, _, _) in table.items():
+            assigned = dict(zip(prev, key, strict=True))
+            for o, opt in enumerate(graph.vertices[v].options):
+                c = cost + opt.compute_s
+                for u, matrix, u_first in incoming[v]:
+                    c += matrix[assigned[u]][o] if u_first else matrix[o][assigned[u]]
+                full = (*key, o)
+                nkey = tuple(full[k] for k in keep)
+                if nkey not in new or c < new[nkey][0]:
+                    new[nkey] = (c, key, o)
+        history.append(new)
+        table, prev = new, deps[i]
+    (cost, _, _), = table.values()  # the last dependent set is empty
+    choice = [0] * len(graph)
+    key: tuple[int, ...] = ()
+    for i in range(len(order) - 1, -1, -1):
+        _, back, o = history[i][key]
+        choice[order[i]] = o
+        key = back
+    return StrategyChoice(tuple(choice), graph.cost_s(choice), graph.memory_bytes(choice), "pase-dp",
+                          max_states=size, solve_time_s=time.perf_counter() - start)
+
+
+def solve_brute_force(graph: StrategyGraph, *, memory_limit_bytes: float | None = None,
+                      max_choices: int = 200_000) -> StrategyChoice:
+    """Every combination, for tests.
+
+    Raises:
+        SolverError: past ``max_choices`` combinations.
+        InfeasibleError: when none fits ``memory_limit_bytes``.
+    """
+    total = math.prod(len(v.options) for v in graph.vertices)
+    if total > max_choices:
+        raise SolverError(f"brute force over {total} combinations (> {max_choices}); use solve_pase_dp")
+    best: tuple[float, tuple[int, ...]] | None = None
+    for choice in itertools.product(*(range(len(v.options)) for v in graph.vertices)):
+        if memory_limit_bytes is not None and graph.memory_bytes(choice) > memory_limit_bytes:
+            continue
+        c = graph.cost_s(choice)
+        if best is None or c < best[0]:
+            best = (c, choice)
+    if best is None:
+        raise InfeasibleError(f"no strategy fits {memory_limit_bytes} bytes per device")
+    return StrategyChoice(best[1], best[0], graph.memory_bytes(best[1]), "brute-force")
+
+
+def solve_pase_cpsat(graph: StrategyGraph, *, memory_limit_bytes: float | None = None,
+                     time_limit_s: float | None = 30.0, num_workers: int = 2, seed: int = 0,
+                     time_quantum_s: float | None = None) -> StrategyChoice:
+    """The same problem as a CP-SAT model, with an optional per-device memory limit.
+
+    Data: costs scaled to integers by ``time_quantum_s`` (default: the largest cost / 2^20).
+    Variables: ``pick[v, o]`` (vertex ``v`` takes option ``o``), ``both[e, i, j]`` (edge ``e``'s
+    ends take ``i`` and ``j``). Constraints: one option per vertex; ``both`` is the product of
+    the two picks (its rows and columns sum to them); memory. Objective: compute plus
+    redistribution.
+
+    Raises:
+        InfeasibleError: when no choice fits the memory limit (proven).
+        SolverError: when the time limit ends the search without a solution.
+    """
+    from ortools.sat.python import cp_model
+
+    start = time.perf_counter()
+    costs = [o.compute_s for v in graph.vertices for o in v.options] + [c for e in graph.edges for r in e.cost_s for c in r]
+    q = time_quantum_s or max(max(costs, default=0.0), 1e-12) / 2**20
+    m = cp_model.CpModel()
+    pick = {(v, o): m.NewBoolVar(f"pick[{v},{o}]") for v, vert in enumerate(graph.vertices)
+            for o in range(len(vert.options))}
+    for v, vert in enumerate(graph.vertices):  # one strategy per vertex
+        m.AddExactlyOne(pick[v, o] for o in range(len(vert.options)))
+    objective = [round(opt.compute_s / q) * pick[v, o] for v, vert in enumerate(graph.vertices)
+                 for o, opt in enumerate(vert.options)]
+    for k, e in enumerate(graph.edges):  # both[k, i, j] = pick[src, i] AND pick[dst, j], linearised exactly
+        both = {(i, j): m.NewBoolVar(f"both[{k},{i},{j}]") for i in range(len(e.cost_s)) for j in range(len(e.cost_s[0]))}
+        for i in range(len(e.cost_s)):
+            m.Add(sum(both[i, j] for j in range(len(e.cost_s[0]))) == pick[e.src, i])
+        for j in range(len(e.cost_s[0])):
+            m.Add(sum(both[i, j] for i in range(len(e.cost_s))) == pick[e.dst, j])
+        objective += [round(e.cost_s[i][j] / q) * b for (i, j), b in both.items()]
+    if memory_limit_bytes is not None:  # per-device memory (bytes, integral)
+        m.Add(sum(math.ceil(opt.memory_bytes) * pick[v, o] for v, vert in enumerate(graph.vertices)
+                  for o, opt in enumerate(vert.options)) <= math.floor(memory_limit_bytes))
+    m.Minimize(sum(objective))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = num_workers
+    solver.parameters.random_seed = seed
+    if time_limit_s is not None:
+        solver.parameters.max_time_in_seconds = time_limit_s
+    status = solver.Solve(m)
+    if status == cp_model.INFEASIBLE:
+        raise InfeasibleError(f"no strategy of the {len(graph)} vertices fits {memory_limit_bytes:.0f} bytes per device; "
+                              f"the smallest per-vertex options add up to "
+                              f"{sum(min(o.memory_bytes for o in v.options) for v in graph.vertices):.0f} bytes")
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise SolverError(f"CP-SAT found no strategy in {time_limit_s} s (status {solver.StatusName(status)})")
+    choice = tuple(next(o for o in range(len(vert.options)) if solver.Value(pick[v, o]))
+                   for v, vert in enumerate(graph.vertices))
+    return StrategyChoice(choice, graph.cost_s(choice), graph.memory_bytes(choice), "pase-cpsat",
+                          proven=status == cp_model.OPTIMAL, solve_time_s=time.perf_counter() - start)
+
+
+def solve_strategies(graph: StrategyGraph, *, memory_limit_bytes: float | None = None,
+                     max_states: int = 1_000_000, time_limit_s: float | None = 30.0) -> StrategyChoice:
+    """The DP when no memory limit binds and its table fits ``max_states``, else CP-SAT.
+
+    Raises:
+        InfeasibleError: when no choice fits ``memory_limit_bytes``.
+        SolverError: when CP-SAT runs out of time without a solution.
+    """
+    try:
+        best = solve_pase_dp(graph, max_states=max_states)
+    except SolverError:
+        return solve_pase_cpsat(graph, memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s)
+    if memory_limit_bytes is None or best.memory_bytes <= memory_limit_bytes:
+        return best
+    return solve_pase_cpsat(graph, memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s)

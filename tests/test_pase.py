@@ -1,0 +1,111 @@
+"""PaSE's per-layer strategy search: the DP equals brute force and CP-SAT; dependent sets; the IR."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxsplit.errors import ConfigError, InfeasibleError, SolverError
+from fxsplit.ir.strategy import StrategyEdge, StrategyGraph, StrategyOption, StrategyVertex
+from fxsplit.solvers.pase import (
+    dependent_sets,
+    order_vertices,
+    solve_brute_force,
+    solve_pase_cpsat,
+    solve_pase_dp,
+    solve_strategies,
+)
+
+
+@st.composite
+def strategy_graphs(draw: st.DrawFn, max_vertices: int = 7, max_options: int = 3) -> StrategyGraph:
+    """Random DAG-shaped strategy graphs: each vertex reads up to 2 of the 3 before it; costs are
+    multiples of 0.5 s so ties are exact."""
+    n = draw(st.integers(1, max_vertices))
+    vertices = []
+    for v in range(n):
+        k = draw(st.integers(1, max_options))
+        vertices.append(StrategyVertex(f"v{v}", tuple(
+            StrategyOption(f"o{o}", draw(st.integers(0, 8)) * 0.5, draw(st.integers(0, 4)) * 100.0) for o in range(k))))
+    edges = []
+    for v in range(1, n):
+        for u in draw(st.sets(st.integers(max(0, v - 3), v - 1), max_size=2)):
+            rows, cols = len(vertices[u].options), len(vertices[v].options)
+            edges.append(StrategyEdge(u, v, tuple(tuple(draw(st.integers(0, 6)) * 0.5 for _ in range(cols))
+                                                  for _ in range(rows))))
+    return StrategyGraph(tuple(vertices), tuple(edges))
+
+
+@settings(max_examples=300, deadline=None)
+@given(graph=strategy_graphs())
+def test_dp_finds_the_brute_force_optimum(graph: StrategyGraph) -> None:
+    dp, brute = solve_pase_dp(graph), solve_brute_force(graph)
+    assert dp.cost_s == pytest.approx(brute.cost_s)
+    assert graph.cost_s(dp.choice) == pytest.approx(dp.cost_s)
+
+
+@settings(max_examples=40, deadline=None)
+@given(graph=strategy_graphs(max_vertices=5), limit=st.integers(0, 1500))
+def test_cpsat_with_a_memory_limit_equals_brute_force(graph: StrategyGraph, limit: int) -> None:
+    try:
+        brute = solve_brute_force(graph, memory_limit_bytes=limit)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solve_pase_cpsat(graph, memory_limit_bytes=limit)
+        return
+    cp = solve_pase_cpsat(graph, memory_limit_bytes=limit)
+    assert cp.proven and cp.memory_bytes <= limit
+    assert cp.cost_s == pytest.approx(brute.cost_s)
+    auto = solve_strategies(graph, memory_limit_bytes=limit)
+    assert auto.cost_s == pytest.approx(brute.cost_s) and auto.memory_bytes <= limit
+
+
+@settings(max_examples=200, deadline=None)
+@given(graph=strategy_graphs())
+def test_dependent_sets_hold_exactly_the_placed_vertices_with_later_neighbours(graph: StrategyGraph) -> None:
+    order = order_vertices(graph)
+    assert sorted(order) == list(range(len(graph)))
+    nbrs = graph.neighbours()
+    for i, dep in enumerate(dependent_sets(graph, order)):
+        later = set(order[i + 1:])
+        assert set(dep) == {u for u in order[: i + 1] if nbrs[u] & later}
+
+
+def test_a_chain_keeps_one_vertex_in_its_dependent_set() -> None:
+    opts = tuple(StrategyOption(f"o{k}", 1.0) for k in range(4))
+    chain = StrategyGraph(tuple(StrategyVertex(f"v{i}", opts) for i in range(30)),
+                          tuple(StrategyEdge(i, i + 1, tuple((0.0,) * 4 for _ in range(4))) for i in range(29)))
+    best = solve_pase_dp(chain)
+    assert best.max_states == 4 and best.cost_s == 30.0
+
+
+def test_a_table_past_the_limit_goes_to_cpsat() -> None:
+    opts = tuple(StrategyOption(f"o{k}", float(k)) for k in range(3))
+    # a hub read by every other vertex and read back at the end keeps all of them dependent
+    n = 8
+    edges = [StrategyEdge(0, i, ((0.0, 1.0, 1.0),) * 3) for i in range(1, n)]
+    edges += [StrategyEdge(i, n, ((0.0, 1.0, 1.0),) * 3) for i in range(1, n)]
+    graph = StrategyGraph(tuple(StrategyVertex(f"v{i}", opts) for i in range(n + 1)), tuple(edges))
+    with pytest.raises(SolverError, match="max_states"):
+        solve_pase_dp(graph, max_states=2)
+    assert solve_strategies(graph, max_states=2).cost_s == solve_pase_dp(graph).cost_s == 0.0
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: StrategyGraph((StrategyVertex("a", ()),)), "no strategy"),
+    (lambda: StrategyGraph((StrategyVertex("a", (StrategyOption("x", -1.0),)),)), ">= 0"),
+    (lambda: StrategyGraph((StrategyVertex("a", (StrategyOption("x", 1.0),)),), (StrategyEdge(0, 0, ((0.0,),)),)),
+     "joins two"),
+    (lambda: StrategyGraph((StrategyVertex("a", (StrategyOption("x", 1.0),)),) * 2, (StrategyEdge(0, 1, ((0.0, 1.0),)),)),
+     "1 x 1"),
+])
+def test_bad_graphs_are_refused(build: object, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build()  # type: ignore[operator]
+
+
+@settings(max_examples=50, deadline=None)
+@given(graph=strategy_graphs())
+def test_json_round_trip(graph: StrategyGraph) -> None:
+    assert StrategyGraph.from_json(graph.to_json()) == graph
