@@ -158,6 +158,9 @@ def solve_pase_dp(graph: StrategyGraph, *, max_states: int = 1_000_000) -> Strat
         history.append(new)
         table, prev = new, deps[i]
     (cost, _, _), = table.values()  # the last dependent set is empty
+    if math.isinf(cost):
+        raise InfeasibleError(f"every strategy of the {len(graph)} vertices has a pair of neighbours that cannot "
+                              "follow each other (infinite redistribution cost)")
     choice = [0] * len(graph)
     key: tuple[int, ...] = ()
     for i in range(len(order) - 1, -1, -1):
@@ -184,7 +187,7 @@ def solve_brute_force(graph: StrategyGraph, *, memory_limit_bytes: float | None 
         if memory_limit_bytes is not None and graph.memory_bytes(choice) > memory_limit_bytes:
             continue
         c = graph.cost_s(choice)
-        if best is None or c < best[0]:
+        if not math.isinf(c) and (best is None or c < best[0]):
             best = (c, choice)
     if best is None:
         raise InfeasibleError(f"no strategy fits {memory_limit_bytes} bytes per device")
@@ -209,7 +212,8 @@ def solve_pase_cpsat(graph: StrategyGraph, *, memory_limit_bytes: float | None =
     from ortools.sat.python import cp_model
 
     start = time.perf_counter()
-    costs = [o.compute_s for v in graph.vertices for o in v.options] + [c for e in graph.edges for r in e.cost_s for c in r]
+    costs = [o.compute_s for v in graph.vertices for o in v.options] + [
+        c for e in graph.edges for r in e.cost_s for c in r if not math.isinf(c)]
     q = time_quantum_s or max(max(costs, default=0.0), 1e-12) / 2**20
     m = cp_model.CpModel()
     pick = {(v, o): m.NewBoolVar(f"pick[{v},{o}]") for v, vert in enumerate(graph.vertices)
@@ -224,7 +228,11 @@ def solve_pase_cpsat(graph: StrategyGraph, *, memory_limit_bytes: float | None =
             m.Add(sum(both[i, j] for j in range(len(e.cost_s[0]))) == pick[e.src, i])
         for j in range(len(e.cost_s[0])):
             m.Add(sum(both[i, j] for i in range(len(e.cost_s))) == pick[e.dst, j])
-        objective += [round(e.cost_s[i][j] / q) * b for (i, j), b in both.items()]
+        for (i, j), b in both.items():
+            if math.isinf(e.cost_s[i][j]):  # no redistribution gets there
+                m.Add(b == 0)
+            else:
+                objective.append(round(e.cost_s[i][j] / q) * b)
     if memory_limit_bytes is not None:  # per-device memory (bytes, integral)
         m.Add(sum(math.ceil(opt.memory_bytes) * pick[v, o] for v, vert in enumerate(graph.vertices)
                   for o, opt in enumerate(vert.options)) <= math.floor(memory_limit_bytes))
@@ -236,9 +244,9 @@ def solve_pase_cpsat(graph: StrategyGraph, *, memory_limit_bytes: float | None =
         solver.parameters.max_time_in_seconds = time_limit_s
     status = solver.Solve(m)
     if status == cp_model.INFEASIBLE:
-        raise InfeasibleError(f"no strategy of the {len(graph)} vertices fits {memory_limit_bytes:.0f} bytes per device; "
-                              f"the smallest per-vertex options add up to "
-                              f"{sum(min(o.memory_bytes for o in v.options) for v in graph.vertices):.0f} bytes")
+        raise InfeasibleError(f"no strategy of the {len(graph)} vertices fits {memory_limit_bytes} bytes per device "
+                              "with every neighbour pair able to follow each other; the smallest per-vertex options "
+                              f"add up to {sum(min(o.memory_bytes for o in v.options) for v in graph.vertices):.0f} bytes")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise SolverError(f"CP-SAT found no strategy in {time_limit_s} s (status {solver.StatusName(status)})")
     choice = tuple(next(o for o in range(len(vert.options)) if solver.Value(pick[v, o]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,15 +34,21 @@ def strategy_graphs(draw: st.DrawFn, max_vertices: int = 7, max_options: int = 3
     for v in range(1, n):
         for u in draw(st.sets(st.integers(max(0, v - 3), v - 1), max_size=2)):
             rows, cols = len(vertices[u].options), len(vertices[v].options)
-            edges.append(StrategyEdge(u, v, tuple(tuple(draw(st.integers(0, 6)) * 0.5 for _ in range(cols))
-                                                  for _ in range(rows))))
+            edges.append(StrategyEdge(u, v, tuple(tuple(draw(st.sampled_from([math.inf] + [k * 0.5 for k in range(7)]))
+                                                        for _ in range(cols)) for _ in range(rows))))
     return StrategyGraph(tuple(vertices), tuple(edges))
 
 
 @settings(max_examples=300, deadline=None)
 @given(graph=strategy_graphs())
 def test_dp_finds_the_brute_force_optimum(graph: StrategyGraph) -> None:
-    dp, brute = solve_pase_dp(graph), solve_brute_force(graph)
+    try:
+        brute = solve_brute_force(graph)
+    except InfeasibleError:  # every choice has a pair that cannot follow each other
+        with pytest.raises(InfeasibleError):
+            solve_pase_dp(graph)
+        return
+    dp = solve_pase_dp(graph)
     assert dp.cost_s == pytest.approx(brute.cost_s)
     assert graph.cost_s(dp.choice) == pytest.approx(dp.cost_s)
 
@@ -95,6 +103,8 @@ def test_a_table_past_the_limit_goes_to_cpsat() -> None:
 @pytest.mark.parametrize("build, match", [
     (lambda: StrategyGraph((StrategyVertex("a", ()),)), "no strategy"),
     (lambda: StrategyGraph((StrategyVertex("a", (StrategyOption("x", -1.0),)),)), ">= 0"),
+    (lambda: StrategyGraph((StrategyVertex("a", (StrategyOption("x", 1.0),)),) * 2,
+                           (StrategyEdge(0, 1, ((math.nan,),)),)), ">= 0 seconds"),
     (lambda: StrategyGraph((StrategyVertex("a", (StrategyOption("x", 1.0),)),), (StrategyEdge(0, 0, ((0.0,),)),)),
      "joins two"),
     (lambda: StrategyGraph((StrategyVertex("a", (StrategyOption("x", 1.0),)),) * 2, (StrategyEdge(0, 1, ((0.0, 1.0),)),)),

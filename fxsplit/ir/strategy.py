@@ -56,7 +56,8 @@ class StrategyVertex:
 @dataclass(frozen=True)
 class StrategyEdge:
     """Data from vertex ``src`` to ``dst``: ``cost_s[i][j]`` seconds to redistribute ``src``'s
-    output under its option ``i`` into what ``dst`` expects under its option ``j``."""
+    output under its option ``i`` into what ``dst`` expects under its option ``j`` (``math.inf``
+    where no redistribution gets there, e.g. a shard into a partial sum)."""
 
     src: int
     dst: int
@@ -96,8 +97,9 @@ class StrategyGraph:
             if len(e.cost_s) != rows or any(len(r) != cols for r in e.cost_s):
                 raise ConfigError(f"edge {e.src}->{e.dst}: cost matrix must be {rows} x {cols} "
                                   f"(options of {self.vertices[e.src].name!r} x {self.vertices[e.dst].name!r})")
-            if any(not math.isfinite(c) or c < 0 for r in e.cost_s for c in r):
-                raise ConfigError(f"edge {e.src}->{e.dst}: costs must be finite and >= 0 seconds")
+            if any(math.isnan(c) or c < 0 for r in e.cost_s for c in r):
+                raise ConfigError(f"edge {e.src}->{e.dst}: costs must be >= 0 seconds (math.inf: a pair that "
+                                  "cannot follow each other)")
 
     def __len__(self) -> int:
         return len(self.vertices)

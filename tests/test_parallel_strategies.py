@@ -1,0 +1,54 @@
+"""Per-node strategies from DTensor (PaSE's strategy space) and the per-layer choice over them."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+import fxsplit
+import fxsplit.models as zoo
+from fxsplit.errors import ConfigError
+from fxsplit.passes.parallel_strategies import strategy_graph
+from fxsplit.solvers.pase import solve_pase_cpsat, solve_pase_dp
+
+
+@pytest.fixture(scope="module")
+def mlp_gm():  # type: ignore[no-untyped-def]
+    case = zoo.get("mlp", size="tiny", batch_size=8)
+    return fxsplit.inspect(case.model, case.example_inputs).captured.gm
+
+
+@pytest.mark.parametrize("mesh", [2, 4])
+def test_linear_layers_get_dtensors_column_and_row_strategies(mlp_gm, mesh: int) -> None:  # type: ignore[no-untyped-def]
+    found = strategy_graph(mlp_gm, mesh)
+    assert not found.fallback  # every op of the MLP has a DTensor strategy
+    weight = found.nodes.index("hidden_0_weight")
+    assert found.parameters[weight] and {"R", "S(0)", "S(1)"} <= set(found.placements[weight])
+    linear = found.nodes.index("linear")
+    # batch-split (data parallel), feature-split (column-wise) and partial sums (row-wise)
+    assert {"S(0)", "S(1)", "R", "P(sum)"} <= set(found.placements[linear])
+
+
+@pytest.mark.parametrize("mesh", [2, 4])
+def test_the_per_layer_choice_is_never_worse_than_data_parallel_or_replication(mlp_gm, mesh: int) -> None:  # type: ignore[no-untyped-def]
+    found = strategy_graph(mlp_gm, mesh)
+    best = solve_pase_dp(found.graph)
+    assert best.cost_s <= found.graph.cost_s(found.data_parallel_choice()) + 1e-12
+    assert best.cost_s <= found.graph.cost_s(found.choice_of(("R",))) + 1e-12
+    exact = solve_pase_cpsat(found.graph)
+    assert exact.proven and exact.cost_s == pytest.approx(best.cost_s, rel=1e-4)
+
+
+def test_a_mesh_of_one_is_refused(mlp_gm) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match="at least 2"):
+        strategy_graph(mlp_gm, 1)
+
+
+def test_strategies_cli_prints_the_parameters_and_the_baselines() -> None:
+    import fxsplit.cli as cli
+
+    cli._register_all()
+    result = CliRunner().invoke(cli.app, ["strategies", "mlp", "--mesh", "2"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "hidden_0_weight" in result.output and "data parallel" in result.output
+    assert "pase-dp" in result.output
