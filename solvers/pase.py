@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from fxsplit.errors import InfeasibleError, SolverError
 from fxsplit.ir.strategy import StrategyGraph
+from fxsplit.solvers.pase_reduce import reduce_graph
 
 __all__ = ["StrategyChoice", "dependent_sets", "order_vertices", "solve_brute_force", "solve_pase_cpsat",
            "solve_pase_dp", "solve_strategies"]
@@ -110,20 +111,40 @@ def _greedy(nbrs: list[set[int]]) -> list[int]:
     return placed
 
 
-def solve_pase_dp(graph: StrategyGraph, *, max_states: int = 1_000_000) -> StrategyChoice:
+def solve_pase_dp(graph: StrategyGraph, *, max_states: int = 1_000_000, reduce: bool = True) -> StrategyChoice:
     """PaSE's DP over dependent-set configurations; exact, without a memory limit.
 
     Args:
         graph: The strategy graph.
         max_states: Largest dependent-set table allowed.
+        reduce: First remove the vertices with one or two neighbours exactly
+            (:func:`fxsplit.solvers.pase_reduce.reduce_graph`), so the DP runs on what is left.
 
     Returns:
-        The cheapest choice.
+        The cheapest choice (``max_states``: the DP's largest table).
 
     Raises:
         SolverError: when the best order's table exceeds ``max_states`` (use CP-SAT).
+        InfeasibleError: when every choice has a pair of neighbours that cannot follow each other.
     """
     start = time.perf_counter()
+    if reduce:
+        reduced = reduce_graph(graph)
+        sub = _dp(reduced.graph, max_states) if len(reduced.graph) else ((), 1)
+        choice = reduced.expand(dict(enumerate(sub[0])))
+        size = sub[1]
+    else:
+        choice, size = _dp(graph, max_states)
+    cost = graph.cost_s(choice)
+    if math.isinf(cost):
+        raise InfeasibleError(f"every strategy of the {len(graph)} vertices has a pair of neighbours that cannot "
+                              "follow each other (infinite redistribution cost)")
+    return StrategyChoice(tuple(choice), cost, graph.memory_bytes(choice), "pase-dp",
+                          max_states=size, solve_time_s=time.perf_counter() - start)
+
+
+def _dp(graph: StrategyGraph, max_states: int) -> tuple[tuple[int, ...], int]:
+    """The DP proper: the cheapest choice and the largest table size."""
     order = order_vertices(graph)
     size = _table_size(graph, order)
     if size > max_states:
@@ -157,18 +178,13 @@ def solve_pase_dp(graph: StrategyGraph, *, max_states: int = 1_000_000) -> Strat
                     new[nkey] = (c, key, o)
         history.append(new)
         table, prev = new, deps[i]
-    (cost, _, _), = table.values()  # the last dependent set is empty
-    if math.isinf(cost):
-        raise InfeasibleError(f"every strategy of the {len(graph)} vertices has a pair of neighbours that cannot "
-                              "follow each other (infinite redistribution cost)")
     choice = [0] * len(graph)
-    key: tuple[int, ...] = ()
+    key: tuple[int, ...] = ()  # the last dependent set is empty
     for i in range(len(order) - 1, -1, -1):
         _, back, o = history[i][key]
         choice[order[i]] = o
         key = back
-    return StrategyChoice(tuple(choice), graph.cost_s(choice), graph.memory_bytes(choice), "pase-dp",
-                          max_states=size, solve_time_s=time.perf_counter() - start)
+    return tuple(choice), size
 
 
 def solve_brute_force(graph: StrategyGraph, *, memory_limit_bytes: float | None = None,
@@ -212,7 +228,7 @@ def solve_pase_cpsat(graph: StrategyGraph, *, memory_limit_bytes: float | None =
     from ortools.sat.python import cp_model
 
     start = time.perf_counter()
-    costs = [o.compute_s for v in graph.vertices for o in v.options] + [
+    costs = [o.compute_s for v in graph.vertices for o in v.options if not math.isinf(o.compute_s)] + [
         c for e in graph.edges for r in e.cost_s for c in r if not math.isinf(c)]
     q = time_quantum_s or max(max(costs, default=0.0), 1e-12) / 2**20
     m = cp_model.CpModel()
@@ -220,8 +236,13 @@ def solve_pase_cpsat(graph: StrategyGraph, *, memory_limit_bytes: float | None =
             for o in range(len(vert.options))}
     for v, vert in enumerate(graph.vertices):  # one strategy per vertex
         m.AddExactlyOne(pick[v, o] for o in range(len(vert.options)))
-    objective = [round(opt.compute_s / q) * pick[v, o] for v, vert in enumerate(graph.vertices)
-                 for o, opt in enumerate(vert.options)]
+    objective = []
+    for v, vert in enumerate(graph.vertices):
+        for o, opt in enumerate(vert.options):
+            if math.isinf(opt.compute_s):  # an option that cannot be taken
+                m.Add(pick[v, o] == 0)
+            else:
+                objective.append(round(opt.compute_s / q) * pick[v, o])
     for k, e in enumerate(graph.edges):  # both[k, i, j] = pick[src, i] AND pick[dst, j], linearised exactly
         both = {(i, j): m.NewBoolVar(f"both[{k},{i},{j}]") for i in range(len(e.cost_s)) for j in range(len(e.cost_s[0]))}
         for i in range(len(e.cost_s)):

@@ -45,12 +45,14 @@ def test_dp_finds_the_brute_force_optimum(graph: StrategyGraph) -> None:
     try:
         brute = solve_brute_force(graph)
     except InfeasibleError:  # every choice has a pair that cannot follow each other
-        with pytest.raises(InfeasibleError):
-            solve_pase_dp(graph)
+        for reduce in (True, False):
+            with pytest.raises(InfeasibleError):
+                solve_pase_dp(graph, reduce=reduce)
         return
-    dp = solve_pase_dp(graph)
-    assert dp.cost_s == pytest.approx(brute.cost_s)
-    assert graph.cost_s(dp.choice) == pytest.approx(dp.cost_s)
+    for reduce in (True, False):
+        dp = solve_pase_dp(graph, reduce=reduce)
+        assert dp.cost_s == pytest.approx(brute.cost_s), reduce
+        assert graph.cost_s(dp.choice) == pytest.approx(dp.cost_s)
 
 
 @settings(max_examples=40, deadline=None)
@@ -84,8 +86,9 @@ def test_a_chain_keeps_one_vertex_in_its_dependent_set() -> None:
     opts = tuple(StrategyOption(f"o{k}", 1.0) for k in range(4))
     chain = StrategyGraph(tuple(StrategyVertex(f"v{i}", opts) for i in range(30)),
                           tuple(StrategyEdge(i, i + 1, tuple((0.0,) * 4 for _ in range(4))) for i in range(29)))
-    best = solve_pase_dp(chain)
+    best = solve_pase_dp(chain, reduce=False)
     assert best.max_states == 4 and best.cost_s == 30.0
+    assert solve_pase_dp(chain).cost_s == 30.0  # reduced away entirely
 
 
 def test_a_table_past_the_limit_goes_to_cpsat() -> None:
@@ -96,7 +99,7 @@ def test_a_table_past_the_limit_goes_to_cpsat() -> None:
     edges += [StrategyEdge(i, n, ((0.0, 1.0, 1.0),) * 3) for i in range(1, n)]
     graph = StrategyGraph(tuple(StrategyVertex(f"v{i}", opts) for i in range(n + 1)), tuple(edges))
     with pytest.raises(SolverError, match="max_states"):
-        solve_pase_dp(graph, max_states=2)
+        solve_pase_dp(graph, max_states=2, reduce=False)
     assert solve_strategies(graph, max_states=2).cost_s == solve_pase_dp(graph).cost_s == 0.0
 
 

@@ -36,9 +36,9 @@ __all__ = ["StrategyEdge", "StrategyGraph", "StrategyOption", "StrategyVertex"]
 
 @dataclass(frozen=True)
 class StrategyOption:
-    """One way to run a vertex: ``name`` (e.g. ``"S(0)"``, ``"col"``), its compute seconds and
-    its memory per device, bytes (parameters, gradients, optimizer state and activations after
-    sharding)."""
+    """One way to run a vertex: ``name`` (e.g. ``"S(0)"``, ``"col"``), its compute seconds
+    (``math.inf``: not allowed) and its memory per device, bytes (parameters, gradients,
+    optimizer state and activations after sharding)."""
 
     name: str
     compute_s: float
@@ -86,10 +86,10 @@ class StrategyGraph:
             if not v.options:
                 raise ConfigError(f"vertex {v.name!r} has no strategy; give it at least one option")
             for o in v.options:
-                if not (math.isfinite(o.compute_s) and o.compute_s >= 0 and math.isfinite(o.memory_bytes)
-                        and o.memory_bytes >= 0):
+                if math.isnan(o.compute_s) or o.compute_s < 0 or not math.isfinite(o.memory_bytes) or o.memory_bytes < 0:
                     raise ConfigError(f"vertex {v.name!r} option {o.name!r}: compute_s={o.compute_s}, "
-                                      f"memory_bytes={o.memory_bytes}; both must be finite and >= 0")
+                                      f"memory_bytes={o.memory_bytes}; both must be >= 0 (compute_s math.inf: an "
+                                      "option that cannot be taken; memory finite)")
         for e in self.edges:
             if not (0 <= e.src < n and 0 <= e.dst < n) or e.src == e.dst:
                 raise ConfigError(f"edge {e.src}->{e.dst}: vertices are 0..{n - 1} and an edge joins two of them")
