@@ -11,10 +11,11 @@ replicated (as autoparallel does). No process group is needed: the mesh is metad
 Costs per option: the node's forward + backward seconds (``node.meta["fxsplit.cost"]``) divided
 by ``N`` when any of its operands is split, in full when all are replicated; per-device memory
 of a parameter (times parameters + gradients + optimizer state) divided by ``N`` when sharded.
-Edges: DTensor's redistribution seconds, twice in training (the backward moves the gradient back
-the opposite way), and for a replicated parameter read by a node that splits its other
-operands, the gradient all-reduce on ``link`` (ring: ``2 (N-1)/N * bytes / bandwidth +
-2 (N-1) * latency``).
+Edges: the collective that turns the producer's placement into the one the consumer expects,
+costed on ``link`` with ring formulas (:func:`redistribute_s`; where DTensor finds no way, the
+pair is forbidden), twice in training (the backward moves the gradient back the opposite way),
+and for a replicated parameter read by a node that splits its other operands, the gradient
+all-reduce (``2 (N-1)/N * bytes / bandwidth + 2 (N-1) * latency``).
 
 References:
     Elango, "Automatic Parallelization Strategies for Efficient DNN Training" (PaSE), IPDPS 2021;
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import LinkSpec
 from fxsplit.ir.strategy import StrategyEdge, StrategyGraph, StrategyOption, StrategyVertex
 
-__all__ = ["NodeStrategies", "strategy_graph", "placement_name"]
+__all__ = ["NodeStrategies", "strategy_graph", "placement_name", "redistribute_s"]
 
 log = logging.getLogger(__name__)
 
@@ -346,15 +348,49 @@ def _assemble(order: list[torch.fx.Node], strategies: dict[torch.fx.Node, Any], 
             u = index[src]
             rows = len(strategies[src].strategies)
             matrix = edges.setdefault((u, v), [[0.0] * len(specs) for _ in range(rows)])
+            src_names = [placement_name(s.output_spec) for s in strategies[src].strategies]
+            nbytes = src.meta["val"].numel() * src.meta["val"].element_size()
             for j, spec in enumerate(specs):
                 redistribute = spec.redistribute_cost[i] if spec.redistribute_cost else [0.0] * rows
+                want = placement_name(spec.input_specs[i]) if spec.input_specs else "R"
                 for k in range(rows):
-                    matrix[k][j] += redistribute[k] * 1e-6 * (2.0 if training else 1.0)
+                    if math.isinf(redistribute[k]):  # DTensor: no redistribution gets there
+                        matrix[k][j] = math.inf
+                        continue
+                    matrix[k][j] += redistribute_s(src_names[k], want, nbytes, n, link) * (2.0 if training else 1.0)
                     if training and _grad_all_reduce(src, strategies[src].strategies[k], spec, i):
                         matrix[k][j] += _all_reduce_s(src.meta["val"], n, link)
     graph = StrategyGraph(tuple(vertices), tuple(StrategyEdge(u, v, tuple(map(tuple, m))) for (u, v), m in edges.items()))
     params = tuple(node.op == "get_attr" and bool(node.meta["val"].requires_grad) for node in order)
     return NodeStrategies(graph, tuple(node.name for node in order), tuple(placements), fallback, n, params)
+
+
+def redistribute_s(src: str, dst: str, nbytes: float, n: int, link: LinkSpec) -> float:
+    """Seconds to turn a tensor of ``nbytes`` (whole) placed ``src`` into ``dst`` over a ring of
+    ``n`` devices joined by ``link`` (placement names as :func:`placement_name` gives them):
+    nothing from a replica or to the same placement; all-gather ``S -> R`` and reduce-scatter
+    ``P -> S``, ``(n-1)/n * bytes / bandwidth + (n-1) * latency``; all-reduce ``P -> R``, twice
+    that; all-to-all ``S(i) -> S(j)``, ``(n-1)/n^2 * bytes / bandwidth + (n-1) * latency``;
+    ``math.inf`` into a partial sum from a shard (no collective makes one).
+
+    Example:
+        >>> round(redistribute_s("S(0)", "R", 1e9, 4, LinkSpec(bytes_per_s=1e9, latency_s=0.0)), 3)
+        0.75
+    """
+    if src == dst or src == "R":
+        return 0.0
+    steps, frac = n - 1, (n - 1) / n
+    if src.startswith("P"):
+        if dst == "R":
+            return 2 * (frac * nbytes / link.bytes_per_s + steps * link.latency_s)
+        if dst.startswith(("S", "SS")):
+            return frac * nbytes / link.bytes_per_s + steps * link.latency_s
+        return math.inf
+    if dst == "R":
+        return frac * nbytes / link.bytes_per_s + steps * link.latency_s
+    if dst.startswith(("S", "SS")):
+        return frac * nbytes / n / link.bytes_per_s + steps * link.latency_s
+    return math.inf
 
 
 def _grad_all_reduce(src: torch.fx.Node, src_spec: Any, consumer: Any, i: int) -> bool:

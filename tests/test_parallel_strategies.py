@@ -52,3 +52,26 @@ def test_strategies_cli_prints_the_parameters_and_the_baselines() -> None:
     assert result.exit_code == 0, result.output
     assert "hidden_0_weight" in result.output and "data parallel" in result.output
     assert "pase-dp" in result.output
+
+
+def test_a_slower_link_never_makes_the_best_step_faster(mlp_gm) -> None:  # type: ignore[no-untyped-def]
+    from fxsplit.ir import LinkSpec
+
+    steps = [solve_pase_dp(strategy_graph(mlp_gm, 4, link=LinkSpec(bytes_per_s=bw, latency_s=lat)).graph).cost_s
+             for bw, lat in ((1e15, 0.0), (25e9, 1e-5), (1e8, 1e-4))]
+    assert steps[0] <= steps[1] <= steps[2]
+    # free links: no reason left to replicate work, every node's share is 1/4
+    free = strategy_graph(mlp_gm, 4, link=LinkSpec(bytes_per_s=1e15, latency_s=0.0))
+    best = solve_pase_dp(free.graph)
+    assert best.cost_s == pytest.approx(sum(min(o.compute_s for o in v.options) for v in free.graph.vertices), rel=1e-6)
+
+
+@pytest.mark.parametrize("src, dst, expected", [
+    ("R", "S(0)", 0.0), ("S(0)", "S(0)", 0.0), ("S(0)", "R", 0.75), ("P(sum)", "R", 1.5), ("P(sum)", "S(1)", 0.75),
+    ("S(0)", "S(1)", 0.1875), ("S(0)", "P(sum)", float("inf")),
+])
+def test_ring_collectives(src: str, dst: str, expected: float) -> None:
+    from fxsplit.ir import LinkSpec
+    from fxsplit.passes.parallel_strategies import redistribute_s
+
+    assert redistribute_s(src, dst, 1e9, 4, LinkSpec(bytes_per_s=1e9, latency_s=0.0)) == pytest.approx(expected)

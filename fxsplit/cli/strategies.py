@@ -30,11 +30,14 @@ def register(app: typer.Typer) -> None:
         size: Annotated[str, typer.Option(help="zoo size preset: tiny, small, base")] = "tiny",
         batch_size: Annotated[int, typer.Option(help="samples per step")] = 8,
         time_limit: Annotated[float, typer.Option(help="CP-SAT time limit, seconds (when the DP table is too large)")] = 30.0,
+        link_gbps: Annotated[float, typer.Option(help="bandwidth between the mesh's devices, GB/s")] = 25.0,
+        latency_us: Annotated[float, typer.Option(help="latency per collective step, microseconds")] = 10.0,
     ) -> None:
         """Choose each layer's parallelization (Shard / Replicate / Partial over MESH devices)."""
         import fxsplit
         from fxsplit.api import load_model
         from fxsplit.errors import FxsplitError
+        from fxsplit.ir import LinkSpec
         from fxsplit.passes.parallel_strategies import strategy_graph
         from fxsplit.solvers.pase import solve_strategies
 
@@ -43,7 +46,8 @@ def register(app: typer.Typer) -> None:
             case = load_model(model, size=size, batch_size=batch_size)
             ins = fxsplit.inspect(case.model, case.example_inputs)
             start = time.perf_counter()
-            found = strategy_graph(ins.captured.gm, mesh)
+            link = LinkSpec(bytes_per_s=link_gbps * 1e9, latency_s=latency_us * 1e-6).check("--link-gbps/--latency-us")
+            found = strategy_graph(ins.captured.gm, mesh, link=link)
             built = time.perf_counter()
             best = solve_strategies(found.graph, time_limit_s=time_limit)
         except FxsplitError as exc:
