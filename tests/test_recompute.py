@@ -9,6 +9,7 @@ it with the unsplit model's loss, gradients and buffers.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -284,11 +285,13 @@ class _Stateful(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore::fxsplit.errors.NotPerSampleWarning")  # the normaliser mixes samples, on purpose
-@pytest.mark.parametrize("method", ["export", "symbolic_trace"])
-def test_recomputation_reads_buffers_as_the_first_forward_read_them(method: str) -> None:
+@pytest.mark.parametrize("method, m", [("export", 1), ("symbolic_trace", 1), ("export", 2)])
+def test_recomputation_reads_buffers_as_the_first_forward_read_them(method: str, m: int) -> None:
     """Regression: the second forward ran on the buffer values the first forward had left (the
     counter one step ahead, the mean already updated), so it rebuilt other activations and the
-    gradients were wrong without an error. It now runs on the values the first forward read."""
+    gradients were wrong without an error. It now runs on the values the first forward read.
+    With 2 micro-batches the counter's update runs once per step (OncePerStep): its buffer is
+    left live, as the tracker replays it (the first fix restored it too and broke that case)."""
     torch.manual_seed(0)
     model = _Stateful()
     x, y = torch.randn(8, 8), torch.randn(8, 3)
@@ -296,7 +299,7 @@ def test_recomputation_reads_buffers_as_the_first_forward_read_them(method: str)
     for mode in ("none", "all"):
         options = fxsplit.CompileOptions(recompute=mode, allow_idle_devices=False, capture_method=method,
                                          executor="sequential")
-        pipe = fxsplit.compile(copy.deepcopy(model), devices(2), (x,), microbatches=1, schedule="gpipe",
+        pipe = fxsplit.compile(copy.deepcopy(model), devices(2), (x,), microbatches=m, schedule="gpipe",
                                cost_model="analytic", options=options)
         for _ in range(2):
             pipe.zero_grad()
@@ -309,3 +312,32 @@ def test_recomputation_reads_buffers_as_the_first_forward_read_them(method: str)
         torch.testing.assert_close(g1[name], g0[name], msg=lambda msg, n=name: f"gradient of {n}: {msg}")
     for name in s0:
         torch.testing.assert_close(s1[name], s0[name], msg=lambda msg, n=name: f"{n}: {msg}")
+
+
+def test_a_buffer_shared_with_a_stage_that_keeps_its_activations_survives_recomputation() -> None:
+    """Regression: after recomputing, every buffer was copied back, bumping the version of a
+    buffer another stage on the device had saved for its backward, whose backward then failed."""
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 3)
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, 32))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x) * self.scale  # mul saves the shared buffer for backward
+            return self.c(torch.tanh(self.b(h)) * self.scale)
+
+    torch.manual_seed(0)
+    model, x, y = Scaled(), torch.randn(8, 8), torch.randn(8, 3)
+    options = fxsplit.CompileOptions(recompute="all", allow_idle_devices=False, executor="sequential")
+    pipe = fxsplit.compile(copy.deepcopy(model), devices(2), (x,), microbatches=2, schedule="gpipe",
+                           cost_model="analytic", options=options)
+    assert pipe.program.stages[0].gm.get_buffer("scale") is pipe.program.stages[1].gm.get_buffer("scale")
+    first = pipe.plan.stages[0]
+    pipe.plan = dataclasses.replace(pipe.plan, stages=(dataclasses.replace(first, recompute=False), *pipe.plan.stages[1:]))
+    loss = pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss)
+    ref = nn.functional.mse_loss(model(x), y)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, dict(model.named_parameters())[name].grad, msg=name)
