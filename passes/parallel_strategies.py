@@ -56,6 +56,8 @@ class NodeStrategies:
         fallback: Nodes whose op has no DTensor strategy (run replicated).
         mesh_size: ``N``.
         parameters: ``[num_vertices]`` whether the vertex is a trainable parameter.
+        item_of: ``[num_vertices]`` for an output of a multi-output op, the op's vertex (its
+            options are the op's), else -1.
     """
 
     graph: StrategyGraph
@@ -64,19 +66,35 @@ class NodeStrategies:
     fallback: tuple[str, ...]
     mesh_size: int
     parameters: tuple[bool, ...] = ()
+    item_of: tuple[int, ...] = ()
 
     def choice_of(self, prefer: Sequence[str]) -> tuple[int, ...]:
-        """Per vertex, the first option whose output placement is in ``prefer`` (else option 0):
+        """Per vertex, the first option whose output placement (each output's, for a
+        multi-output op) is in ``prefer`` (else option 0); an op's outputs take the op's option.
         ``("R",)`` is every device doing everything."""
-        return tuple(next((k for want in prefer for k, p in enumerate(opts) if p == want), 0)
-                     for opts in self.placements)
+        return self._consistent([next((k for want in prefer for k, p in enumerate(opts) if _all_are(p, want)), 0)
+                                 for opts in self.placements])
 
     def data_parallel_choice(self) -> tuple[int, ...]:
         """Data parallelism: parameters replicated, every other value split on dim 0 (the
         batch) where it can be, else replicated."""
         params = self.parameters or (False,) * len(self.placements)
-        return tuple(next((k for want in (("R",) if is_param else ("S(0)", "R")) for k, p in enumerate(opts)
-                           if p == want), 0) for opts, is_param in zip(self.placements, params, strict=True))
+        return self._consistent([next((k for want in (("R",) if is_param else ("S(0)", "R")) for k, p in enumerate(opts)
+                                       if _all_are(p, want)), 0)
+                                 for opts, is_param in zip(self.placements, params, strict=True)])
+
+    def _consistent(self, choice: list[int]) -> tuple[int, ...]:
+        for v, parent in enumerate(self.item_of):
+            if parent >= 0:
+                choice[v] = choice[parent]
+        return tuple(choice)
+
+
+def _all_are(name: str, want: str) -> bool:
+    """``"S(0)"`` is ``"S(0)"``; ``"(S(0),S(0))"`` (a multi-output op's) is too."""
+    if name.startswith("(") and name.endswith(")"):
+        return all(part == want for part in name[1:-1].split(","))
+    return name == want
 
 
 def placement_name(spec: Any) -> str:
@@ -112,7 +130,7 @@ def _op_strategy(node: torch.fx.Node, mesh: Any, strategies: dict[torch.fx.Node,
     """DTensor's strategies for ``node`` (an OpStrategy) and whether they are the replicated
     fallback. Single-dim rules first (DTensor's dispatcher prefers them), then the op's strategy
     function, then its decomposition."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._dtensor_spec import TensorMeta
     from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
     from torch.distributed.tensor._ops.single_dim_strategy import (
@@ -139,31 +157,48 @@ def _op_strategy(node: torch.fx.Node, mesh: Any, strategies: dict[torch.fx.Node,
     schema = OpSchema(op, tuple(arg(a) for a in node.args), {k: arg(v) for k, v in node.kwargs.items()},
                       schema_info=info)
     val = node.meta["val"]
-    out_meta = TensorMeta(val.shape, val.stride(), val.dtype)
-    n_in = len([a for a in node.all_input_nodes if a in strategies])
+    multi = isinstance(val, list | tuple)
+    out_meta: Any = (tuple(TensorMeta(v.shape, v.stride(), v.dtype) for v in val) if multi
+                     else TensorMeta(val.shape, val.stride(), val.dtype))
+    n_out = len(val) if multi else 1
     try:
         if op in propagator.op_single_dim_strategy_funcs:
             single = propagator.op_single_dim_strategy_funcs[op]
             rules = single.func(op, schema.args_meta, schema.kwargs_meta)
-            rules = _insert_single_dim_replication_strategy(rules, 1, _get_num_tensor_inputs(schema), out_meta)
+            rules = _insert_single_dim_replication_strategy(rules, n_out, _get_num_tensor_inputs(schema), out_meta)
             rules = _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
             return expand_to_full_mesh_op_strategy(
-                mesh, schema, rules, output_tensor_meta=out_meta, input_index=1,
+                mesh, schema, rules, output_tensor_meta=out_meta, input_index=n_out,
                 inplace_op=str(op).split(".")[-2].endswith("_"),
                 allow_unbacked_sharding=single.allow_unbacked_sharding,
                 allow_uneven_sharding=single.allow_uneven_sharding), False
         if op in propagator.op_strategy_funcs:
             return propagator.op_strategy_funcs[op](schema), False
-        decomposed = _decomposed(node, mesh, schema, out_meta)
+        decomposed = _decomposed(node, mesh, schema, out_meta, n_out)
         if decomposed is not None:
             return decomposed, False
     except (NotImplementedError, AssertionError, RuntimeError, IndexError, ValueError, KeyError) as exc:
         log.debug("no DTensor strategy for %s (%s): %s", node.name, op, exc)
-    fallback = [[Replicate()] * (1 + n_in)]
-    return expand_to_full_mesh_op_strategy(mesh, schema, fallback, output_tensor_meta=out_meta, input_index=1), True
+    return _replicated(mesh, val, _tensor_inputs(node, strategies), strategies), True
 
 
-def _decomposed(node: torch.fx.Node, mesh: Any, schema: Any, out_meta: Any) -> Any:
+def _replicated(mesh: Any, val: Any, inputs: list[torch.fx.Node], strategies: dict[torch.fx.Node, Any]) -> Any:
+    """One strategy: every operand gathered whole, the output whole on every device (what an op
+    DTensor has no strategy for costs: its inputs' all-gathers, its full work)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
+
+    def whole(t: torch.Tensor) -> Any:
+        return DTensorSpec(mesh, (Replicate(),), tensor_meta=TensorMeta(t.shape, t.stride(), t.dtype))
+
+    out = tuple(whole(v) for v in val) if isinstance(val, list | tuple) else whole(val)
+    spec = OpSpec(out, input_specs=[whole(a.meta["val"]) for a in inputs],
+                  redistribute_cost=[[0.0] * len(strategies[a].strategies) for a in inputs])
+    return OpStrategy([spec])
+
+
+def _decomposed(node: torch.fx.Node, mesh: Any, schema: Any, out_meta: Any, n_out: int = 1) -> Any:
     """Strategies of a composite op (``aten.linear``, ``layer_norm``, ``softmax.int``) through
     its decomposition: each combination of input placements that propagates through the
     decomposition without a redistribution inside it is a strategy (DTensor's own decomposition
@@ -202,32 +237,35 @@ def _decomposed(node: torch.fx.Node, mesh: Any, schema: Any, out_meta: Any) -> A
             out = decomp._propagate_through_decomp(spec_schema, combo, fake_mesh)
         except (RuntimeError, KeyError, IndexError, AssertionError, ValueError):
             continue  # would need a redistribution inside the decomposition
-        if isinstance(out, tuple):
-            continue  # several outputs: not expected of the ops captured here
-        rules.append([out, *(p for p in combo if p is not None)])
+        outs = list(out) if isinstance(out, tuple | list) else [out]
+        if len(outs) != n_out:
+            continue
+        rules.append([*outs, *(p for p in combo if p is not None)])
     if not rules:
         return None
-    return expand_to_full_mesh_op_strategy(mesh, schema, rules, output_tensor_meta=out_meta, input_index=1)
+    return expand_to_full_mesh_op_strategy(mesh, schema, rules, output_tensor_meta=out_meta, input_index=n_out)
 
 
-def _normalise(strategy: Any, val: torch.Tensor) -> None:
+def _normalise(strategy: Any, val: Any) -> None:
     """Give output specs their tensor meta (some strategy functions leave it out) and drop the
-    strategies that shard a dimension the output does not have."""
+    strategies that shard a dimension an output does not have (``val``: a tensor, or the tuple of
+    a multi-output op's tensors)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._dtensor_spec import TensorMeta
 
-    meta = TensorMeta(val.shape, val.stride(), val.dtype)
+    vals = list(val) if isinstance(val, list | tuple) else [val]
     kept = []
     for spec in strategy.strategies:
-        out = spec.output_specs
-        if out is None or isinstance(out, tuple | list):
+        outs = spec.output_specs if isinstance(spec.output_specs, list | tuple) else [spec.output_specs]
+        if len(outs) != len(vals) or any(o is None for o in outs):
             continue
-        if out.tensor_meta is None:
-            out.tensor_meta = meta
-        if all(p.dim < val.dim() for p in out.placements if isinstance(p, Shard)):
+        for o, v in zip(outs, vals, strict=True):
+            if o.tensor_meta is None:
+                o.tensor_meta = TensorMeta(v.shape, v.stride(), v.dtype)
+        if all(p.dim < v.dim() for o, v in zip(outs, vals, strict=True) for p in o.placements if isinstance(p, Shard)):
             kept.append(spec)
     if not kept:
-        raise ValueError("no strategy with a single, valid output")
+        raise ValueError("no strategy with valid outputs")
     strategy.strategies = kept
 
 
@@ -243,9 +281,23 @@ def _costs_complete(strategy: Any, inputs: list[Any]) -> None:
                                       for s, want in zip(inputs, spec.input_specs, strict=False)]
 
 
+def _sharded(spec: Any) -> bool:
+    if isinstance(spec, list | tuple):
+        return any(_sharded(s) for s in spec)
+    return spec is not None and placement_name(spec).startswith(("S", "SS"))
+
+
 def _split(spec: Any) -> bool:
-    return any(not placement_name(s).startswith("R") for s in (
-        [spec.output_spec] + list(spec.input_specs or [])) if s is not None)
+    """Whether each device does ``1/N`` of the op's work: an operand or the output is sharded
+    (partial sums alone do not shrink the work)."""
+    outs = spec.output_specs if isinstance(spec.output_specs, list | tuple) else [spec.output_specs]
+    return any(_sharded(s) for s in [*outs, *(spec.input_specs or [])])
+
+
+def _nbytes(val: Any) -> int:
+    if isinstance(val, list | tuple):
+        return sum(_nbytes(v) for v in val)
+    return val.numel() * val.element_size()
 
 
 def strategy_graph(
@@ -280,32 +332,49 @@ def strategy_graph(
     link = link or LinkSpec()
     mesh = DeviceMesh("cpu", torch.arange(mesh_size), _init_backend=False, _rank=0)
     strategies: dict[torch.fx.Node, Any] = {}
+    inputs_of: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     order: list[torch.fx.Node] = []
     fallback: list[str] = []
+    items: dict[torch.fx.Node, tuple[torch.fx.Node, int]] = {}  # getitem -> (multi-output op, index)
     for node in gm.graph.nodes:
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor):
+        tensors = isinstance(val, torch.Tensor) or (isinstance(val, list | tuple) and len(val) > 0 and all(
+            isinstance(v, torch.Tensor) for v in val) and node.op == "call_function")
+        if not tensors or node.op not in ("placeholder", "get_attr", "call_function"):
             continue
-        if node.op in ("placeholder", "get_attr") or (node.op == "call_function" and not any(
-                a in strategies for a in node.all_input_nodes)):
-            strategies[node] = _all_placements(mesh, val)
-        elif node.op == "call_function" and node.target is not operator.getitem:
+        if node.target is operator.getitem and node.args[0] in strategies:
+            # output i of a multi-output op (chunk, split): option k of the op gives its placement
+            parent, i = node.args[0], int(node.args[1])
+            items[node] = (parent, i)
+            strategies[node], inputs_of[node] = _item_strategy(strategies[parent], i), [parent]
+        elif node.op in ("placeholder", "get_attr") or not any(a in strategies for a in node.all_input_nodes):
+            strategies[node] = _all_placements(mesh, val)  # inputs, parameters, factories (arange)
+        else:
+            inputs = _tensor_inputs(node, strategies)
             try:
                 strategy, fell_back = _op_strategy(node, mesh, strategies)
                 _normalise(strategy, val)
-                _costs_complete(strategy, [strategies[a] for a in _tensor_inputs(node, strategies)])
+                _costs_complete(strategy, [strategies[a] for a in inputs])
             except (AssertionError, RuntimeError, IndexError, ValueError, KeyError, NotImplementedError) as exc:
-                log.info("no strategy for %s (%s), costed as a free source: %s", node.name, node.target, exc)
-                strategy, fell_back = _all_placements(mesh, val), True
+                log.info("no strategy for %s (%s), run replicated: %s", node.name, node.target, exc)
+                strategy, fell_back = _replicated(mesh, val, inputs, strategies), True
             if fell_back:
                 fallback.append(node.name)
-            strategies[node] = strategy
-        else:
-            continue
+            strategies[node], inputs_of[node] = strategy, inputs
         order.append(node)
     if not order:
         raise ConfigError("the graph has no tensor values with shapes; capture and annotate it first")
-    return _assemble(order, strategies, mesh_size, training, state_bytes_per_param_byte, link, tuple(fallback))
+    outputs = {a for a in _flat(next(n for n in gm.graph.nodes if n.op == "output").args) if isinstance(a, torch.fx.Node)}
+    return _assemble(order, strategies, inputs_of, outputs, items, mesh_size, training, state_bytes_per_param_byte,
+                     link, tuple(fallback))
+
+
+def _item_strategy(parent: Any, i: int) -> Any:
+    """The options of ``getitem(op, i)``: one per option of the multi-output ``op``, its output
+    ``i`` (joined to the op by an edge that only lets both take the same option)."""
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
+
+    return OpStrategy([OpSpec(spec.output_specs[i]) for spec in parent.strategies])
 
 
 def _tensor_inputs(node: torch.fx.Node, strategies: dict[torch.fx.Node, Any]) -> list[torch.fx.Node]:
@@ -324,8 +393,10 @@ def _flat(args: Any) -> list[Any]:
     return out
 
 
-def _assemble(order: list[torch.fx.Node], strategies: dict[torch.fx.Node, Any], n: int, training: bool,
-              state_factor: float, link: LinkSpec, fallback: tuple[str, ...]) -> NodeStrategies:
+def _assemble(order: list[torch.fx.Node], strategies: dict[torch.fx.Node, Any],
+              inputs_of: dict[torch.fx.Node, list[torch.fx.Node]], outputs: set[torch.fx.Node],
+              items: dict[torch.fx.Node, tuple[torch.fx.Node, int]], n: int, training: bool, state_factor: float,
+              link: LinkSpec, fallback: tuple[str, ...]) -> NodeStrategies:
     index = {node: i for i, node in enumerate(order)}
     vertices, placements = [], []
     edges: dict[tuple[int, int], list[list[float]]] = {}
@@ -335,21 +406,31 @@ def _assemble(order: list[torch.fx.Node], strategies: dict[torch.fx.Node, Any], 
         work_s = (cost.fwd_s + (cost.bwd_s if training else 0.0)) if cost is not None else 0.0
         val = node.meta["val"]
         is_param = node.op == "get_attr" and isinstance(val, torch.Tensor) and val.requires_grad
-        nbytes = val.numel() * val.element_size()
+        nbytes = _nbytes(val)
+        if node in items:
+            work_s = 0.0  # the op did the work
         options = []
         for k, spec in enumerate(specs):
             shards = n if _split(spec) else 1
-            memory = nbytes * (state_factor if is_param else 1.0) / shards
-            options.append(StrategyOption(f"{k}:{placement_name(spec.output_spec)}", work_s / shards, memory))
+            memory = nbytes * (state_factor if is_param else 1.0) / (n if _sharded(spec.output_specs) else 1)
+            out = placement_name(spec.output_specs)
+            # a model output ends whole, or split on the batch (the loss reads it there)
+            finish = min(redistribute_s(out, "R", nbytes, n, link), redistribute_s(out, "S(0)", nbytes, n, link)) \
+                if node in outputs else 0.0
+            options.append(StrategyOption(f"{k}:{out}", work_s / shards + finish * (2.0 if training else 1.0), memory))
         vertices.append(StrategyVertex(node.name, tuple(options)))
-        placements.append(tuple(placement_name(s.output_spec) for s in specs))
-        inputs = _tensor_inputs(node, strategies) if node.op == "call_function" else []
+        placements.append(tuple(placement_name(s.output_specs) for s in specs))
+        inputs = inputs_of.get(node, [])
+        if node in items:  # the op's option k gives this output's option k
+            rows = len(strategies[inputs[0]].strategies)
+            edges[index[inputs[0]], v] = [[0.0 if k == j else math.inf for j in range(len(specs))] for k in range(rows)]
+            continue
         for i, src in enumerate(inputs):
             u = index[src]
             rows = len(strategies[src].strategies)
             matrix = edges.setdefault((u, v), [[0.0] * len(specs) for _ in range(rows)])
-            src_names = [placement_name(s.output_spec) for s in strategies[src].strategies]
-            nbytes = src.meta["val"].numel() * src.meta["val"].element_size()
+            src_names = [placement_name(s.output_specs) for s in strategies[src].strategies]
+            nbytes = _nbytes(src.meta["val"])
             for j, spec in enumerate(specs):
                 redistribute = spec.redistribute_cost[i] if spec.redistribute_cost else [0.0] * rows
                 want = placement_name(spec.input_specs[i]) if spec.input_specs else "R"
@@ -362,7 +443,8 @@ def _assemble(order: list[torch.fx.Node], strategies: dict[torch.fx.Node, Any], 
                         matrix[k][j] += _all_reduce_s(src.meta["val"], n, link)
     graph = StrategyGraph(tuple(vertices), tuple(StrategyEdge(u, v, tuple(map(tuple, m))) for (u, v), m in edges.items()))
     params = tuple(node.op == "get_attr" and bool(node.meta["val"].requires_grad) for node in order)
-    return NodeStrategies(graph, tuple(node.name for node in order), tuple(placements), fallback, n, params)
+    item_of = tuple(index[items[node][0]] if node in items else -1 for node in order)
+    return NodeStrategies(graph, tuple(node.name for node in order), tuple(placements), fallback, n, params, item_of)
 
 
 def redistribute_s(src: str, dst: str, nbytes: float, n: int, link: LinkSpec) -> float:
@@ -397,7 +479,7 @@ def _grad_all_reduce(src: torch.fx.Node, src_spec: Any, consumer: Any, i: int) -
     """Whether a parameter read replicated by a consumer that splits its other operands gets a
     partial gradient on each device (data parallelism: summed by an all-reduce)."""
     val = src.meta["val"]
-    if src.op != "get_attr" or not val.requires_grad or placement_name(src_spec.output_spec) != "R":
+    if src.op != "get_attr" or not val.requires_grad or placement_name(src_spec.output_specs) != "R":
         return False
     others = [s for k, s in enumerate(consumer.input_specs or []) if k != i]
     return any(not placement_name(s).startswith("R") for s in others if s is not None)

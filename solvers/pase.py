@@ -77,10 +77,13 @@ def _table_size(graph: StrategyGraph, order: Sequence[int]) -> int:
 def order_vertices(graph: StrategyGraph) -> list[int]:
     """A vertex order with small dependent sets: the best of the given (topological) order, a
     breadth-first order from the first vertex over the undirected graph (PaSE's ordering), and
-    a greedy order that always places the vertex adding the fewest new dependents."""
+    (up to 2000 vertices) a greedy order that always places the vertex adding the fewest new
+    dependents."""
     n = len(graph)
     nbrs = graph.neighbours()
-    candidates = [list(range(n)), _breadth_first(nbrs), _greedy(nbrs)]
+    candidates = [list(range(n)), _breadth_first(nbrs)]
+    if n <= 2000:  # the greedy order is quadratic
+        candidates.append(_greedy(nbrs))
     return min(candidates, key=lambda order: (_table_size(graph, order), order))
 
 
@@ -230,7 +233,8 @@ def solve_pase_cpsat(graph: StrategyGraph, *, memory_limit_bytes: float | None =
     start = time.perf_counter()
     costs = [o.compute_s for v in graph.vertices for o in v.options if not math.isinf(o.compute_s)] + [
         c for e in graph.edges for r in e.cost_s for c in r if not math.isinf(c)]
-    q = time_quantum_s or max(max(costs, default=0.0), 1e-12) / 2**20
+    # fine enough that the largest cost no plan uses does not round the small ones away
+    q = time_quantum_s or max(max(costs, default=0.0), 1e-12) / 2**40
     m = cp_model.CpModel()
     pick = {(v, o): m.NewBoolVar(f"pick[{v},{o}]") for v, vert in enumerate(graph.vertices)
             for o in range(len(vert.options))}

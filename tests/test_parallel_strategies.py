@@ -75,3 +75,20 @@ def test_ring_collectives(src: str, dst: str, expected: float) -> None:
     from fxsplit.passes.parallel_strategies import redistribute_s
 
     assert redistribute_s(src, dst, 1e9, 4, LinkSpec(bytes_per_s=1e9, latency_s=0.0)) == pytest.approx(expected)
+
+
+def test_gpt_chunks_keep_their_strategies_and_outputs_follow_the_op() -> None:
+    """Regression: multi-output ops (the qkv ``chunk``) had no vertex and their outputs were free
+    sources, hiding the all-gathers around attention."""
+    case = zoo.get("gpt", size="tiny", batch_size=8)
+    gm = fxsplit.inspect(case.model, case.example_inputs).captured.gm
+    found = strategy_graph(gm, 2)
+    assert not found.fallback
+    chunks = [v for v, name in enumerate(found.nodes) if name.startswith("chunk")]
+    assert chunks and all(found.placements[v][0].startswith("(") for v in chunks)
+    best = solve_pase_dp(found.graph)
+    for v, parent in enumerate(found.item_of):
+        if parent >= 0:
+            assert found.nodes[parent].startswith("chunk") and best.choice[v] == best.choice[parent]
+    for choice in (found.data_parallel_choice(), found.choice_of(("R",))):
+        assert best.cost_s <= found.graph.cost_s(choice) < float("inf")

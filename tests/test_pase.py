@@ -122,3 +122,15 @@ def test_bad_graphs_are_refused(build: object, match: str) -> None:
 @given(graph=strategy_graphs())
 def test_json_round_trip(graph: StrategyGraph) -> None:
     assert StrategyGraph.from_json(graph.to_json()) == graph
+
+
+def test_cpsat_rounding_does_not_hide_small_costs_behind_a_large_unused_one() -> None:
+    """Regression: costs were scaled by the largest / 2^20, so a large cost no good plan uses
+    rounded the small ones to 0 or 1 unit and CP-SAT returned a plan 71 % above the optimum as
+    proven."""
+    opts = (StrategyOption("a", 3e-6), StrategyOption("b", 1e-6), StrategyOption("huge", 1e3))
+    graph = StrategyGraph(tuple(StrategyVertex(f"v{i}", opts) for i in range(6)),
+                          tuple(StrategyEdge(i, i + 1, ((0.0, 4e-7, 0.0), (4e-7, 1.5e-6, 0.0), (0.0, 0.0, 0.0)))
+                                for i in range(5)))
+    dp, cp = solve_pase_dp(graph), solve_pase_cpsat(graph)
+    assert cp.proven and cp.cost_s == pytest.approx(dp.cost_s, rel=1e-6)
