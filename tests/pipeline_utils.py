@@ -77,3 +77,23 @@ def assert_same_training(pipe: Any, compiled: Compiled, inputs: Any, target: Any
     unique = {n for n, _ in compiled.reference.named_parameters()}  # tied tensors once
     missing = {n for n in ref_grads if n not in names and n in unique}
     assert not missing, f"parameters with a gradient in the original but not in the pipeline: {sorted(missing)}"
+
+
+class StatefulBuffers(torch.nn.Module):
+    """Buffers the forward reads after updating them: a warm-up counter and a running normaliser
+    (written inside ``torch.no_grad``, which export wraps in a higher-order op). What a
+    recomputed forward must read as the first forward read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 3)
+        self.register_buffer("t", torch.zeros(()))
+        self.register_buffer("mean", torch.zeros(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.t += 1
+        h = self.a(x) * torch.clamp(self.t / 10, max=1.0)
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(0.1 * h.detach().mean(0))  # detach: symbolic_trace drops no_grad
+        return self.c(torch.tanh(self.b(h - self.mean)))
+

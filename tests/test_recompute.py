@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from pipeline_utils import Compiled, assert_same_training, devices
+from pipeline_utils import Compiled, StatefulBuffers, assert_same_training, devices
 from strategies import problems
 from torch import nn
 
@@ -265,25 +265,6 @@ def test_threads_refuse_a_recomputing_cpu_stage_with_dropout_beside_another_cpu_
     assert all(st.recompute for st in pipe.plan.stages)
 
 
-class _Stateful(nn.Module):
-    """Buffers that the forward reads after updating them: a warm-up counter and a running
-    normaliser (written inside ``torch.no_grad``, which export wraps in a higher-order op)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 3)
-        self.register_buffer("t", torch.zeros(()))
-        self.register_buffer("mean", torch.zeros(32))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.t += 1
-        h = self.a(x) * torch.clamp(self.t / 10, max=1.0)
-        with torch.no_grad():
-            self.mean.mul_(0.9).add_(0.1 * h.detach().mean(0))  # detach: symbolic_trace drops no_grad
-        h = torch.tanh(self.b(h - self.mean))
-        return self.c(h)
-
-
 @pytest.mark.filterwarnings("ignore::fxsplit.errors.NotPerSampleWarning")  # the normaliser mixes samples, on purpose
 @pytest.mark.parametrize("method, m", [("export", 1), ("symbolic_trace", 1), ("export", 2)])
 def test_recomputation_reads_buffers_as_the_first_forward_read_them(method: str, m: int) -> None:
@@ -293,7 +274,7 @@ def test_recomputation_reads_buffers_as_the_first_forward_read_them(method: str,
     With 2 micro-batches the counter's update runs once per step (OncePerStep): its buffer is
     left live, as the tracker replays it (the first fix restored it too and broke that case)."""
     torch.manual_seed(0)
-    model = _Stateful()
+    model = StatefulBuffers()
     x, y = torch.randn(8, 8), torch.randn(8, 3)
     results = {}
     for mode in ("none", "all"):

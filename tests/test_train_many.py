@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pipeline_utils import StatefulBuffers
 from torch import nn
 
 import fxsplit
@@ -316,22 +317,8 @@ def test_a_failing_unit_says_where_every_model_stopped() -> None:
 def test_buffers_read_after_their_update_recompute_as_training_alone() -> None:
     """Regression: with recompute=True the second forward read the buffers as the first forward
     had left them (a counter one ahead, a normaliser already moved): wrong gradients, no error."""
-    class Stateful(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 3)
-            self.register_buffer("t", torch.zeros(()))
-            self.register_buffer("mean", torch.zeros(32))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.t += 1
-            h = self.a(x) * torch.clamp(self.t / 10, max=1.0)
-            with torch.no_grad():
-                self.mean.mul_(0.9).add_(0.1 * h.mean(0))
-            return self.c(torch.tanh(self.b(h - self.mean)))
-
-    model, data, opt = Stateful(), _data(8, 3, 0), OPTIMIZERS["sgd"](1e-1)
+    torch.manual_seed(0)
+    model, data, opt = StatefulBuffers(), _data(8, 3, 0), OPTIMIZERS["sgd"](1e-1)
     ref = copy.deepcopy(model)
     ref_opt = _train_alone(ref, opt, nn.functional.mse_loss, data)
     result = train_many([Task(model, opt, nn.functional.mse_loss, data, steps=3)], 1, memory_per_device_bytes=16 * 1024,
