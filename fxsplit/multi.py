@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +42,14 @@ from fxsplit.options import CompileOptions
 from fxsplit.passes.costs import measure_cpu_spec
 from fxsplit.passes.per_sample import is_random
 from fxsplit.runtime import Pipeline
-from fxsplit.runtime.shards import DevicePool, ShardedModel, run_shards
+from fxsplit.runtime.shards import (
+    DevicePool,
+    ShardedModel,
+    loss_time_s,
+    optimizer_state_factor,
+    optimizer_step_s,
+    run_shards,
+)
 from fxsplit.schedule.shards import (
     ShardRun,
     ShardTask,
@@ -183,47 +189,6 @@ class TrainManyResult:
         names = {id(p): n for n, p in self.models[task].named_parameters()}
         return {names[id(p)]: dict(opt.state[p]) for opt, params in zip(sharded.optimizers, sharded.owned, strict=True)
                 if opt is not None for p in params if p in opt.state}
-
-
-def optimizer_state_factor(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> float:
-    """Bytes of optimizer state per parameter byte, measured: one step on a probe parameter
-    (SGD 0, SGD with momentum 1, Adam/AdamW 2). Falls back to 2.0 (Adam) when the factory
-    cannot build an optimizer for a lone parameter."""
-    probe = nn.Parameter(torch.zeros(4096))
-    probe.grad = torch.full_like(probe, 1e-3)
-    try:
-        opt = optimizer([probe])
-        opt.step()
-    except Exception as exc:  # a factory written for the model's own parameters (groups by name)
-        log.warning("cannot measure the optimizer's state on a probe parameter (%s: %s); assuming Adam's "
-                    "2 bytes per parameter byte", type(exc).__name__, exc)
-        return 2.0
-    size = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor) and v.numel() == probe.numel())
-    return size / (probe.numel() * probe.element_size())
-
-
-def optimizer_step_s(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                     params: Sequence[nn.Parameter], repeats: int = 3) -> float:
-    """Seconds of one optimizer step over ``params``, measured on copies (the median of
-    ``repeats`` steps after one that creates the state); the parameters are left untouched."""
-    if not params:
-        return 0.0
-    copies = [nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in params]
-    for c in copies:
-        c.grad = torch.zeros_like(c)
-    try:
-        opt = optimizer(copies)
-        opt.step()
-    except Exception as exc:  # a factory written for the model's own parameters
-        log.warning("cannot time the optimizer step on copies (%s: %s); counting it as 0 s", type(exc).__name__, exc)
-        return 0.0
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def train_many(
@@ -406,7 +371,7 @@ def _shard_task(task: Task, reference: DeviceSpec, cost_model: str, options: Com
                                                   for s, st in enumerate(plan.stages)))
     specs = [reference.with_(torch_device="cpu")] * plan.num_stages
     pipe: Pipeline = assemble(model, captured, plan, specs, "gpipe", 1, options)
-    loss_s = _loss_s(captured, task.loss_fn, _batch(task, first)[1])
+    loss_s = loss_time_s(captured, task.loss_fn, _batch(task, first)[1])
     sharded = ShardedModel(task.name, pipe, task.optimizer, task.loss_fn,
                            (_batch(task, b) for b in itertools.chain([first], batches)), ShardTask(task.name, (0.0,), (0.0,)),
                            tuple(st.memory_bytes for st in plan.stages), model=model)
@@ -418,27 +383,6 @@ def _shard_task(task: Task, reference: DeviceSpec, cost_model: str, options: Com
                              steps, shard_step_s=tuple(optimizer_step_s(task.optimizer, p) for p in sharded.owned),
                              recompute=recompute)
     return sharded
-
-
-def _loss_s(captured: Any, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, repeats: int = 3) -> float:
-    """Seconds of the loss's forward and backward on outputs shaped as the model's (zeros that
-    require grad, from the capture's output values); 0 when it cannot run on them."""
-    out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
-    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in out_node.args[0]]
-    times = []
-    try:
-        flat = [torch.zeros(tuple(int(d) for d in v.shape), dtype=v.dtype, requires_grad=v.dtype.is_floating_point)
-                if isinstance(v, torch.Tensor) else v for v in vals]
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            loss = loss_fn(captured.unflatten_outputs(flat), target)
-            if loss.requires_grad:
-                loss.backward()
-            times.append(time.perf_counter() - start)
-    except Exception as exc:  # an output the loss cannot take as zeros; the runtime measures it anyway
-        log.info("cannot time the loss on stand-in outputs (%s: %s)", type(exc).__name__, exc)
-        return 0.0
-    return sorted(times[1:])[len(times[1:]) // 2]
 
 
 def _batch(task: Task, batch: Any) -> tuple[tuple[Any, ...], Any]:

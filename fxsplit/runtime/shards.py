@@ -41,7 +41,8 @@ from fxsplit.runtime.local import Pipeline
 from fxsplit.schedule import Action
 from fxsplit.schedule.shards import ShardDispatcher, ShardEvent, ShardRun, ShardTask, ShardUnit
 
-__all__ = ["DevicePool", "ShardedModel", "owned_parameters", "run_shards"]
+__all__ = ["DevicePool", "ShardedModel", "loss_time_s", "optimizer_state_factor", "optimizer_step_s",
+           "owned_parameters", "run_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,68 @@ class ShardedModel:
                               "give a data iterable with at least that many batches (or fewer steps)") from None
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         self._step = self.pipe.new_step(inputs, {}, target=target, loss_fn=self.loss_fn)
+
+
+def optimizer_state_factor(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> float:
+    """Bytes of optimizer state per parameter byte, measured: one step on a probe parameter
+    (SGD 0, SGD with momentum 1, Adam/AdamW 2). Falls back to 2.0 (Adam) when the factory
+    cannot build an optimizer for a lone parameter."""
+    probe = nn.Parameter(torch.zeros(4096))
+    probe.grad = torch.full_like(probe, 1e-3)
+    try:
+        opt = optimizer([probe])
+        opt.step()
+    except Exception as exc:  # a factory written for the model's own parameters (groups by name)
+        log.warning("cannot measure the optimizer's state on a probe parameter (%s: %s); assuming Adam's "
+                    "2 bytes per parameter byte", type(exc).__name__, exc)
+        return 2.0
+    size = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.numel() == probe.numel())
+    return size / (probe.numel() * probe.element_size())
+
+
+def optimizer_step_s(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                     params: Sequence[nn.Parameter], repeats: int = 3) -> float:
+    """Seconds of one optimizer step over ``params``, measured on copies (the median of
+    ``repeats`` steps after one that creates the state); the parameters are left untouched."""
+    if not params:
+        return 0.0
+    copies = [nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in params]
+    for c in copies:
+        c.grad = torch.zeros_like(c)
+    try:
+        opt = optimizer(copies)
+        opt.step()
+    except Exception as exc:  # a factory written for the model's own parameters
+        log.warning("cannot time the optimizer step on copies (%s: %s); counting it as 0 s", type(exc).__name__, exc)
+        return 0.0
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def loss_time_s(captured: Any, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, repeats: int = 3) -> float:
+    """Seconds of the loss's forward and backward on outputs shaped as the model's (zeros that
+    require grad, from the capture's output values); 0 when it cannot run on them."""
+    out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in out_node.args[0]]
+    times = []
+    try:
+        flat = [torch.zeros(tuple(int(d) for d in v.shape), dtype=v.dtype, requires_grad=v.dtype.is_floating_point)
+                if isinstance(v, torch.Tensor) else v for v in vals]
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            loss = loss_fn(captured.unflatten_outputs(flat), target)
+            if loss.requires_grad:
+                loss.backward()
+            times.append(time.perf_counter() - start)
+    except Exception as exc:  # an output the loss cannot take as zeros; the runtime measures it anyway
+        log.info("cannot time the loss on stand-in outputs (%s: %s)", type(exc).__name__, exc)
+        return 0.0
+    return sorted(times[1:])[len(times[1:]) // 2]
 
 
 class DevicePool:
