@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,7 @@ from fxsplit.passes.dtensor_strategies import (
     tensor_inputs,
 )
 
-__all__ = ["NodeStrategies", "strategy_graph", "placement_name", "redistribute_s"]
+__all__ = ["NodeStrategies", "megatron_placements", "strategy_graph", "placement_name", "redistribute_s"]
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +91,48 @@ class NodeStrategies:
                                        if _all_are(p, want)), 0)
                                  for opts, is_param in zip(self.placements, params, strict=True)])
 
+    def allowing(self, placements: Mapping[str, Collection[str]]) -> dict[int, set[int]]:
+        """Vertex -> the options whose placement is in ``placements[node name]`` (for
+        :meth:`~fxsplit.ir.strategy.StrategyGraph.restricted`); nodes not named are free."""
+        allowed = {}
+        for v, name in enumerate(self.nodes):
+            if name in placements:
+                allowed[v] = {k for k, p in enumerate(self.placements[v]) if p in placements[name]}
+        return allowed
+
+    def replicated_parameters(self) -> dict[str, set[str]]:
+        """Every parameter replicated, the rest free: the data-parallel family."""
+        return {name: {"R"} for name, is_param in zip(self.nodes, self.parameters, strict=True) if is_param}
+
     def _consistent(self, choice: list[int]) -> tuple[int, ...]:
         for v, parent in enumerate(self.item_of):
             if parent >= 0:
                 choice[v] = choice[parent]
         return tuple(choice)
+
+
+def megatron_placements(gm: torch.fx.GraphModule) -> dict[str, set[str]]:
+    """Megatron-LM's tensor parallelism as placements of the parameters: the linear layers in
+    graph order alternately column-split (weight ``S(0)``, bias ``S(0)``) and row-split (weight
+    ``S(1)``, bias ``R``), as attention's qkv/projection and the MLP's up/down pairs are; every
+    other parameter replicated (Shoeybi et al., "Megatron-LM", 2019, §3)."""
+    placements: dict[str, set[str]] = {}
+    column = True
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
+            continue
+        weight = node.args[1] if len(node.args) > 1 else None
+        bias = node.args[2] if len(node.args) > 2 else None
+        if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and weight.name not in placements:
+            placements[weight.name] = {"S(0)" if column else "S(1)"}
+            if isinstance(bias, torch.fx.Node) and bias.op == "get_attr":
+                placements[bias.name] = {"S(0)" if column else "R"}
+            column = not column
+    for node in gm.graph.nodes:  # the rest replicated
+        val = node.meta.get("val")
+        if node.op == "get_attr" and isinstance(val, torch.Tensor) and val.requires_grad:
+            placements.setdefault(node.name, {"R"})
+    return placements
 
 
 def _all_are(name: str, want: str) -> bool:

@@ -92,3 +92,22 @@ def test_gpt_chunks_keep_their_strategies_and_outputs_follow_the_op() -> None:
             assert found.nodes[parent].startswith("chunk") and best.choice[v] == best.choice[parent]
     for choice in (found.data_parallel_choice(), found.choice_of(("R",))):
         assert best.cost_s <= found.graph.cost_s(choice) < float("inf")
+
+
+def test_family_baselines_are_restricted_solves_never_better_than_the_free_choice() -> None:
+    from fxsplit.passes.parallel_strategies import megatron_placements
+
+    case = zoo.get("gpt", size="tiny", batch_size=8)
+    gm = fxsplit.inspect(case.model, case.example_inputs).captured.gm
+    megatron = megatron_placements(gm)
+    # attention's qkv and the MLP's up projection split by columns, their partners by rows
+    assert megatron["blocks_0_attn_qkv_weight"] == {"S(0)"} and megatron["blocks_0_attn_proj_weight"] == {"S(1)"}
+    assert megatron["blocks_0_mlp_0_weight"] == {"S(0)"} and megatron["blocks_0_mlp_2_weight"] == {"S(1)"}
+    assert megatron["pos_emb_weight"] == {"R"} and megatron["lm_head_weight"] == {"S(0)"}  # vocab-parallel head
+    found = strategy_graph(gm, 2)
+    best = solve_pase_dp(found.graph)
+    for family in (found.replicated_parameters(), megatron):
+        allowed = found.allowing(family)
+        restricted = solve_pase_dp(found.graph.restricted(allowed))
+        assert all(restricted.choice[v] in keep for v, keep in allowed.items())
+        assert best.cost_s <= restricted.cost_s < float("inf")

@@ -134,3 +134,13 @@ def test_cpsat_rounding_does_not_hide_small_costs_behind_a_large_unused_one() ->
                                 for i in range(5)))
     dp, cp = solve_pase_dp(graph), solve_pase_cpsat(graph)
     assert cp.proven and cp.cost_s == pytest.approx(dp.cost_s, rel=1e-6)
+
+
+def test_restricting_options_is_solving_a_family() -> None:
+    opts = (StrategyOption("a", 1.0), StrategyOption("b", 2.0))
+    graph = StrategyGraph((StrategyVertex("x", opts), StrategyVertex("y", opts)), (StrategyEdge(0, 1, ((0.0, 3.0), (3.0, 0.0))),))
+    assert solve_pase_dp(graph).choice == (0, 0)
+    only_b = solve_pase_dp(graph.restricted({0: {1}}))
+    assert only_b.choice == (1, 1) and only_b.cost_s == 4.0
+    with pytest.raises(ConfigError, match="at least one"):
+        graph.restricted({0: set()})

@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
         from fxsplit.api import load_model
         from fxsplit.errors import FxsplitError
         from fxsplit.ir import LinkSpec
-        from fxsplit.passes.parallel_strategies import strategy_graph
+        from fxsplit.passes.parallel_strategies import megatron_placements, strategy_graph
         from fxsplit.solvers.pase import solve_strategies
 
         console = Console()
@@ -66,11 +66,18 @@ def register(app: typer.Typer) -> None:
         summary.add_column("plan")
         summary.add_column("time", justify="right")
         summary.add_column("memory per device", justify="right")
-        for name, choice in (("chosen per layer", best.choice), ("data parallel", found.data_parallel_choice()),
-                             ("every device does everything", found.choice_of(("R",)))):
-            cost = g.cost_s(choice)
+        rows = [("chosen per layer", best.choice), ("data parallel", found.data_parallel_choice()),
+                ("every device does everything", found.choice_of(("R",)))]
+        for name, family in (("best with every parameter replicated", found.replicated_parameters()),
+                             ("best with Megatron's column/row linear layers", megatron_placements(ins.captured.gm))):
+            try:
+                rows.append((name, solve_strategies(g.restricted(found.allowing(family)), time_limit_s=time_limit).choice))
+            except FxsplitError:
+                rows.append((name, ()))
+        for name, choice in rows:
+            cost = g.cost_s(choice) if choice else float("inf")
             summary.add_row(name, human_seconds(cost) if cost != float("inf") else "not expressible",
-                            human_bytes(g.memory_bytes(choice)))
+                            human_bytes(g.memory_bytes(choice)) if choice else "-")
         console.print(summary)
         console.print(f"{len(g)} values, {len(g.edges)} edges; placements chosen: "
                       f"{', '.join(f'{k} x{n}' for k, n in counts.most_common())}; strategies from DTensor in "

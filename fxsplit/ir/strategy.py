@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +131,24 @@ class StrategyGraph:
         if len(choice) != len(self.vertices) or any(
                 not 0 <= c < len(v.options) for v, c in zip(self.vertices, choice, strict=True)):
             raise ConfigError(f"choice {list(choice)} does not pick one option of each of the {len(self)} vertices")
+
+    def restricted(self, allowed: Mapping[int, Collection[int]]) -> StrategyGraph:
+        """A copy where vertex ``v`` may only take the options ``allowed[v]`` (the others cost
+        ``math.inf``): solving it gives the best plan of a family (every parameter replicated,
+        Megatron's column/row split of the linear layers).
+
+        Raises:
+            ConfigError: for a vertex left without an option or an index out of range.
+        """
+        vertices = list(self.vertices)
+        for v, keep in allowed.items():
+            if not 0 <= v < len(vertices) or not keep or any(not 0 <= k < len(vertices[v].options) for k in keep):
+                raise ConfigError(f"restricting vertex {v} to options {sorted(keep)}: give existing vertices and "
+                                  "at least one of their options")
+            vertices[v] = StrategyVertex(vertices[v].name, tuple(
+                o if k in keep else StrategyOption(o.name, math.inf, o.memory_bytes)
+                for k, o in enumerate(vertices[v].options)))
+        return StrategyGraph(tuple(vertices), self.edges)
 
     def to_dict(self) -> dict[str, Any]:
         return {"vertices": [{"name": v.name, "options": [[o.name, o.compute_s, o.memory_bytes] for o in v.options]}
