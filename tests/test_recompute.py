@@ -23,7 +23,7 @@ import fxsplit
 import fxsplit.models as zoo
 from fxsplit.calibrate import Measurement, StageTimes, refit_problem
 from fxsplit.compiler import plan_pipeline
-from fxsplit.errors import ConfigError, InfeasibleError
+from fxsplit.errors import ConfigError, ExecutionError, InfeasibleError
 from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, LinkSpec, Problem, evaluate
 from fxsplit.solvers import solve
 
@@ -322,3 +322,40 @@ def test_a_buffer_shared_with_a_stage_that_keeps_its_activations_survives_recomp
     torch.testing.assert_close(loss, ref.detach())
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, dict(model.named_parameters())[name].grad, msg=name)
+
+
+class _CountedSteps(nn.Module):
+    """A step counter read before and after its update (made once per step with micro-batches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 3)
+        self.register_buffer("t", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * (self.t / 10)
+        self.t += 1
+        return self.b(torch.tanh(h * (self.t / 10)))
+
+
+def test_backward_after_a_forward_only_call_refuses_to_replay_once_per_step_updates() -> None:
+    """Regression: ``loss_fn(pipe(x), y).backward()`` recomputed after the step had been
+    committed, so once-per-step updates ran again in the recomputation and the gradients were
+    wrong without an error. It is refused now; train_step stays exact."""
+    torch.manual_seed(0)
+    model, x, y = _CountedSteps(), torch.randn(8, 8), torch.randn(8, 3)
+    options = fxsplit.CompileOptions(recompute="all", allow_idle_devices=False, executor="sequential")
+    pipe = fxsplit.compile(copy.deepcopy(model), devices(2), (x,), microbatches=2, schedule="gpipe",
+                           cost_model="analytic", options=options)
+    assert pipe.bn_tracker is not None and pipe.bn_tracker.tracked  # the counter runs once per step
+    with pytest.raises(ExecutionError, match="after its step ended"):
+        nn.functional.mse_loss(pipe(x), y).backward()
+    pipe.zero_grad()
+    loss = pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss)
+    ref = copy.deepcopy(model)
+    ref(x)  # the failed call above ran one step's forward: the counter moved once
+    ref_loss = nn.functional.mse_loss(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, dict(ref.named_parameters())[name].grad, msg=name)

@@ -68,6 +68,7 @@ class BatchNormTracker:
     tracked: dict[str, torch.Tensor] = field(default_factory=dict)
     starts: dict[str, torch.Tensor] = field(default_factory=dict)
     ran: set[str] = field(default_factory=set)
+    commits: int = 0  # steps committed (a recomputation after its step's commit cannot replay it)
 
     def track_step_start(self, key: str, buffer: torch.Tensor) -> None:
         """Keep ``buffer``'s value at the start of every step (:meth:`reset`)."""
@@ -109,7 +110,9 @@ class BatchNormTracker:
 
     def commit(self) -> None:
         """Update every running mean/variance once with the whole batch's statistics (the
-        unbiased variance, as ``nn.BatchNorm`` does) and count one batch; then reset."""
+        unbiased variance, as ``nn.BatchNorm`` does) and count one batch; then reset.
+        ``commits`` counts the calls."""
+        self.commits += 1
         with torch.no_grad(), self.lock:
             for s in self.sums.values():
                 if not s.parts:

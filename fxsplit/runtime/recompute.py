@@ -32,6 +32,8 @@ import torch.fx
 from torch.utils.checkpoint import checkpoint
 
 from fxsplit.codegen.batchnorm import DeferredBatchNorm
+from fxsplit.codegen.buffers import OncePerStep, StepStartValue
+from fxsplit.errors import ExecutionError
 
 __all__ = ["RecomputedForward"]
 
@@ -55,6 +57,8 @@ class RecomputedForward:
         # already makes the second forward read what the first read, from the live buffer
         once = _once_per_step_buffers(gm)
         self._replayed = [b for b in gm.buffers() if not any(b is o for o in once)]
+        self._trackers = list({id(m.tracker): m.tracker for m in gm.modules()
+                               if isinstance(m, OncePerStep | StepStartValue)}.values())
 
     def __call__(self, *values: Any) -> Any:
         if not torch.is_grad_enabled() or not self._needs_grad(values):
@@ -62,11 +66,17 @@ class RecomputedForward:
         calls = [0]
         with torch.no_grad():  # what the first forward reads
             before = [(b, b.detach().clone()) for b in self._replayed]
+        commits = [t.commits for t in self._trackers]
 
         def run(*inputs: Any) -> Any:
             calls[0] += 1
             if calls[0] == 1:
                 return self.gm(*inputs)
+            if [t.commits for t in self._trackers] != commits:
+                raise ExecutionError(
+                    "a recomputing stage runs its forward again after its step ended (pipe(x) then loss.backward()): "
+                    "the buffer updates fxsplit runs once per step can no longer be replayed, so the recomputed "
+                    "activations would differ; use pipe.train_step(...), or recompute='none', or microbatches=1")
             return self._again(inputs, before)
 
         return checkpoint(run, *values, use_reentrant=False, preserve_rng_state=True)
@@ -101,8 +111,6 @@ class RecomputedForward:
 def _once_per_step_buffers(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     """The buffers ``gm`` updates or reads through :class:`~fxsplit.codegen.buffers.OncePerStep`
     and :class:`~fxsplit.codegen.buffers.StepStartValue`."""
-    from fxsplit.codegen.buffers import OncePerStep, StepStartValue
-
     found = []
     for node in gm.graph.nodes:
         if node.op != "call_module" or not isinstance(gm.get_submodule(str(node.target)), OncePerStep | StepStartValue):
