@@ -249,13 +249,37 @@ def _capture_symbolic(model: nn.Module, args: tuple, kwargs: dict) -> tuple[torc
                 f"{type(value).__name__}; use method='export' for structured inputs"
             )
     concrete = {n: p.default for n, p in sig.parameters.items() if n not in bound.arguments}
-    gm = torch.fx.symbolic_trace(model, concrete_args=concrete or None)
+    with torch.no_grad():
+        before = {name: b.detach().clone() for name, b in model.named_buffers()}
+    try:
+        gm = torch.fx.symbolic_trace(model, concrete_args=concrete or None)
+    finally:
+        changed = _restore_changed(model, before)
+    if changed:
+        raise CaptureError(
+            f"{type(model).__name__}'s forward updates buffers {changed} on tensors symbolic_trace does not trace (it "
+            "ran the update once while tracing, now undone, and recorded none): the graph would read a constant; "
+            "use method='export' (or 'auto'), which captures buffer updates")
     _, in_spec = pytree.tree_flatten((args, kwargs))
     positional = list(sig.parameters)[: len(args)]
     _order_placeholders(gm, positional + list(kwargs))
     out_spec = _flatten_output(gm)
     gm.recompile()
     return gm, in_spec, out_spec
+
+
+def _restore_changed(model: nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
+    """Put back the buffers tracing changed (leaf modules such as BatchNorm run on proxies and
+    change nothing); return their names."""
+    changed = []
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            old = before.get(name)
+            if old is not None and (old.shape != b.shape or not torch.equal(old, b)):
+                changed.append(name)
+                if old.shape == b.shape:
+                    b.copy_(old)
+    return changed
 
 
 def _order_placeholders(gm: torch.fx.GraphModule, flat_names: list[str]) -> None:

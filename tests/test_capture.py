@@ -300,3 +300,16 @@ def test_meta_7b_gpt_shape_captures_and_annotates_without_weights() -> None:
 def test_meta_llama_7b_captures_and_annotates_without_weights() -> None:
     pytest.importorskip("transformers")
     _check_meta_7b(_run_meta_7b("llama"), 6.74e9)
+
+
+def test_symbolic_trace_refuses_a_buffer_update_it_cannot_trace_and_leaves_the_model_as_it_was() -> None:
+    """Regression: symbolic_trace runs ``self.t += 1`` on the real buffer while tracing and records
+    no update, so the graph read a constant from then on (a pipeline silently diverged from the
+    model after its first step) and the model's counter had moved."""
+    from pipeline_utils import StatefulBuffers
+
+    model = StatefulBuffers()
+    with pytest.raises(CaptureError, match=r"buffers \['t'\].*method='export'"):
+        capture(model, (torch.randn(4, 8),), method="symbolic_trace")
+    assert float(model.t) == 0.0 and float(model.mean.abs().sum()) == 0.0
+    assert capture(model, (torch.randn(4, 8),), method="auto").method == "export"

@@ -266,7 +266,7 @@ def test_threads_refuse_a_recomputing_cpu_stage_with_dropout_beside_another_cpu_
 
 
 @pytest.mark.filterwarnings("ignore::fxsplit.errors.NotPerSampleWarning")  # the normaliser mixes samples, on purpose
-@pytest.mark.parametrize("method, m", [("export", 1), ("symbolic_trace", 1), ("export", 2)])
+@pytest.mark.parametrize("method, m", [("export", 1), ("export", 2)])  # symbolic_trace refuses the model
 def test_recomputation_reads_buffers_as_the_first_forward_read_them(method: str, m: int) -> None:
     """Regression: the second forward ran on the buffer values the first forward had left (the
     counter one step ahead, the mean already updated), so it rebuilt other activations and the
