@@ -53,12 +53,12 @@ class RecomputedForward:
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
         self._deferred = [m for m in gm.modules() if isinstance(m, DeferredBatchNorm)]
-        # buffers whose updates run once per step (OncePerStep, StepStartValue): the tracker
-        # already makes the second forward read what the first read, from the live buffer
-        once = _once_per_step_buffers(gm)
-        self._replayed = [b for b in gm.buffers() if not any(b is o for o in once)]
         self._trackers = list({id(m.tracker): m.tracker for m in gm.modules()
                                if isinstance(m, OncePerStep | StepStartValue)}.values())
+        # buffers whose updates run once per step (the trackers hold them): the tracker already
+        # makes the second forward read what the first read, from the live buffer
+        once = [b for t in self._trackers for b in t.tracked.values()]
+        self._replayed = [b for b in gm.buffers() if not any(b is o for o in once)]
 
     def __call__(self, *values: Any) -> Any:
         if not torch.is_grad_enabled() or not self._needs_grad(values):
@@ -106,18 +106,3 @@ class RecomputedForward:
                 for b, value in saved:  # another stage may have saved for its backward
                     if not torch.equal(b, value):
                         b.copy_(value)
-
-
-def _once_per_step_buffers(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
-    """The buffers ``gm`` updates or reads through :class:`~fxsplit.codegen.buffers.OncePerStep`
-    and :class:`~fxsplit.codegen.buffers.StepStartValue`."""
-    found = []
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or not isinstance(gm.get_submodule(str(node.target)), OncePerStep | StepStartValue):
-            continue
-        root = node.args[0] if node.args else None
-        while isinstance(root, torch.fx.Node) and root.op != "get_attr" and root.args:
-            root = root.args[0]  # an in-place chain: add_(mul_(buf, .9), x)
-        if isinstance(root, torch.fx.Node) and root.op == "get_attr":
-            found.append(gm.get_buffer(str(root.target)))
-    return found
