@@ -126,7 +126,8 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
-def _nbytes(x: Any) -> int:
+def value_bytes(x: Any) -> int:
+    """Bytes of the tensors in ``x`` (a tensor, or any pytree of them; other leaves count 0)."""
     return sum(t.numel() * t.element_size() for t in _tensors(x))
 
 
@@ -292,9 +293,9 @@ def node_cost(
         return NodeCost(is_view=True)
     val = require_meta(node, "val", "propagate_shapes")
     if _is_view(node) or not _tensors(val):  # views, and shape arithmetic (sym_size, ints)
-        out = 0 if node.op == "get_attr" else _nbytes(val)
+        out = 0 if node.op == "get_attr" else value_bytes(val)
         return NodeCost(param_bytes=state[0], buffer_bytes=state[1], output_bytes=out, is_view=True)
-    out_bytes = _nbytes(val)
+    out_bytes = value_bytes(val)
     if _is_embedding(node):  # a gather: reads the selected rows, not the whole table
         moved = 2 * out_bytes
     else:

@@ -38,6 +38,7 @@ import torch.fx
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import LinkSpec
 from fxsplit.ir.strategy import StrategyEdge, StrategyGraph, StrategyOption, StrategyVertex
+from fxsplit.passes.costs import value_bytes
 from fxsplit.passes.dtensor_strategies import (
     all_placements,
     complete_costs,
@@ -169,12 +170,6 @@ def _split(spec: Any) -> bool:
     return any(_sharded(s) for s in [*outs, *(spec.input_specs or [])])
 
 
-def _nbytes(val: Any) -> int:
-    if isinstance(val, list | tuple):
-        return sum(_nbytes(v) for v in val)
-    return val.numel() * val.element_size()
-
-
 def strategy_graph(
     gm: torch.fx.GraphModule,
     mesh_size: int,
@@ -265,7 +260,7 @@ def _assemble(order: list[torch.fx.Node], strategies: dict[torch.fx.Node, Any],
         work_s = (cost.fwd_s + (cost.bwd_s if training else 0.0)) if cost is not None else 0.0
         val = node.meta["val"]
         is_param = node.op == "get_attr" and isinstance(val, torch.Tensor) and val.requires_grad
-        nbytes = _nbytes(val)
+        nbytes = value_bytes(val)
         if node in items:
             work_s = 0.0  # the op did the work
         options = []
@@ -289,7 +284,7 @@ def _assemble(order: list[torch.fx.Node], strategies: dict[torch.fx.Node, Any],
             rows = len(strategies[src].strategies)
             matrix = edges.setdefault((u, v), [[0.0] * len(specs) for _ in range(rows)])
             src_names = [placement_name(s.output_specs) for s in strategies[src].strategies]
-            nbytes = _nbytes(src.meta["val"])
+            nbytes = value_bytes(src.meta["val"])
             for j, spec in enumerate(specs):
                 redistribute = spec.redistribute_cost[i] if spec.redistribute_cost else [0.0] * rows
                 want = placement_name(spec.input_specs[i]) if spec.input_specs else "R"

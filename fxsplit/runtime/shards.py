@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from fxsplit.errors import ConfigError, ExecutionError
+from fxsplit.passes.costs import value_bytes
 from fxsplit.runtime.local import Pipeline
 from fxsplit.schedule import Action
 from fxsplit.schedule.shards import ShardDispatcher, ShardEvent, ShardRun, ShardTask, ShardUnit
@@ -60,10 +61,6 @@ def owned_parameters(pipe: Pipeline) -> list[list[nn.Parameter]]:
         seen.update(id(p) for p in mine)
         owned.append(mine)
     return owned
-
-
-def _tensor_bytes(tensors: Iterator[Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 @dataclass
@@ -112,9 +109,8 @@ class ShardedModel:
         params = self.owned[shard]
         opt = self.optimizers[shard]
         states = opt.state.values() if opt is not None else []
-        return (_tensor_bytes(iter(params)) + _tensor_bytes(p.grad for p in params)
-                + _tensor_bytes(v for st in states for v in st.values())
-                + _tensor_bytes(self.pipe.stages[shard].gm.buffers()))
+        return value_bytes([list(params), [p.grad for p in params], [v for st in states for v in st.values()],
+                            list(self.pipe.stages[shard].gm.buffers())])
 
     def run(self, unit: ShardUnit) -> None:
         """Run one unit (in the order of ``task.units``).
