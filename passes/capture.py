@@ -433,11 +433,12 @@ def _capture_error(model: nn.Module, failures: dict[str, BaseException]) -> Capt
         parts.append(f"  {name}: {type(exc).__name__}: {summary}")
     if where:
         parts.insert(1, f"  failing construct: {where}")
-    parts.append(
-        "  fix: remove Python control flow that depends on tensor values (use torch.where or "
-        "torch.cond), make shapes static, or wrap the offending code in a leaf module; "
-        "then call fxsplit.capture again."
-    )
+    if not all(isinstance(exc, CaptureError) for exc in failures.values()):  # ours name their own fix
+        parts.append(
+            "  fix: remove Python control flow that depends on tensor values (use torch.where or "
+            "torch.cond), make shapes static, or wrap the offending code in a leaf module; "
+            "then call fxsplit.capture again."
+        )
     err = CaptureError("\n".join(parts))
     err.__cause__ = next(reversed(failures.values()), None)
     return err
