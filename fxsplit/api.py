@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -33,6 +33,9 @@ from fxsplit.passes.manager import PassManager, PassRecord
 __all__ = ["Inspection", "inspect", "load_model", "analyze", "resolve_cost_model"]
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from fxsplit.calibrate import CompiledPipeline
 
 
 @dataclass(frozen=True)
@@ -367,7 +370,7 @@ def compile(  # noqa: A001 - the public name users expect
     objective: str = "makespan",
     batch_dim: int | None = None,
     options: CompileOptions | None = None,
-) -> Any:
+) -> CompiledPipeline:
     """Split ``model`` across ``devices`` and return a :class:`~fxsplit.runtime.Pipeline`.
 
     Args:

@@ -22,6 +22,7 @@ from fxsplit import solvers
 from fxsplit.calibrate import CompileContext, CompiledPipeline
 from fxsplit.codegen import BatchNormTracker, defer_batch_norm, place_stages, split_graph
 from fxsplit.codegen.buffers import defer_buffer_updates
+from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, InfeasibleError, NotPerSampleWarning
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
 from fxsplit.ir.problem import AUTO_SCHEDULES, LOOPED_SCHEDULES
@@ -31,7 +32,7 @@ from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
 from fxsplit.passes.frontend import front_end_passes
 from fxsplit.passes.manager import PassManager
-from fxsplit.passes.profile import ProfileCache, default_cache_dir, device_name, profile_sizes
+from fxsplit.passes.profile import device_name, open_cache, profile_sizes
 from fxsplit.runtime import Pipeline, StateMap
 from fxsplit.runtime.links import pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
@@ -115,8 +116,7 @@ def _profile_options(captured: Captured, flat: Sequence[Any], reference: DeviceS
     batched = None if captured.batched_inputs is None else tuple(captured.batched_inputs)
     batch = batch_size_of([x for x, b in zip(flat, batched or [True] * len(flat), strict=True) if b] or flat)
     counts = microbatches if isinstance(microbatches, int) else default_microbatches(batch)
-    cache_dir = options.profile_cache_dir
-    cache = None if cache_dir is False else ProfileCache(cache_dir or default_cache_dir(), device_name(reference))
+    cache = open_cache(options.profile_cache_dir, device_name(reference))
     return {"batched": batched, "profile_sizes": profile_sizes(batch, counts), "profile_cache": cache,
             "progress": options.progress}
 
@@ -252,7 +252,7 @@ def compile_pipeline(
     cost_model: str,
     objective: str,
     options: CompileOptions,
-) -> Pipeline:
+) -> CompiledPipeline:
     """Capture, plan, split and wrap ``model``; see :func:`fxsplit.compile`."""
     t0 = time.perf_counter()
     batch = example_batch_size(args, kwargs, options.batch_dim)
@@ -353,7 +353,7 @@ def _not_per_sample(captured: Captured, args: tuple, kwargs: dict, *, once_per_s
     return find_batch_mixing(captured.gm, flat, batched, once_per_step=once_per_step)
 
 
-def _defer_updates(program: Any, captured: Captured, model: nn.Module) -> BatchNormTracker | None:
+def _defer_updates(program: StagedProgram, captured: Captured, model: nn.Module) -> BatchNormTracker | None:
     """Deferred BatchNorm statistics and once-per-step buffer updates
     (:mod:`fxsplit.codegen.batchnorm`, :mod:`fxsplit.codegen.buffers`); warns about buffer
     updates that read no input but could not be made once per step."""
@@ -401,8 +401,7 @@ def assemble(
     """
     program = split_graph(captured.gm, plan.stage_of_block(), [specs[st.device].torch_device for st in plan.stages])
     program = place_stages(program, copy_tied=options.copy_tied)
-    tracker = _defer_updates(program, captured, model) if microbatches > 1 and getattr(
-        options, "deferred_batch_norm", True) else None
+    tracker = _defer_updates(program, captured, model) if microbatches > 1 and options.deferred_batch_norm else None
     state = StateMap(
         program, captured.aliases, [n for n, _ in model.named_parameters(remove_duplicate=False)],
         list(model.state_dict().keys()), _orphans(model, captured),

@@ -292,3 +292,19 @@ def test_a_profile_taken_on_a_busy_machine_is_not_cached(monkeypatch: pytest.Mon
     fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=2, cost_model="profiled",
                     options=CompileOptions(profile_cache_dir=tmp_path))
     assert not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.parametrize("folder", [True, None])
+def test_profile_cache_dir_true_or_none_is_the_default_folder(folder: bool | None, tmp_path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: ``profile_cache_dir=True`` (which the option's type allows) reached
+    ``ProfileCache`` as a path and failed with a TypeError inside compile."""
+    import os
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine keeps its profile
+    model, x = _mlp()
+    fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=2, cost_model="profiled",
+                    options=CompileOptions(profile_cache_dir=folder))
+    assert list((tmp_path / "fxsplit" / "profiles").glob("*.json"))
+    assert profile_mod.open_cache(False, "cpu") is None

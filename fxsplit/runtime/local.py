@@ -25,8 +25,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from fxsplit.codegen.batchnorm import BatchNormTracker
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, ExecutionError, InternalError
+from fxsplit.ir import Plan
 from fxsplit.options import precision
 from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
 from fxsplit.passes.per_sample import is_random
@@ -139,10 +141,10 @@ class Pipeline(ParameterAPI):
         state: StateMap,
         schedule_kind: str = "1f1b",
         microbatches: int = 1,
-        plan: Any = None,
+        plan: Plan,
         report: Mapping[str, Any] | None = None,
         executor: str = "auto",
-        bn_tracker: Any = None,
+        bn_tracker: BatchNormTracker | None = None,
         batched_inputs: Sequence[bool] | None = None,
         batched_outputs: Sequence[bool] | None = None,
         layout: BatchLayout | None = None,
@@ -193,7 +195,7 @@ class Pipeline(ParameterAPI):
         """The schedule of ``m`` micro-batches and a valid global order of its actions (cached)."""
         key = (self.schedule_kind, m)
         if key not in self._schedules:
-            ranks = self.plan.num_ranks if self.plan is not None else None  # several stages per rank when looped
+            ranks = self.plan.num_ranks  # several stages per rank when looped
             schedule = make(self.schedule_kind, self.num_stages, m, num_ranks=ranks)
             self._schedules[key] = (schedule, execution_order(schedule))
         return self._schedules[key]
@@ -215,7 +217,7 @@ class Pipeline(ParameterAPI):
     def _stage_call(self, s: int) -> Callable[..., Any]:
         """Stage ``s``'s code, under recomputation when the plan says so."""
         stage = self.program.stages[s]
-        if self.plan is None or not self.plan.stages[s].recompute:
+        if not self.plan.stages[s].recompute:
             return stage.gm
         if s not in self._recomputed:
             self._recomputed[s] = RecomputedForward(stage.gm)
@@ -395,7 +397,7 @@ class Pipeline(ParameterAPI):
             in_grads, slot.pending = self._guarded(
                 s, i, "input-gradient backward",
                 lambda: backward_input(outputs, grads, _tensor_leaves(slot.inputs), weights,
-                                       whole=self.plan is not None and self.plan.stages[s].recompute))
+                                       whole=self.plan.stages[s].recompute))
         else:
             self._guarded(s, i, "backward", lambda: self._backward_from(outputs, grads) if grads is not None
                           else loss.backward() if loss is not None and loss.requires_grad else None)
@@ -495,7 +497,7 @@ class Pipeline(ParameterAPI):
 EXECUTORS = ("auto", "sequential", "threads")
 
 
-def _check_recompute_draws(executor: str, program: StagedProgram, plan: Any) -> None:
+def _check_recompute_draws(executor: str, program: StagedProgram, plan: Plan) -> None:
     """Refuse what would give silently wrong gradients: a recomputing CPU stage that draws random
     numbers (dropout), run by the threads executor beside another CPU stage. Its recomputation
     replays the global CPU generator from where its forward began, and the other stage's worker
@@ -504,7 +506,7 @@ def _check_recompute_draws(executor: str, program: StagedProgram, plan: Any) -> 
     Raises:
         ConfigError: naming the stage and the fix (``executor="sequential"``).
     """
-    if executor != "threads" or plan is None:
+    if executor != "threads":
         return
     # one worker thread per rank; the stages of one rank (a looped schedule) run in turn on it
     cpu_ranks = [held for held in plan.rank_stages if torch.device(program.stages[held[0]].device).type == "cpu"]
