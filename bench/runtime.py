@@ -43,7 +43,8 @@ from rich.table import Table
 import fxsplit
 import fxsplit.models as zoo
 from fxsplit.api import CompileOptions
-from fxsplit.compiler import assemble, evaluate_fixed, front_end, plan_pipeline
+from fxsplit.compiler import assemble, evaluate_fixed, plan_pipeline
+from fxsplit.frontend import front_end
 from fxsplit.ir import LinkSpec, Problem
 from fxsplit.passes.costs import measure_cpu_spec
 from fxsplit.schedule import simulate_plan
@@ -88,8 +89,9 @@ class Built:
         self.options = CompileOptions(allow_idle_devices=False)
         cpu = measure_cpu_spec()
         self.specs = tuple(cpu.with_(name=f"cpu#{i}") for i in range(2))
-        self.captured, self.condensed, _ = front_end(self.case.model, tuple(self.case.example_inputs), {}, self.specs[0],
-                                                     "measured", self.options)
+        ins = front_end(self.case.model, tuple(self.case.example_inputs), {}, reference=self.specs[0],
+                        cost_model="measured", options=self.options)
+        self.captured, self.condensed = ins.captured, ins.condensed
         self.problem = Problem(self.condensed.graph, self.specs, LinkSpec(), allow_idle_devices=False).check()
         choice = plan_pipeline(self.problem, args.batch, args.microbatches, args.schedule, "auto", self.options)
         self.plan = choice.plan

@@ -12,7 +12,6 @@ import importlib
 import inspect as pyinspect
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,14 +20,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit.errors import ConfigError
+from fxsplit.frontend import Inspection, front_end
 from fxsplit.ir.devices import DeviceSpec
 from fxsplit.options import CompileOptions
 from fxsplit.passes.batch_layout import check_batch_dim
-from fxsplit.passes.capture import Captured, capture
-from fxsplit.passes.condense import Condensed
 from fxsplit.passes.costs import measure_cpu_spec
-from fxsplit.passes.frontend import front_end_passes
-from fxsplit.passes.manager import PassManager, PassRecord
 
 __all__ = ["Inspection", "inspect", "load_model", "analyze", "resolve_cost_model"]
 
@@ -36,55 +32,6 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from fxsplit.calibrate import CompiledPipeline
-
-
-@dataclass(frozen=True)
-class Inspection:
-    """Everything the front end made for one model.
-
-    Attributes:
-        captured: The flat graph and its specs (``captured.gm`` is annotated).
-        condensed: Blocks, edges and ideals.
-        device: The reference device of the cost annotation.
-        records: Timing of every pass.
-        name: The model's name.
-    """
-
-    captured: Captured
-    condensed: Condensed
-    device: DeviceSpec
-    records: tuple[PassRecord, ...]
-    name: str = "model"
-
-    def node_rows(self) -> list[dict[str, Any]]:
-        """One dict per graph node: name, op, target, shape, block and costs."""
-        rows = []
-        for node in self.captured.gm.graph.nodes:
-            if node.op == "output":
-                continue
-            val, cost = node.meta.get("val"), node.meta.get("fxsplit.cost")
-            rows.append({
-                "node": node.name, "op": node.op, "target": _target_name(node.target),
-                "shape": tuple(val.shape) if hasattr(val, "shape") else None,
-                "block": node.meta.get("fxsplit.block"),
-                "flops": cost.flops if cost else 0.0, "fwd_s": cost.fwd_s if cost else 0.0,
-                "bwd_s": cost.bwd_s if cost else 0.0, "param_bytes": cost.param_bytes if cost else 0,
-                "output_bytes": cost.output_bytes if cost else 0,
-            })
-        return rows
-
-    def __repr__(self) -> str:
-        g = self.condensed.graph
-        return (
-            f"Inspection({self.name!r}: {len(self.captured.gm.graph.nodes)} nodes via {self.captured.method}, "
-            f"{g.total_param_bytes / 2**20:.1f} MiB params, {len(g)} blocks, "
-            f"{self.condensed.num_ideals}{'+' if self.condensed.truncated else ''} ideals, "
-            f"fwd+bwd {g.total_time_s * 1e3:.3f} ms on {self.device.name})"
-        )
-
-
-def _target_name(target: Any) -> str:
-    return getattr(target, "__name__", None) or str(target)
 
 
 def load_model(spec: str, *, size: str = "tiny", batch_size: int = 2, **overrides: Any) -> Any:
@@ -161,21 +108,14 @@ def analyze(
 ) -> Inspection:
     """Capture ``model`` and run the front-end passes; see :func:`inspect`."""
     _check_writable(dump_dir)
-    captured = capture(model, example_inputs, example_kwargs, method=method)
-    flat = captured.flatten_inputs(example_inputs, example_kwargs)
-    device = device or measure_cpu_spec()
-    pm = PassManager(
-        front_end_passes(flat, device, cost_model=cost_model, max_ideals=max_ideals, name=name),
-        verify=verify,
-        dump_dir=dump_dir,
-    )
-    pm.run(captured.gm)
-    condensed = pm.artifacts["condense_antichains"]
+    options = CompileOptions(capture_method=method, dynamic_batch=False, max_ideals=max_ideals)
+    ins = front_end(model, example_inputs, dict(example_kwargs or {}), reference=device or measure_cpu_spec(),
+                    cost_model=cost_model, options=options, name=name, verify=verify, dump_dir=dump_dir)
     if dump_dir is not None:  # (checked writable before any work)
         from fxsplit.report import write_dot
 
-        write_dot(condensed, Path(dump_dir) / "condensed.dot")
-    return Inspection(captured, condensed, device, tuple(pm.records), name)
+        write_dot(ins.condensed, Path(dump_dir) / "condensed.dot")
+    return ins
 
 
 def inspect(

@@ -7,7 +7,6 @@ runtime). Called by :func:`fxsplit.api.compile` after the arguments are checked.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import warnings
 from collections.abc import Sequence
@@ -24,23 +23,19 @@ from fxsplit.codegen import BatchNormTracker, defer_batch_norm, place_stages, sp
 from fxsplit.codegen.buffers import defer_buffer_updates
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, InfeasibleError, NotPerSampleWarning
+from fxsplit.frontend import capture_with, front_end
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
 from fxsplit.ir.problem import AUTO_SCHEDULES, LOOPED_SCHEDULES
-from fxsplit.options import CompileOptions, autocast_dtype, precision
+from fxsplit.options import CompileOptions, autocast_dtype
 from fxsplit.passes.batch_layout import primary_input
 from fxsplit.passes.capture import Captured, capture
-from fxsplit.passes.condense import Condensed
-from fxsplit.passes.frontend import front_end_passes
-from fxsplit.passes.manager import PassManager
-from fxsplit.passes.profile import device_name, open_cache, profile_sizes
 from fxsplit.runtime import Pipeline, StateMap
 from fxsplit.runtime.links import pipeline_links
-from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
+from fxsplit.runtime.microbatch import batch_size_of
 from fxsplit.schedule import explore, make, plan_step_s
-from fxsplit.schedule.explore import default_microbatches
 from fxsplit.viz import DrawablePlan
 
-__all__ = ["compile_pipeline", "example_batch_size", "front_end", "plan_pipeline", "assemble", "assemble_compiled", "PlanChoice"]
+__all__ = ["compile_pipeline", "example_batch_size", "plan_pipeline", "assemble", "assemble_compiled", "PlanChoice"]
 
 log = logging.getLogger(__name__)
 
@@ -57,68 +52,6 @@ class PlanChoice:
     microbatches: int
     reason: str
     candidates: str = ""
-
-
-def front_end(
-    model: nn.Module, args: tuple, kwargs: dict, reference: DeviceSpec, cost_model: str, options: CompileOptions,
-    microbatches: int | str = "auto",
-    captured: Captured | None = None,
-) -> tuple[Captured, Condensed, list[Any]]:
-    """Capture with a symbolic batch dimension (unless ``captured`` is given), annotate at the
-    example batch, condense.
-
-    With the measured cost model and a fixed micro-batch count, nodes are timed on one
-    micro-batch and scaled to the batch, so per-micro-batch costs are measured ones. The profiled
-    cost model times every node at the micro-batch sizes the schedule search considers (the one
-    that runs, when ``microbatches`` is fixed) and keeps the timings in the profile cache.
-    """
-    captured = captured or _capture(model, args, kwargs, options)
-    flat = captured.flatten_inputs(args, kwargs)
-    timed, scale = tuple(flat), 1.0
-    if cost_model == "measured" and isinstance(microbatches, int) and microbatches > 1:
-        timed, scale = tuple(split_microbatches(flat, microbatches)[0][0]), float(microbatches)
-    profile = _profile_options(captured, flat, reference, microbatches, options) if cost_model == "profiled" else None
-    load = _load_per_core()
-    pm = PassManager(front_end_passes(
-        flat, reference, cost_model=cost_model, max_ideals=options.max_ideals, name=type(model).__name__,
-        force_shapes=True, timed_inputs=timed, measure_device=reference.torch_device, measure_scale=scale,
-        profile=profile,
-    ))
-    with precision(reference.torch_device, autocast_dtype(options.autocast)):  # dtypes, bytes, timings as they run
-        pm.run(captured.gm)
-    if profile is not None and profile["profile_cache"] is not None:
-        cache = profile["profile_cache"]
-        if cache.misses and load > 1.0:  # timings taken on an oversubscribed machine are not kept
-            log.warning("not caching the profile of %s: the machine was busy (load %.1f per core); timings "
-                        "may be high, and the next compile times again", type(model).__name__, load)
-        else:
-            cache.save()
-        log.info("profile cache %s: %d hits, %d misses", cache.path, cache.hits, cache.misses)
-    return captured, pm.artifacts["condense_antichains"], flat
-
-
-def _capture(model: nn.Module, args: tuple, kwargs: dict, options: CompileOptions) -> Captured:
-    return capture(model, args, kwargs, method=options.capture_method, dynamic_batch=options.dynamic_batch,
-                   batch_dim=options.batch_dim)
-
-
-def _load_per_core() -> float:
-    """The 1-minute load average per core (0 where the platform has none)."""
-    try:
-        return os.getloadavg()[0] / (os.cpu_count() or 1)
-    except (OSError, AttributeError):
-        return 0.0
-
-
-def _profile_options(captured: Captured, flat: Sequence[Any], reference: DeviceSpec, microbatches: int | str,
-                     options: CompileOptions) -> dict[str, Any]:
-    """Options of the profiled cost model: sizes from the micro-batch counts that may run."""
-    batched = None if captured.batched_inputs is None else tuple(captured.batched_inputs)
-    batch = batch_size_of([x for x, b in zip(flat, batched or [True] * len(flat), strict=True) if b] or flat)
-    counts = microbatches if isinstance(microbatches, int) else default_microbatches(batch)
-    cache = open_cache(options.profile_cache_dir, device_name(reference))
-    return {"batched": batched, "profile_sizes": profile_sizes(batch, counts), "profile_cache": cache,
-            "progress": options.progress}
 
 
 def check_microbatches(microbatches: int | str, batch: int) -> None:
@@ -258,7 +191,7 @@ def compile_pipeline(
     batch = example_batch_size(args, kwargs, options.batch_dim)
     check_microbatches(microbatches, batch)  # before any work
     reference = options.reference or specs[0]
-    captured = _capture(model, args, kwargs, options)
+    captured = capture_with(model, args, kwargs, options)
     # before the passes: the profiled cost model times micro-batches, which such a model may not run
     mixing = _not_per_sample(captured, args, kwargs, once_per_step=options.deferred_batch_norm)
     hint = _batch_dim_hint(model, args, kwargs, options, mixing) if mixing and microbatches != 1 else ""
@@ -275,7 +208,8 @@ def compile_pipeline(
             f"{type(model).__name__} is not per-sample, and with microbatches={microbatches} the pipeline computes "
             f"something else than the model: {'; '.join(map(str, mixing))}. Use microbatches=1 (or 'auto'), or make "
             f"those ops per-sample{hint}", NotPerSampleWarning, stacklevel=3)
-    captured, condensed, _ = front_end(model, args, kwargs, reference, cost_model, options, microbatches, captured)
+    condensed = front_end(model, args, kwargs, reference=reference, cost_model=cost_model, options=options,
+                          microbatches=microbatches, captured=captured).condensed
     t1 = time.perf_counter()
     link, links = _links(specs, options, cost_model)
     problem = Problem(

@@ -32,8 +32,9 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxsplit.compiler import front_end, plan_pipeline
+from fxsplit.compiler import plan_pipeline
 from fxsplit.errors import ConfigError, InternalError, PlanError
+from fxsplit.frontend import Inspection, front_end
 from fxsplit.ir import CondensedGraph, DeviceSpec, LinkSpec, Plan, Problem
 from fxsplit.options import CompileOptions
 from fxsplit.passes.profile import (
@@ -198,13 +199,13 @@ def _rank0_cost_model(captured: Any, flat: Sequence[Any], device: torch.device, 
     return "profiled"
 
 
-def _plan(front: tuple[Any, Any], inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
+def _plan(front: Inspection, inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
           links: tuple[tuple[int, int, LinkSpec], ...], reference: DeviceSpec, world: int, schedule: str,
           microbatches: int | str, solver: str, options: CompileOptions) -> tuple[Plan, Problem]:
     """Rank 0: the per-sample check (with several micro-batches) and the graph with the chosen
     cost model, solved, on one materialised copy of the graph; the plan records the cost model.
     Returns the plan and the problem (whole-batch costs) it was solved on."""
-    captured, condensed = front
+    captured, condensed = front.captured, front.condensed
     flat, flags, batch = example_batch(captured, inputs)
     used = _rank0_cost_model(captured, flat, device, cost_model)
     checked = microbatches != 1 and _real(flat) and fits_device(captured.gm, device)
@@ -292,13 +293,13 @@ def plan_on_rank0(
     )
     args, kwargs = meta_inputs
     front, failure = _try(
-        lambda: front_end(meta_model, args, kwargs, reference, "analytic", options)[:2]
+        lambda: front_end(meta_model, args, kwargs, reference=reference, cost_model="analytic", options=options)
     )
     own = {
         "schedule": schedule,
         "microbatches": microbatches,
         "error": _error(failure),
-        "digest": graph_digest(front[0].gm) if front is not None else "",
+        "digest": graph_digest(front.captured.gm) if front is not None else "",
     }
     links = _links(options, device, world)
     problem: Problem | None = None
@@ -309,7 +310,7 @@ def plan_on_rank0(
         )
         plan, problem = solved if solved is not None else (None, None)
     elif rank == 0 and front is not None:  # the user's plan; the analytic problem, for calibrate only
-        problem, unused = _try(lambda: _problem(front[1].graph, reference, links, world, options))
+        problem, unused = _try(lambda: _problem(front.condensed.graph, reference, links, world, options))
         if unused is not None:
             log.info("no planning problem for calibrate: %s", _error(unused))
     notes: dict[str, Any] = {
@@ -321,7 +322,7 @@ def plan_on_rank0(
     chosen = Plan.from_dict(payload["plan"]) if payload["plan"] is not None else None
     verdicts: list[Any] = [None] * world
     dist.all_gather_object(
-        verdicts, _verdict(payload, own, chosen, front[1] if front is not None else None)
+        verdicts, _verdict(payload, own, chosen, front.condensed if front is not None else None)
     )
     _raise_if_any(verdicts, failure)
     if chosen is None or front is None:
@@ -332,7 +333,7 @@ def plan_on_rank0(
         chosen.num_stages,
         reference.name,
     )
-    return DistPlan(front[0], chosen, reference, problem)
+    return DistPlan(front.captured, chosen, reference, problem)
 
 
 def _links(options: CompileOptions, device: torch.device, world: int) -> tuple[tuple[int, int, LinkSpec], ...]:

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxsplit.compiler import assemble, front_end
+from fxsplit.compiler import assemble
 from fxsplit.errors import ConfigError, InfeasibleError
+from fxsplit.frontend import front_end
 from fxsplit.ir import DeviceSpec, Plan, Problem
 from fxsplit.options import CompileOptions
 from fxsplit.passes.costs import measure_cpu_spec
@@ -356,8 +357,9 @@ def _shard_task(task: Task, reference: DeviceSpec, cost_model: str, options: Com
     except StopIteration:
         raise ConfigError(f"task {task.name!r}: its data is empty") from None
     inputs, _ = _batch(task, first)
-    captured, condensed, _ = front_end(model, inputs, {}, reference, cost_model, options, microbatches=1)
-    problem = Problem(condensed.graph, (reference,), optimizer_state_factor=optimizer_state_factor(task.optimizer),
+    ins = front_end(model, inputs, {}, reference=reference, cost_model=cost_model, options=options, microbatches=1)
+    captured = ins.captured
+    problem = Problem(ins.condensed.graph, (reference,), optimizer_state_factor=optimizer_state_factor(task.optimizer),
                       training=True)
     try:
         plan = fewest_shards(problem, time_limit_s=options.time_limit_s)

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from fxsplit.api import CompileOptions
-from fxsplit.compiler import assemble, front_end, plan_pipeline
+from fxsplit.compiler import assemble, plan_pipeline
+from fxsplit.frontend import front_end
 from fxsplit.ir import DeviceSpec, LinkSpec, Problem
 from fxsplit.models import primary_tensor
 
@@ -31,7 +32,8 @@ class Compiled:
         self.options = CompileOptions(copy_tied=copy_tied, allow_idle_devices=False, time_limit_s=30.0, executor=executor)
         # make_batch gives positional inputs only, so capture without the optional kwargs.
         args, kwargs = tuple(case.example_inputs), dict(case.example_kwargs or {}) if use_kwargs else {}
-        self.captured, self.condensed, _ = front_end(self.model, args, kwargs, CPU, "analytic", self.options)
+        ins = front_end(self.model, args, kwargs, reference=CPU, cost_model="analytic", options=self.options)
+        self.captured, self.condensed = ins.captured, ins.condensed
         self.batch = int(args[0].shape[0])
 
     def pipeline(self, num_stages: int, schedule: str, microbatches: int, solver: str = "auto") -> Any:

@@ -162,15 +162,17 @@ def _plan_for(stages: int, **model_kwargs):
     """A plan of ``stages`` stages for the zoo gpt (batch 4), as JSON."""
     import fxsplit.models as zoo
     from fxsplit.api import CompileOptions
-    from fxsplit.compiler import front_end, plan_pipeline
+    from fxsplit.compiler import plan_pipeline
     from fxsplit.dist_build import to_meta
+    from fxsplit.frontend import front_end
     from fxsplit.ir import DeviceSpec, LinkSpec, Problem
 
     spec = DeviceSpec("cpu", peak_flops=50e9, memory_bandwidth_bytes_per_s=20e9, memory_bytes=64 * 2**30, torch_device="cpu")
     with torch.device("meta"):
         case = zoo.get("gpt", batch_size=4, **model_kwargs)
     opts = CompileOptions(allow_idle_devices=False)
-    _, cond, _ = front_end(case.model, to_meta(case.example_inputs), {}, spec, "analytic", opts)
+    cond = front_end(case.model, to_meta(case.example_inputs), {}, reference=spec, cost_model="analytic",
+                     options=opts).condensed
     specs = tuple(spec.with_(name=f"rank{i}") for i in range(stages))
     problem = Problem(cond.graph, specs, LinkSpec(), allow_idle_devices=False)
     return plan_pipeline(problem, 4, 2, "gpipe", "dp", opts).plan.to_json()
@@ -331,15 +333,16 @@ def _lopsided_plan(name: str, batch: int) -> str:
     """A 2-stage plan of the zoo model ``name`` with only its first block on stage 0 (JSON)."""
     import fxsplit.models as zoo
     from fxsplit.api import CompileOptions
-    from fxsplit.compiler import evaluate_fixed, front_end
+    from fxsplit.compiler import evaluate_fixed
     from fxsplit.dist_build import to_meta
+    from fxsplit.frontend import front_end
     from fxsplit.ir import DeviceSpec, LinkSpec, Problem
 
     spec = DeviceSpec("cpu", peak_flops=50e9, memory_bandwidth_bytes_per_s=20e9, memory_bytes=64 * 2**30, torch_device="cpu")
     with torch.device("meta"):
         case = zoo.get(name, batch_size=batch)
-    _, cond, _ = front_end(case.model, to_meta(case.example_inputs), {}, spec, "analytic",
-                           CompileOptions(allow_idle_devices=False))
+    cond = front_end(case.model, to_meta(case.example_inputs), {}, reference=spec, cost_model="analytic",
+                     options=CompileOptions(allow_idle_devices=False)).condensed
     problem = Problem(cond.graph, (spec.with_(name="rank0"), spec.with_(name="rank1")), LinkSpec(),
                       allow_idle_devices=False)
     n = len(cond.graph)

@@ -244,14 +244,15 @@ def test_wire_shapes_match_what_the_stages_send_at_any_micro_batch_size():
 
     from fxsplit.api import CompileOptions
     from fxsplit.codegen import split_graph
-    from fxsplit.compiler import front_end
+    from fxsplit.frontend import front_end
     from fxsplit.ir import DeviceSpec
     from fxsplit.runtime.dist_shapes import WireShapes
     from fxsplit.runtime.dist_stage import StageModule
 
     model, (x,), _ = w._toy("size_relay", 8)
     spec = DeviceSpec("cpu", peak_flops=50e9, memory_bandwidth_bytes_per_s=20e9, memory_bytes=2**34, torch_device="cpu")
-    captured, condensed, flat = front_end(model, (x,), {}, spec, "analytic", CompileOptions())
+    ins = front_end(model, (x,), {}, reference=spec, cost_model="analytic", options=CompileOptions())
+    captured, condensed, flat = ins.captured, ins.condensed, list(ins.flat_inputs)
     half = condensed.num_blocks // 2
     program = split_graph(captured.gm, {b: int(b >= half) for b in range(condensed.num_blocks)}, ["cpu", "cpu"])
     first, second = (StageModule(st.gm, first=i == 0, last=i == 1, batched=[True]) for i, st in enumerate(program.stages))
@@ -279,8 +280,8 @@ def test_rank0_profiles_a_meta_capture_of_a_hugging_face_bert():
 
     import fxsplit.models as zoo
     from fxsplit.api import CompileOptions
-    from fxsplit.compiler import front_end
     from fxsplit.dist_plan import example_batch, profiled_blocks, reference_spec
+    from fxsplit.frontend import front_end
 
     config = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 128,
               "vocab_size": 128, "seq_len": 16}
@@ -290,7 +291,9 @@ def test_rank0_profiles_a_meta_capture_of_a_hugging_face_bert():
     args = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, tuple(case.example_inputs))
     kwargs = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, case.example_kwargs or {})
     options = CompileOptions(profile_cache_dir=False)
-    captured, condensed = front_end(meta_model, args, kwargs, reference_spec(torch.device("cpu")), "analytic", options)[:2]
+    ins = front_end(meta_model, args, kwargs, reference=reference_spec(torch.device("cpu")), cost_model="analytic",
+                    options=options)
+    captured, condensed = ins.captured, ins.condensed
     assert "device(type='meta')" in captured.gm.code, "the capture has no meta device argument; proves nothing"
     flat, flags, _ = example_batch(captured, (tuple(case.example_inputs), case.example_kwargs or {}))
     graph = profiled_blocks(captured.gm, condensed.graph, flat, flags, torch.device("cpu"), 2, options)

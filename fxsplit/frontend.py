@@ -1,0 +1,181 @@
+"""The front end every entry point shares: capture, then the passes (shapes, costs, condensation).
+
+:func:`front_end` is the one place that assembles them: :func:`fxsplit.inspect`, :func:`fxsplit.compile`,
+``fxsplit.distributed`` (on the meta model) and :func:`fxsplit.train_many` all call it, and all get
+an :class:`Inspection` back (ARCHITECTURE.md §2: capture -> passes -> solvers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from fxsplit.errors import InternalError
+from fxsplit.ir import DeviceSpec
+from fxsplit.options import CompileOptions, autocast_dtype, precision
+from fxsplit.passes.capture import Captured, capture
+from fxsplit.passes.condense import Condensed
+from fxsplit.passes.frontend import front_end_passes
+from fxsplit.passes.manager import PassManager, PassRecord
+from fxsplit.passes.profile import device_name, open_cache, profile_sizes
+from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
+from fxsplit.schedule.explore import default_microbatches
+
+__all__ = ["Inspection", "capture_with", "front_end"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """Everything the front end made for one model.
+
+    Attributes:
+        captured: The flat graph and its specs (``captured.gm`` is annotated).
+        condensed: Blocks, edges and downsets.
+        device: The reference device of the cost annotation.
+        records: Timing of every pass.
+        name: The model's name.
+        flat_inputs: The example inputs flattened in the graph's placeholder order.
+    """
+
+    captured: Captured
+    condensed: Condensed
+    device: DeviceSpec
+    records: tuple[PassRecord, ...]
+    name: str = "model"
+    flat_inputs: tuple[Any, ...] = ()
+
+    def node_rows(self) -> list[dict[str, Any]]:
+        """One dict per graph node: name, op, target, shape, block and costs."""
+        rows = []
+        for node in self.captured.gm.graph.nodes:
+            if node.op == "output":
+                continue
+            val, cost = node.meta.get("val"), node.meta.get("fxsplit.cost")
+            rows.append({
+                "node": node.name, "op": node.op, "target": _target_name(node.target),
+                "shape": tuple(val.shape) if hasattr(val, "shape") else None,
+                "block": node.meta.get("fxsplit.block"),
+                "flops": cost.flops if cost else 0.0, "fwd_s": cost.fwd_s if cost else 0.0,
+                "bwd_s": cost.bwd_s if cost else 0.0, "param_bytes": cost.param_bytes if cost else 0,
+                "output_bytes": cost.output_bytes if cost else 0,
+            })
+        return rows
+
+    def __repr__(self) -> str:
+        g = self.condensed.graph
+        return (
+            f"Inspection({self.name!r}: {len(self.captured.gm.graph.nodes)} nodes via {self.captured.method}, "
+            f"{g.total_param_bytes / 2**20:.1f} MiB params, {len(g)} blocks, "
+            f"{self.condensed.num_ideals}{'+' if self.condensed.truncated else ''} ideals, "
+            f"fwd+bwd {g.total_time_s * 1e3:.3f} ms on {self.device.name})"
+        )
+
+
+def _target_name(target: Any) -> str:
+    return getattr(target, "__name__", None) or str(target)
+
+
+def front_end(
+    model: nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    reference: DeviceSpec,
+    cost_model: str,
+    options: CompileOptions,
+    microbatches: int | str = "auto",
+    captured: Captured | None = None,
+    name: str | None = None,
+    verify: bool = False,
+    dump_dir: str | Path | None = None,
+) -> Inspection:
+    """Capture ``model`` (unless ``captured`` is given) as ``options`` say, annotate its nodes at
+    the example batch on ``reference``, and condense them into blocks.
+
+    With the measured cost model and a fixed micro-batch count, nodes are timed on one
+    micro-batch and scaled to the batch, so per-micro-batch costs are measured ones. The profiled
+    cost model times every node at the micro-batch sizes the schedule search considers (the one
+    that runs, when ``microbatches`` is fixed) and keeps the timings in the profile cache, unless
+    the machine was busy (load over 1 per core) while it timed.
+
+    Args:
+        model, args, kwargs: The module and its example inputs (a batch).
+        reference: The device costs are annotated for (and timed on, for measured costs).
+        cost_model: ``"analytic"``, ``"measured"`` or ``"profiled"``.
+        options: ``capture_method``, ``dynamic_batch``, ``batch_dim``, ``max_ideals``,
+            ``autocast`` (costs in the dtypes that run), ``profile_cache_dir``, ``progress``.
+        microbatches: The count that will run, or ``"auto"``.
+        captured: A capture of ``model`` already made (it is annotated in place).
+        name: The condensed graph's name (default: the model's class name).
+        verify, dump_dir: :class:`~fxsplit.passes.manager.PassManager`'s checks and dumps.
+
+    Returns:
+        The :class:`Inspection`.
+
+    Raises:
+        CaptureError: when the model cannot be captured.
+        ConfigError: for a bad option or input.
+    """
+    kwargs = dict(kwargs or {})
+    name = name or type(model).__name__
+    captured = captured or capture_with(model, args, kwargs, options)
+    flat = captured.flatten_inputs(tuple(args), kwargs)
+    timed, scale = tuple(flat), 1.0
+    if cost_model == "measured" and isinstance(microbatches, int) and microbatches > 1:
+        timed, scale = tuple(split_microbatches(flat, microbatches)[0][0]), float(microbatches)
+    profile = _profile_options(captured, flat, reference, microbatches, options) if cost_model == "profiled" else None
+    load = _load_per_core()
+    pm = PassManager(front_end_passes(
+        flat, reference, cost_model=cost_model, max_ideals=options.max_ideals, name=name,
+        force_shapes=options.dynamic_batch, timed_inputs=timed, measure_device=reference.torch_device,
+        measure_scale=scale, profile=profile,
+    ), verify=verify, dump_dir=dump_dir)
+    with precision(reference.torch_device, autocast_dtype(options.autocast)):  # dtypes, bytes, timings as they run
+        pm.run(captured.gm)
+    cache = profile["profile_cache"] if profile is not None else None
+    if cache is not None:
+        if cache.misses and load > 1.0:  # timings taken on an oversubscribed machine are not kept
+            log.warning("not caching the profile of %s: the machine was busy (load %.1f per core); timings "
+                        "may be high, and the next compile times again", name, load)
+        else:
+            cache.save()
+        log.info("profile cache %s: %d hits, %d misses", cache.path, cache.hits, cache.misses)
+    condensed = pm.artifacts.get("condense_antichains")
+    if not isinstance(condensed, Condensed):
+        raise InternalError(f"the front end's last pass made {type(condensed).__name__}, not Condensed (a bug in fxsplit)")
+    return Inspection(captured, condensed, reference, tuple(pm.records), name, tuple(flat))
+
+
+def capture_with(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None,
+                 options: CompileOptions) -> Captured:
+    """:func:`~fxsplit.passes.capture.capture` as ``options`` ask (``capture_method``,
+    ``dynamic_batch``, ``batch_dim``)."""
+    return capture(model, tuple(args), dict(kwargs or {}), method=options.capture_method,
+                   dynamic_batch=options.dynamic_batch, batch_dim=options.batch_dim)
+
+
+def _load_per_core() -> float:
+    """The 1-minute load average per core (0 where the platform has none)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def _profile_options(captured: Captured, flat: Sequence[Any], reference: DeviceSpec, microbatches: int | str,
+                     options: CompileOptions) -> dict[str, Any]:
+    """Options of the profiled cost model: sizes from the micro-batch counts that may run."""
+    batched = None if captured.batched_inputs is None else tuple(captured.batched_inputs)
+    batch = batch_size_of([x for x, b in zip(flat, batched or [True] * len(flat), strict=True) if b] or flat)
+    counts = microbatches if isinstance(microbatches, int) else default_microbatches(batch)
+    return {"batched": batched, "profile_sizes": profile_sizes(batch, counts),
+            "profile_cache": open_cache(options.profile_cache_dir, device_name(reference)),
+            "progress": options.progress}
