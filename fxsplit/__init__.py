@@ -32,9 +32,11 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
+    if name == "viz":  # pictures, Gantt charts and tables: loaded on first use
+        return importlib.import_module("fxsplit.viz")
     raise AttributeError(f"module 'fxsplit' has no attribute {name!r}")

@@ -112,7 +112,7 @@ def analyze(
     ins = front_end(model, example_inputs, dict(example_kwargs or {}), reference=device or measure_cpu_spec(),
                     cost_model=cost_model, options=options, name=name, verify=verify, dump_dir=dump_dir)
     if dump_dir is not None:  # (checked writable before any work)
-        from fxsplit.report import write_dot
+        from fxsplit.viz import write_dot
 
         write_dot(ins.condensed, Path(dump_dir) / "condensed.dot")
     return ins

@@ -18,7 +18,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -381,11 +381,42 @@ def _replan(pipe: CompiledPipeline, ctx: CompileContext, refit: Problem) -> tupl
     return choice, (1.0 - plan_step_s(choice.plan) / old_s if old_s > 0 else 0.0)
 
 
+@dataclass(frozen=True)
+class CompileReport:
+    """What :func:`fxsplit.compile` did and predicts (``pipe.report``; read only, drives nothing).
+
+    Attributes:
+        reason: Why the schedule and micro-batch count were chosen (the exploration's pick).
+        candidates: The exploration's table of the candidates it weighed.
+        capture_method: ``"export"`` or ``"symbolic_trace"``.
+        num_blocks: Blocks of the condensed graph.
+        num_downsets: Downsets enumerated (a lower bound when enumeration stopped at its budget).
+        front_end_s, plan_s, codegen_s: Wall seconds of capture + passes, planning, codegen.
+        devices: The devices' names.
+        predicted_step_s: The plan's simulated step, seconds.
+        not_per_sample: Ops that mix samples across the batch (empty for a per-sample model).
+    """
+
+    reason: str
+    candidates: str
+    capture_method: str
+    num_blocks: int
+    num_downsets: int
+    front_end_s: float
+    plan_s: float
+    codegen_s: float
+    devices: tuple[str, ...]
+    predicted_step_s: float
+    not_per_sample: tuple[str, ...] = ()
+
+
 class CompiledPipeline(Pipeline):
     """The :class:`~fxsplit.runtime.Pipeline` that :func:`fxsplit.compile` returns: it also
-    keeps its :class:`CompileContext` so it can :meth:`calibrate` itself."""
+    keeps its :class:`CompileContext` so it can :meth:`calibrate` itself, and its
+    :class:`CompileReport`."""
 
     context: CompileContext | None = None
+    report: CompileReport | None = None
 
     def predicted_step_s(self) -> float:
         """The step time this pipeline should take here: the plan's makespan, or, when the stages
@@ -477,12 +508,11 @@ class CompiledPipeline(Pipeline):
     def _adopt_costs(self, ctx: CompileContext, refit: Problem) -> None:
         """Keep the stages, predict them with the refitted costs (the plan's times, the context)."""
         from fxsplit.compiler import per_microbatch
-        from fxsplit.viz import DrawablePlan
 
         pb = per_microbatch(refit, self.microbatches, self.schedule_kind)
         plan = evaluate(pb, [st.blocks for st in self.plan.stages], [st.device for st in self.plan.stages],
                         solver=self.plan.solver, status=self.plan.status)
-        self.plan = DrawablePlan.of(plan.with_(microbatches=self.microbatches, schedule=self.schedule_kind), pb.graph)
+        self.plan = plan.with_(microbatches=self.microbatches, schedule=self.schedule_kind, graph=pb.graph)
         self.context = CompileContext(**{**ctx.__dict__, "problem": refit})
 
     def _rebuild(self, ctx: CompileContext, refit: Problem, choice: Any) -> None:
@@ -491,6 +521,7 @@ class CompiledPipeline(Pipeline):
 
         new = assemble_compiled(ctx.model, ctx.captured, choice, ctx.specs, ctx.options,
                                 context=CompileContext(**{**ctx.__dict__, "problem": refit}))
-        new.report = {**self.report, **new.report, "reason": choice.reason, "candidates": choice.candidates,
-                      "predicted_step_s": plan_step_s(choice.plan)}
+        if self.report is not None:
+            new.report = replace(self.report, reason=choice.reason, candidates=choice.candidates,
+                                 predicted_step_s=plan_step_s(choice.plan))
         self.__dict__.update(new.__dict__)

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit import solvers
-from fxsplit.calibrate import CompileContext, CompiledPipeline
+from fxsplit.calibrate import CompileContext, CompiledPipeline, CompileReport
 from fxsplit.codegen import BatchNormTracker, defer_batch_norm, place_stages, split_graph
 from fxsplit.codegen.buffers import defer_buffer_updates
 from fxsplit.codegen.split import StagedProgram
@@ -33,7 +33,6 @@ from fxsplit.runtime import Pipeline, StateMap
 from fxsplit.runtime.links import pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
 from fxsplit.schedule import explore, make, plan_step_s
-from fxsplit.viz import DrawablePlan
 
 __all__ = ["compile_pipeline", "example_batch_size", "plan_pipeline", "assemble", "assemble_compiled", "PlanChoice"]
 
@@ -221,14 +220,12 @@ def compile_pipeline(
     t2 = time.perf_counter()
     context = CompileContext(model, captured, problem, tuple(specs), batch, microbatches, schedule, solver, options)
     pipe = assemble_compiled(model, captured, choice, specs, options, context)
-    report = {
-        "reason": choice.reason, "candidates": choice.candidates, "capture_method": captured.method,
-        "num_blocks": condensed.num_blocks, "num_ideals": condensed.num_ideals,
-        "front_end_s": t1 - t0, "plan_s": t2 - t1, "codegen_s": time.perf_counter() - t2,
-        "devices": [s.name for s in specs], "predicted_step_s": plan_step_s(choice.plan),
-        "not_per_sample": [str(m) for m in mixing],
-    }
-    pipe.report.update(report)
+    pipe.report = CompileReport(
+        reason=choice.reason, candidates=choice.candidates, capture_method=captured.method,
+        num_blocks=condensed.num_blocks, num_downsets=condensed.num_ideals, front_end_s=t1 - t0, plan_s=t2 - t1,
+        codegen_s=time.perf_counter() - t2, devices=tuple(s.name for s in specs),
+        predicted_step_s=plan_step_s(choice.plan), not_per_sample=tuple(str(m) for m in mixing),
+    )
     log.info("compiled %s into %d stages: %s", type(model).__name__, choice.plan.num_stages, choice.reason)
     return pipe
 
@@ -306,7 +303,7 @@ def assemble_compiled(
     context: CompileContext,
 ) -> CompiledPipeline:
     """:func:`assemble` for ``choice``, as the :class:`CompiledPipeline` that keeps ``context``."""
-    plan = DrawablePlan.of(choice.plan, choice.problem.graph.scaled(1.0 / choice.microbatches))
+    plan = choice.plan.with_(graph=choice.problem.graph.scaled(1.0 / choice.microbatches))
     pipe = assemble(model, captured, plan, specs, choice.schedule, choice.microbatches, options, cls=CompiledPipeline)
     pipe.context = context
     return pipe
@@ -343,7 +340,7 @@ def assemble(
     return cls(
         program, in_spec=captured.in_spec, out_spec=captured.out_spec, state=state,
         schedule_kind=schedule, microbatches=microbatches, plan=plan,
-        report={"device_names": [specs[st.device].name for st in plan.stages], "training": model.training},
+        device_names=[specs[st.device].name for st in plan.stages], training=model.training,
         executor=options.executor, bn_tracker=tracker,
         batched_inputs=captured.batched_inputs, batched_outputs=captured.batched_outputs, layout=captured.layout,
         autocast=autocast_dtype(options.autocast),

@@ -55,7 +55,6 @@ from fxsplit.schedule.shards import (
     ShardRun,
     ShardTask,
     makespan_lower_bound,
-    render_shard_gantt,
     simulate_shards,
 )
 from fxsplit.solvers.shards import fewest_shards
@@ -169,7 +168,9 @@ class TrainManyReport:
         return max(sum(per_task) / self.measured.num_devices, max(per_task, default=0.0))
 
     def gantt(self, width: int = 72) -> str:
-        """The measured timeline as text (:func:`~fxsplit.schedule.shards.render_shard_gantt`)."""
+        """The measured timeline as text (:func:`fxsplit.viz.render_shard_gantt`)."""
+        from fxsplit.viz import render_shard_gantt
+
         return render_shard_gantt(self.measured, self.names, width)
 
 

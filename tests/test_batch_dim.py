@@ -66,7 +66,7 @@ def test_a_sequence_first_encoder_trains_like_the_model_with_batch_dim_1(schedul
     src, mask = _batch()
     pipe = fxsplit.compile(model, 2, (src,), {"src_key_padding_mask": mask}, microbatches=4, schedule=schedule,
                            batch_dim=1, cost_model="analytic", options=OPTIONS)
-    assert pipe.num_stages == 2 and pipe.microbatches == 4 and pipe.report["not_per_sample"] == []
+    assert pipe.num_stages == 2 and pipe.microbatches == 4 and pipe.report.not_per_sample == ()
     assert pipe.layout.in_dims == (1, 0) and pipe.layout.out_dims == (1,)
     _assert_trains_like(pipe, ref, _mse, torch.randn(SEQ, BATCH, WIDTH), src, src_key_padding_mask=mask)
 
@@ -273,7 +273,7 @@ def test_an_output_pairing_samples_runs_as_one_micro_batch():
     flags it (it was neither compared nor merged right), so "auto" runs one micro-batch."""
     x = torch.randn(BATCH, WIDTH)
     pipe = fxsplit.compile(_Pairs(), 2, (x,), cost_model="analytic", options=OPTIONS)
-    assert pipe.microbatches == 1 and "pairs samples" in pipe.report["not_per_sample"][0]
+    assert pipe.microbatches == 1 and "pairs samples" in pipe.report.not_per_sample[0]
     torch.testing.assert_close(pipe(x), _Pairs()(x))
     with pytest.warns(NotPerSampleWarning, match="pairs samples"):
         fxsplit.compile(_Pairs(), 2, (x,), microbatches=2, cost_model="analytic", options=OPTIONS)

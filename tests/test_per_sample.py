@@ -78,7 +78,7 @@ def test_compile_runs_a_model_that_mixes_samples_as_one_micro_batch():
     ref.load_state_dict(model.state_dict())
     pipe = fxsplit.compile(model, ["cpu", "cpu"], (x,), options=fxsplit.CompileOptions(allow_idle_devices=False))
     assert pipe.microbatches == 1
-    assert pipe.report["not_per_sample"] and "'sub'" in pipe.report["not_per_sample"][0]
+    assert pipe.report.not_per_sample and "'sub'" in pipe.report.not_per_sample[0]
     torch.manual_seed(0)
     loss = pipe.train_step(x, target=torch.zeros(8, 8), loss_fn=nn.functional.mse_loss)
     torch.manual_seed(0)
@@ -122,7 +122,7 @@ def test_a_counter_updated_in_forward_counts_once_per_step_exactly(m, schedule):
         warnings.simplefilter("error", NotPerSampleWarning)
         pipe = fxsplit.compile(model, ["cpu", "cpu", "cpu"], (x,), microbatches=m, schedule=schedule,
                                cost_model="analytic", options=fxsplit.CompileOptions(allow_idle_devices=False))
-    assert pipe.microbatches == m and pipe.report["not_per_sample"] == []
+    assert pipe.microbatches == m and pipe.report.not_per_sample == ()
     for step in range(3):
         torch.testing.assert_close(pipe(x), ref(x))
         loss = pipe.train_step(x, target=torch.zeros(8, 8), loss_fn=nn.functional.mse_loss)
@@ -137,7 +137,7 @@ def test_a_counter_updated_in_forward_counts_once_per_step_exactly(m, schedule):
 
 def test_a_per_sample_model_keeps_its_micro_batches():
     pipe = fxsplit.compile(_Net("plain"), ["cpu", "cpu"], (torch.randn(8, 8),), microbatches=4)
-    assert pipe.report["not_per_sample"] == [] and pipe.microbatches == 4
+    assert pipe.report.not_per_sample == () and pipe.microbatches == 4
 
 
 def test_the_distributed_compile_warns_about_buffers_a_meta_capture_shows():

@@ -30,7 +30,11 @@ def test_compile_public_api_runs_and_prints_a_table():
     assert pipe.num_stages == 2 and pipe.schedule_kind == "gpipe" and pipe.microbatches == 2
     text = repr(pipe)
     assert "stage" in text and "cpu#1" in text and "gpipe" in text
-    assert pipe.report["reason"]
+    assert pipe.report is not None and pipe.report.reason
+    from fxsplit.viz import describe
+
+    table = describe(pipe)  # the rich table the CLI prints
+    assert "cpu#1" in table and "time/mb" in table and "lower bound" in table
 
 
 def test_auto_schedule_records_why(gpt):
@@ -40,11 +44,11 @@ def test_auto_schedule_records_why(gpt):
 
     assert pipe.schedule_kind in AUTO_SCHEDULES
     assert 1 <= pipe.microbatches <= 8
-    assert f"{pipe.schedule_kind} m={pipe.microbatches}" in pipe.report["reason"]
+    assert f"{pipe.schedule_kind} m={pipe.microbatches}" in pipe.report.reason
     looped = pipe.schedule_kind in LOOPED_SCHEDULES  # two stages per device, else one (a device may idle)
     assert pipe.plan.num_stages == (2 * pipe.plan.num_ranks if looped else pipe.plan.num_ranks) <= (6 if looped else 3)
-    assert "interleaved-1f1b" in pipe.report["candidates"]  # auto weighed several stages per device too
-    assert "zero-bubble" not in pipe.report["candidates"]  # asked for by name only (AUTO_SCHEDULES)
+    assert "interleaved-1f1b" in pipe.report.candidates  # auto weighed several stages per device too
+    assert "zero-bubble" not in pipe.report.candidates  # asked for by name only (AUTO_SCHEDULES)
 
 
 @pytest.mark.parametrize(
@@ -193,13 +197,15 @@ def test_cli_compile_trains_and_compares():
     assert float(diff.split("│")[-2]) < 1e-4
 
 
-def test_pipe_plan_draws_itself_and_serialises_without_its_graph(tmp_path):
+def test_pipe_plan_keeps_its_graph_for_pictures_and_serialises_without_it(tmp_path):
     pytest.importorskip("matplotlib")
     case = zoo.get("gpt", batch_size=4)
     pipe = fxsplit.compile(case.model, devices(3), case.example_inputs, microbatches=2, schedule="1f1b",
                            options=fxsplit.CompileOptions(allow_idle_devices=False))
     assert pipe.plan.graph is not None and len(pipe.plan.graph) > 0
-    out = pipe.plan.draw(tmp_path / "plan.png")
+    from fxsplit import viz
+
+    out = viz.draw_plan(pipe.plan, pipe.plan.graph, tmp_path / "plan.png")
     assert out.exists() and out.stat().st_size > 1000
     from fxsplit.ir import Plan
 

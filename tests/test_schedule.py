@@ -30,6 +30,7 @@ from fxsplit.schedule import (
     simulate_plan,
     validate,
 )
+from fxsplit.viz.text import render_gantt
 
 GOLDEN = Path(__file__).parent / "golden" / "schedule"
 CASES = [(kind, p, m) for kind in ("gpipe", "1f1b") for p, m in ((2, 4), (4, 8))]
@@ -124,7 +125,7 @@ def test_golden_tables(kind, p, m):
 @pytest.mark.parametrize("kind,p,m", CASES)
 def test_golden_gantt(kind, p, m):
     tl = simulate(make(kind, p, m), fwd_s=[1.0] * p, bwd_s=[2.0] * p)
-    check_golden(f"{kind}_p{p}_m{m}.gantt.txt", tl.gantt(width=int(2 * tl.makespan_s)))
+    check_golden(f"{kind}_p{p}_m{m}.gantt.txt", render_gantt(tl, width=int(2 * tl.makespan_s)))
 
 
 def test_registry():
@@ -279,7 +280,7 @@ def test_simulate_events_respect_order_and_dependencies():
 
 def test_gantt_hides_numbers_that_do_not_fit():
     tl = simulate(make("1f1b", 2, 12), [1.0, 1.0], [1.0, 1.0])
-    chart = tl.gantt(width=int(tl.makespan_s))  # one column per action: kinds only
+    chart = render_gantt(tl, width=int(tl.makespan_s))  # one column per action: kinds only
     assert chart.splitlines()[0] == "rank0 |FF.BFBFBFBFBFBFBFBFBFBFB.B|"
 
 

@@ -18,12 +18,12 @@ from fxsplit.schedule.shards import (
     ShardDispatcher,
     ShardTask,
     makespan_lower_bound,
-    render_shard_gantt,
     simulate_shards,
     task_units,
 )
 from fxsplit.solvers import solve
 from fxsplit.solvers.shards import _shard_problem, fewest_shards
+from fxsplit.viz.text import render_shard_gantt
 
 MiB = 2**20
 

@@ -12,8 +12,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
+from fxsplit.ir.units import format_seconds
 from fxsplit.options import precision
-from fxsplit.report import human_seconds
+from fxsplit.viz import stage_table
 
 __all__ = ["register", "parse_devices", "train_and_compare"]
 
@@ -73,11 +74,11 @@ def _summary(pipe: Any, result: dict[str, Any]) -> Table:
     table.add_column("quantity")
     table.add_column("value", justify="right")
     measured = result["step_s"][1:] or result["step_s"]
-    table.add_row("predicted step time (cost model, devices in parallel)", human_seconds(plan_step_s(pipe.plan)))
+    table.add_row("predicted step time (cost model, devices in parallel)", format_seconds(plan_step_s(pipe.plan)))
     if pipe.executor == "sequential":  # one process, one thread: stages cannot overlap
         serial_s = pipe.microbatches * sum(st.time_s for st in pipe.plan.stages)
-        table.add_row("predicted step time (stages one after another, as run here)", human_seconds(serial_s))
-    table.add_row("measured step time (median)", human_seconds(sorted(measured)[len(measured) // 2]))
+        table.add_row("predicted step time (stages one after another, as run here)", format_seconds(serial_s))
+    table.add_row("measured step time (median)", format_seconds(sorted(measured)[len(measured) // 2]))
     table.add_row("largest loss difference vs original", f"{result['loss_diff']:.3e}")
     table.add_row(f"largest gradient difference vs original ({result['worst_param'] or '-'})", f"{result['grad_diff']:.3e}")
     table.add_row("final loss", f"{result['losses'][-1]:.4f}" if result["losses"] else "-")
@@ -143,8 +144,9 @@ def register(app: typer.Typer) -> None:
                 with console.status(f"calibrating: {calibrate} measured steps per plan ..."):
                     report = pipe.calibrate(*inputs, target=target, loss_fn=case.loss_fn, steps=calibrate)
                 console.print(report.format_table())
-            console.print(pipe.__repr__())
-            console.print(f"schedule: {pipe.report['reason']}")
+            console.print(stage_table(pipe))
+            if pipe.report is not None:
+                console.print(f"schedule: {pipe.report.reason}")
             with Progress(console=console, transient=False) as progress:
                 result = train_and_compare(pipe, case, reference, steps, lr, batch_size, progress)
         except FxsplitError as exc:

@@ -15,8 +15,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fxsplit.ir.units import format_seconds
 from fxsplit.options import autocast_dtype, precision
-from fxsplit.report import human_seconds
 
 __all__ = ["run_distributed"]
 
@@ -50,7 +50,7 @@ def _train(pipe: Any, case: Any, reference: Any, steps: int, lr: float, batch_si
             opt_pipe.step()
         opt_ref.step()
         if rank == 0:
-            console.print(f"step {step + 1}/{steps} loss {float(loss):.4f} ({human_seconds(out['step_s'][-1])})")
+            console.print(f"step {step + 1}/{steps} loss {float(loss):.4f} ({format_seconds(out['step_s'][-1])})")
     return out
 
 
@@ -60,7 +60,7 @@ def _summary(pipe: Any, result: dict[str, Any], world: int) -> Table:
     table.add_column("quantity")
     table.add_column("value", justify="right")
     measured = result["step_s"][1:] or result["step_s"]
-    table.add_row("measured step time (median, rank 0)", human_seconds(sorted(measured)[len(measured) // 2]))
+    table.add_row("measured step time (median, rank 0)", format_seconds(sorted(measured)[len(measured) // 2]))
     table.add_row("largest loss difference vs original", f"{result['loss_diff']:.3e}")
     table.add_row("largest gradient difference vs original (all ranks)", f"{result['grad_diff']:.3e}")
     table.add_row("final loss", f"{result['losses'][-1]:.4f}" if result["losses"] else "-")

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
-from fxsplit.report import human_bytes, human_seconds
+from fxsplit.ir.units import format_bytes, format_seconds
 
 __all__ = ["register", "node_table", "block_table", "formula_table"]
 
@@ -24,8 +24,8 @@ def node_table(ins: object, limit: int | None = None) -> Table:
     for r in rows[:limit]:
         table.add_row(
             r["node"], r["op"], r["target"][:40], str(r["shape"] or ""), f"{r['flops']:.3g}",
-            human_seconds(r["fwd_s"]), human_seconds(r["bwd_s"]), human_bytes(r["param_bytes"]),
-            human_bytes(r["output_bytes"]), str(r["block"]),
+            format_seconds(r["fwd_s"]), format_seconds(r["bwd_s"]), format_bytes(r["param_bytes"]),
+            format_bytes(r["output_bytes"]), str(r["block"]),
         )
     if limit is not None and len(rows) > limit:
         table.caption = f"{len(rows) - limit} more nodes not shown (--limit)"
@@ -40,9 +40,9 @@ def block_table(condensed: object) -> Table:
         table.add_column(col, justify="left" if col in ("name", "succ") else "right")
     for b in g.blocks:
         table.add_row(
-            str(b.id), b.name[:30], str(len(b.nodes)), f"{b.flops:.3g}", human_seconds(b.fwd_s),
-            human_seconds(b.bwd_s), human_bytes(b.param_bytes), human_bytes(b.activation_bytes),
-            human_bytes(b.output_bytes), ",".join(map(str, g.successors(b.id))),
+            str(b.id), b.name[:30], str(len(b.nodes)), f"{b.flops:.3g}", format_seconds(b.fwd_s),
+            format_seconds(b.bwd_s), format_bytes(b.param_bytes), format_bytes(b.activation_bytes),
+            format_bytes(b.output_bytes), ",".join(map(str, g.successors(b.id))),
         )
     return table
 
@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
             exit_with_error(console, exc, 2)
         console.print(node_table(ins, limit))
         console.print(block_table(ins.condensed))
-        passes = ", ".join(f"{r.name} {human_seconds(r.time_s)}" for r in ins.records)
+        passes = ", ".join(f"{r.name} {format_seconds(r.time_s)}" for r in ins.records)
         console.print(f"{ins!r}\npasses: {passes}")
         if symbolic:
             console.print(formula_table(ins))

@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
-from fxsplit.report import human_bytes, human_seconds, plan_summary
+from fxsplit.ir.units import format_bytes, format_seconds
+from fxsplit.viz import plan_summary
 
 __all__ = ["register", "plan_table", "reference_device"]
 
@@ -48,9 +49,9 @@ def plan_table(plan: Any, problem: Any) -> Table:
         nodes = [n for b in st.blocks for n in problem.graph.blocks[b].nodes]
         shown = nodes[0] if len(nodes) == 1 else f"{nodes[0]} … {nodes[-1]} ({len(nodes)})" if nodes else ""
         table.add_row(str(s), problem.devices[st.device].name, str(len(st.blocks)), shown,
-                      human_seconds(st.fwd_s), human_seconds(st.bwd_s) + (" (+fwd)" if st.recompute else ""),
-                      human_seconds(st.comm_s),
-                      human_bytes(st.memory_bytes))
+                      format_seconds(st.fwd_s), format_seconds(st.bwd_s) + (" (+fwd)" if st.recompute else ""),
+                      format_seconds(st.comm_s),
+                      format_bytes(st.memory_bytes))
     table.caption = f"{plan_summary(plan)}; solved in {plan.solve_time_s:.2f} s"
     return table
 

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
-from fxsplit.report import human_bytes, human_seconds
+from fxsplit.ir.units import format_bytes, format_seconds
 
 __all__ = ["register"]
 
@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
         for v, c in enumerate(best.choice):
             if found.parameters and found.parameters[v]:
                 opt = g.vertices[v].options[c]
-                table.add_row(found.nodes[v], found.placements[v][c], human_bytes(opt.memory_bytes))
+                table.add_row(found.nodes[v], found.placements[v][c], format_bytes(opt.memory_bytes))
         console.print(table)
         counts = Counter(found.placements[v][c] for v, c in enumerate(best.choice))
         summary = Table(title="predicted step (compute + redistribution, per device)")
@@ -76,8 +76,8 @@ def register(app: typer.Typer) -> None:
                 rows.append((name, ()))
         for name, choice in rows:
             cost = g.cost_s(choice) if choice else float("inf")
-            summary.add_row(name, human_seconds(cost) if cost != float("inf") else "not expressible",
-                            human_bytes(g.memory_bytes(choice)) if choice else "-")
+            summary.add_row(name, format_seconds(cost) if cost != float("inf") else "not expressible",
+                            format_bytes(g.memory_bytes(choice)) if choice else "-")
         console.print(summary)
         console.print(f"{len(g)} values, {len(g.edges)} edges; placements chosen: "
                       f"{', '.join(f'{k} x{n}' for k, n in counts.most_common())}; strategies from DTensor in "

@@ -17,7 +17,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
-from fxsplit.report import human_seconds
+from fxsplit.ir.units import format_seconds
 
 __all__ = ["register", "parse_floats", "parse_ints", "alone_difference"]
 
@@ -74,10 +74,10 @@ def _summary(report: Any, diffs: list[float], devices: int) -> tuple[Table, Tabl
     run = Table(title=f"makespan ({report.scheduler}, {devices} workers)")
     run.add_column("quantity")
     run.add_column("value", justify="right")
-    run.add_row("measured makespan", human_seconds(report.makespan_s))
-    run.add_row("simulator's prediction (cost model's unit times)", human_seconds(report.predicted.makespan_s))
-    run.add_row("lower bound (cost model's unit times)", human_seconds(report.lower_bound_s))
-    run.add_row("lower bound (measured unit times)", human_seconds(report.measured_lower_bound_s))
+    run.add_row("measured makespan", format_seconds(report.makespan_s))
+    run.add_row("simulator's prediction (cost model's unit times)", format_seconds(report.predicted.makespan_s))
+    run.add_row("lower bound (cost model's unit times)", format_seconds(report.lower_bound_s))
+    run.add_row("lower bound (measured unit times)", format_seconds(report.measured_lower_bound_s))
     run.add_row("worker utilisation", " ".join(f"{u:.0%}" for u in report.utilisation))
     run.add_row("state moved between host and workers", f"{report.moved_bytes / 2**20:.2f} MiB")
     return tasks, run

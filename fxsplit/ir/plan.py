@@ -90,7 +90,7 @@ class Plan:
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
     graph: CondensedGraph | None = field(default=None, compare=False, repr=False)
     """The condensed graph the plan was solved on, when known (not serialised); pictures use
-    it (``fxsplit.viz.DrawablePlan.draw``)."""
+    it (``fxsplit.viz.draw_plan(plan, plan.graph, path)``)."""
 
     @property
     def num_stages(self) -> int:

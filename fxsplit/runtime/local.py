@@ -29,6 +29,7 @@ from fxsplit.codegen.batchnorm import BatchNormTracker
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, ExecutionError, InternalError
 from fxsplit.ir import Plan
+from fxsplit.ir.units import format_bytes, format_seconds
 from fxsplit.options import precision
 from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
 from fxsplit.passes.per_sample import is_random
@@ -124,8 +125,8 @@ class Pipeline(ParameterAPI):
 
     Build it with :func:`fxsplit.compile`. Attributes: ``plan`` (the :class:`~fxsplit.ir.Plan`),
     ``stages`` (the :class:`~fxsplit.codegen.Stage` s), ``schedule`` (the
-    :class:`~fxsplit.schedule.Schedule`), ``microbatches``, ``program``, ``report`` (why the
-    schedule was chosen, predicted times), ``executor`` (``"threads"``: one worker thread, and
+    :class:`~fxsplit.schedule.Schedule`), ``microbatches``, ``program``, ``device_names`` (the
+    name of each stage's device), ``training`` (the mode the model was captured in), ``executor`` (``"threads"``: one worker thread, and
     on CUDA one stream, per device so stages overlap; ``"sequential"``: one thread).
 
     Parameters live in the stages under their original names; stages on the same device share
@@ -142,7 +143,8 @@ class Pipeline(ParameterAPI):
         schedule_kind: str = "1f1b",
         microbatches: int = 1,
         plan: Plan,
-        report: Mapping[str, Any] | None = None,
+        device_names: Sequence[str] | None = None,
+        training: bool | None = None,
         executor: str = "auto",
         bn_tracker: BatchNormTracker | None = None,
         batched_inputs: Sequence[bool] | None = None,
@@ -154,7 +156,8 @@ class Pipeline(ParameterAPI):
         self.in_spec, self.out_spec = in_spec, out_spec
         self.state = state
         self.plan = plan
-        self.report = dict(report or {})
+        self.device_names = tuple(device_names) if device_names is not None else tuple(st.device for st in program.stages)
+        self.training = training
         self.microbatches = microbatches
         self.schedule_kind = schedule_kind
         # Schedules and their global action orders, per (kind, micro-batches): made once.
@@ -461,8 +464,7 @@ class Pipeline(ParameterAPI):
             ConfigError: when ``mode`` differs from that mode (compile the model again after
                 ``model.train()`` / ``model.eval()``).
         """
-        captured = self.report.get("training")
-        if captured is not None and bool(mode) != captured:
+        if self.training is not None and bool(mode) != self.training:
             want, have = ("train", "eval") if mode else ("eval", "train")
             raise ConfigError(
                 f"the pipeline was compiled from a model in {have} mode, and torch.export records the mode "
@@ -489,9 +491,18 @@ class Pipeline(ParameterAPI):
         return write_trace(self, path)
 
     def __repr__(self) -> str:
-        from fxsplit.runtime.describe import describe
-
-        return describe(self)
+        """Plain text, one line per stage (``fxsplit.viz.stage_table`` draws the full table)."""
+        head = (f"{type(self).__name__}({self.num_stages} stages, {self.schedule_kind}, {self.microbatches} micro-batches, "
+                f"solver {self.plan.solver} ({self.plan.status})")
+        rows = []
+        for st in self.stages:
+            sp = self.plan.stages[st.index]
+            name = self.device_names[st.index]
+            where = name if name == st.device else f"{name} ({st.device})"
+            blocks = f"{min(sp.blocks)}-{max(sp.blocks)}" if sp.blocks else "none"
+            rows.append(f"  stage {st.index} on {where}: blocks {blocks}, "
+                        f"{format_seconds(sp.compute_s)}/micro-batch, {format_bytes(sp.memory_bytes)}")
+        return "\n".join([head + ":", *rows]) + ")"
 
 
 EXECUTORS = ("auto", "sequential", "threads")

@@ -15,7 +15,6 @@ Example:
 from fxsplit.schedule.actions import KINDS, Action, B, F, Schedule, format_actions, parse_actions
 from fxsplit.schedule.engine import dependencies
 from fxsplit.schedule.explore import Candidate, ScheduleChoice, default_microbatches, explore
-from fxsplit.schedule.gantt import format_seconds, render_gantt
 from fxsplit.schedule.generators import (
     ScheduleGenerator,
     available,
@@ -52,7 +51,6 @@ __all__ = [
     "explore",
     "find_faults",
     "format_actions",
-    "format_seconds",
     "gpipe",
     "make",
     "one_f_one_b",
@@ -60,7 +58,6 @@ __all__ = [
     "peak_in_flight",
     "plan_step_s",
     "register",
-    "render_gantt",
     "simulate",
     "simulate_plan",
     "validate",

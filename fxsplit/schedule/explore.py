@@ -22,9 +22,8 @@ from fxsplit.errors import ConfigError, InfeasibleError, ScheduleError
 from fxsplit.ir.devices import GiB
 from fxsplit.ir.plan import Plan, evaluate
 from fxsplit.ir.problem import LOOPED_SCHEDULES, Problem
-from fxsplit.ir.units import format_bytes
+from fxsplit.ir.units import format_bytes, format_seconds
 from fxsplit.schedule.actions import Schedule
-from fxsplit.schedule.gantt import format_seconds
 from fxsplit.schedule.simulate import Timeline, simulate_plan
 
 __all__ = ["Candidate", "ScheduleChoice", "explore", "default_microbatches", "pareto_front", "MAX_DEFAULT_MICROBATCHES"]
@@ -34,6 +33,10 @@ logger = logging.getLogger(__name__)
 #: Default candidates are the divisors of the batch size up to this many micro-batches.
 MAX_DEFAULT_MICROBATCHES = 256
 
+
+
+def _seconds(seconds: float) -> str:
+    return format_seconds(seconds, significant=3)
 
 @dataclass(frozen=True)
 class Candidate:
@@ -90,7 +93,7 @@ class Candidate:
 
     def label(self) -> str:
         again = f", {self.recompute_stages} stage(s) recomputing" if self.recompute_stages else ""
-        return f"{self.schedule} m={self.microbatches}{again}: {format_seconds(self.step_time_s)}"
+        return f"{self.schedule} m={self.microbatches}{again}: {_seconds(self.step_time_s)}"
 
 
 def pareto_front(table: Sequence[Candidate]) -> list[Candidate]:
@@ -154,8 +157,8 @@ class ScheduleChoice:
             mark = "*" if c.key == self.key else "+" if c.key in front else " "
             again = f"{c.recompute_stages} ({c.recompute})" if c.recompute != "none" else "off"
             rows.append(
-                f"{mark} {c.schedule:<16} {c.microbatches:>5} {again:>10} {format_seconds(c.step_time_s):>10} "
-                f"{format_seconds(c.closed_form_s):>10} {c.bubble_fraction:>7.1%} "
+                f"{mark} {c.schedule:<16} {c.microbatches:>5} {again:>10} {_seconds(c.step_time_s):>10} "
+                f"{_seconds(c.closed_form_s):>10} {c.bubble_fraction:>7.1%} "
                 f"{format_bytes(max(c.memory_bytes)):>10}  {'yes' if c.fits else 'no: ' + c.memory_note()}"
             )
         return "\n".join(rows) + "\n  (the chosen row is starred; + marks the rest of the step-time / peak-memory front)\n"

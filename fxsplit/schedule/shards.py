@@ -29,7 +29,7 @@ References:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fxsplit.errors import ConfigError, InternalError
@@ -42,7 +42,6 @@ __all__ = [
     "ShardTask",
     "ShardUnit",
     "makespan_lower_bound",
-    "render_shard_gantt",
     "simulate_shards",
     "task_units",
 ]
@@ -337,27 +336,3 @@ def _load_s(task: ShardTask, unit: ShardUnit, held: tuple[int, int] | None, want
         return 0.0
     load = task.load_s[unit.shard]
     return max(0.0, load - previous_s) if prefetch else load
-
-
-def render_shard_gantt(run: ShardRun, names: Sequence[str], width: int = 80,
-                       fmt: Callable[[float], str] | None = None) -> str:
-    """Draw ``run`` as text: one row per device, each unit as its task's letter (``a``, ``b``,
-    ...; upper case for backward units) over its duration, idle time as ``.``; a legend follows."""
-    width = max(1, int(width))
-    span = run.makespan_s
-    scale = width / span if span > 0 else 0.0
-    letters = [chr(ord("a") + j % 26) for j in range(len(names))]
-    lines = []
-    for d in range(run.num_devices):
-        row = ["."] * width
-        for ev in (e for e in run.events if e.device == d):
-            c0 = min(width - 1, int(round(ev.start_s * scale)))
-            c1 = max(c0 + 1, min(width, int(round(ev.end_s * scale))))
-            mark = letters[ev.task].upper() if ev.unit.kind != "F" else letters[ev.task]
-            for col in range(c0, c1):
-                row[col] = mark
-        lines.append(f"dev{d} |{''.join(row)}|")
-    end = fmt(span) if fmt else f"{span:.3g} s"
-    lines.append("      0" + end.rjust(width - 1))
-    lines.append("      " + "  ".join(f"{letters[j]}={n}" for j, n in enumerate(names)))
-    return "\n".join(lines) + "\n"

@@ -78,12 +78,6 @@ class Timeline:
             return 0.0
         return 1.0 - sum(self.busy_s) / (len(self.busy_s) * self.makespan_s)
 
-    def gantt(self, width: int = 80) -> str:
-        """ASCII Gantt chart, see :func:`fxsplit.schedule.gantt.render_gantt`."""
-        from fxsplit.schedule.gantt import render_gantt
-
-        return render_gantt(self, width=width)
-
 
 def simulate(
     schedule: Schedule,

@@ -1,7 +1,7 @@
 """Pictures of plans and timelines: the graph coloured by stage, and Gantt charts (matplotlib).
 
 * :func:`draw_plan` draws a condensed graph coloured by pipeline stage, with each stage's time and
-  memory: Graphviz DOT (via :func:`fxsplit.report.to_dot`) rendered to SVG when ``dot`` is
+  memory: Graphviz DOT (via :func:`fxsplit.viz.dot.to_dot`) rendered to SVG when ``dot`` is
   installed and the path ends in ``.svg`` or ``.dot``, else a matplotlib picture.
 * :func:`gantt` draws a simulated :class:`~fxsplit.schedule.Timeline` and, beside it, a measured
   runtime trace (:mod:`fxsplit.runtime.trace`) on the same time axis.
@@ -25,15 +25,14 @@ import logging
 import shutil
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.graph import CondensedGraph
 from fxsplit.ir.plan import Plan
-from fxsplit.ir.units import bytes_unit
-from fxsplit.report import human_bytes, human_seconds, to_dot
+from fxsplit.ir.units import bytes_unit, format_bytes, format_seconds
+from fxsplit.viz.dot import to_dot
 
 __all__ = ["draw_plan", "gantt", "draw_pipeline", "stage_colors"]
 
@@ -72,9 +71,9 @@ def _save(fig: Any, path: str | Path) -> Path:
 def _stage_label(plan: Plan, s: int, device_names: Sequence[str] | None) -> str:
     st = plan.stages[s]
     dev = device_names[st.device] if device_names and st.device < len(device_names) else f"device {st.device}"
-    return (f"stage {s} on {dev}: {human_seconds(st.time_s)}/mb "
-            f"(F {human_seconds(st.fwd_s)}, B {human_seconds(st.bwd_s)}, comm {human_seconds(st.comm_s)}), "
-            f"{human_bytes(st.memory_bytes)}")
+    return (f"stage {s} on {dev}: {format_seconds(st.time_s)}/mb "
+            f"(F {format_seconds(st.fwd_s)}, B {format_seconds(st.bwd_s)}, comm {format_seconds(st.comm_s)}), "
+            f"{format_bytes(st.memory_bytes)}")
 
 
 # -- the plan ---------------------------------------------------------------------------------
@@ -109,7 +108,7 @@ def draw_plan(
     missing = [b.id for b in graph.blocks if b.id not in stage_of]
     if missing:
         raise ConfigError(f"plan does not cover blocks {missing[:10]} of graph {graph.name!r}; pass the graph it was solved on")
-    title = title or f"{graph.name}: {plan.num_stages} stages, bottleneck {human_seconds(plan.bottleneck_s)}"
+    title = title or f"{graph.name}: {plan.num_stages} stages, bottleneck {format_seconds(plan.bottleneck_s)}"
     if path.suffix in (".svg", ".dot") and shutil.which("dot"):
         return _draw_plan_dot(plan, graph, path, stage_of, device_names, title)
     if path.suffix == ".dot":
@@ -297,35 +296,3 @@ def draw_pipeline(pipe: Any, path: str | Path, *, graph: CondensedGraph | None =
     device_names = [by_device.get(d, f"device {d}") for d in range(max(by_device) + 1)]
     lines = "\n".join(_stage_label(plan, s, device_names) for s in range(plan.num_stages))
     return gantt(timeline, path, measured, title=f"{pipe.schedule_kind}, {pipe.microbatches} micro-batches\n{lines}")
-
-
-@dataclass(frozen=True)
-class DrawablePlan(Plan):
-    """A :class:`~fxsplit.ir.Plan` that draws itself (what ``fxsplit.compile`` puts in
-    ``pipe.plan``); the torch-free IR keeps no drawing code, so the method lives here."""
-
-    def draw(self, path: str | Path, graph: CondensedGraph | None = None, **options: Any) -> Path:
-        """Draw the condensed graph coloured by stage, with each stage's time and memory.
-
-        Args:
-            path: ``.svg``/``.dot`` (Graphviz when ``dot`` is installed) or ``.png``/``.pdf``
-                (matplotlib).
-            graph: The condensed graph (default: the plan's own ``graph``).
-            options: ``device_names``, ``title`` (see :func:`draw_plan`).
-
-        Raises:
-            ConfigError: when no graph is known, or matplotlib is needed and missing.
-        """
-        graph = graph or self.graph
-        if graph is None:
-            raise ConfigError("this plan does not know its graph; pass graph=... (inspect(...).condensed.graph)")
-        return draw_plan(self, graph, path, **options)
-
-    @classmethod
-    def of(cls, plan: Plan, graph: CondensedGraph | None = None) -> DrawablePlan:
-        """The same plan, drawable; ``graph`` replaces the plan's own when given."""
-        values = {f.name: getattr(plan, f.name) for f in fields(Plan)}
-        if graph is not None:
-            values["graph"] = graph
-        return cls(**values)
-
