@@ -22,6 +22,7 @@ from torch import nn
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec
+from fxsplit.ir.names import ObjectiveName
 from fxsplit.options import CompileOptions
 from fxsplit.passes.batch_layout import check_batch_dim
 from fxsplit.passes.capture import Captured, capture
@@ -364,7 +365,7 @@ def compile(  # noqa: A001 - the public name users expect
     solver: str = "auto",
     memory_limit_bytes: int | None = None,
     cost_model: str = "auto",
-    objective: str = "makespan",
+    objective: ObjectiveName = "makespan",
     batch_dim: int | None = None,
     options: CompileOptions | None = None,
 ) -> Any:

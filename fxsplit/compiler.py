@@ -24,7 +24,7 @@ from fxsplit.codegen import BatchNormTracker, defer_batch_norm, place_stages, sp
 from fxsplit.codegen.buffers import defer_buffer_updates
 from fxsplit.errors import ConfigError, InfeasibleError, NotPerSampleWarning
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
-from fxsplit.ir.problem import AUTO_SCHEDULES, LOOPED_SCHEDULES
+from fxsplit.ir.problem import AUTO_SCHEDULES, LOOPED_SCHEDULES, ObjectiveName
 from fxsplit.options import CompileOptions, autocast_dtype, precision
 from fxsplit.passes.batch_layout import primary_input
 from fxsplit.passes.capture import Captured, capture
@@ -250,7 +250,7 @@ def compile_pipeline(
     schedule: str,
     solver: str,
     cost_model: str,
-    objective: str,
+    objective: ObjectiveName,
     options: CompileOptions,
 ) -> Pipeline:
     """Capture, plan, split and wrap ``model``; see :func:`fxsplit.compile`."""

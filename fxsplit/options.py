@@ -13,6 +13,7 @@ from typing import Any
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, LinkSpec
+from fxsplit.ir.names import RecomputeName
 
 __all__ = ["AUTOCAST_DTYPES", "CompileOptions", "autocast_dtype", "precision"]
 
@@ -79,7 +80,7 @@ class CompileOptions:
         stages_per_device: Stages each device runs under a looped schedule
             (``schedule="interleaved-1f1b"``, which ``"auto"`` also tries): ``v >= 2`` model
             chunks per device in looping placement (Megatron-LM's interleaved 1F1B).
-        recompute: Activation recomputation per stage (:data:`fxsplit.ir.problem.RECOMPUTE`):
+        recompute: Activation recomputation per stage (:data:`fxsplit.ir.RECOMPUTE`):
             ``"auto"`` (a stage recomputes when its activations would not fit its device
             otherwise), ``"all"`` or ``"none"``.
         autocast: Mixed precision: ``"bf16"`` or ``"fp16"`` runs every stage's forward and the
@@ -106,5 +107,5 @@ class CompileOptions:
     progress: Callable[[int, int], None] | None = None
     batch_dim: int = 0
     stages_per_device: int = 2
-    recompute: str = "auto"
+    recompute: RecomputeName = "auto"
     autocast: str | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 from rich.console import Console
@@ -12,6 +12,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
+from fxsplit.ir.names import RecomputeName
 from fxsplit.options import precision
 from fxsplit.report import human_seconds
 
@@ -111,6 +112,7 @@ def register(app: typer.Typer) -> None:
         from fxsplit.errors import FxsplitError
 
         console = Console()
+        recompute_name = cast(RecomputeName, recompute)  # Problem.check refuses any other name
         # -- distributed path (issue 5): everything lives in fxsplit/cli/compile_dist.py -------
         if distributed:
             from fxsplit.cli.compile_dist import run_distributed
@@ -118,7 +120,7 @@ def register(app: typer.Typer) -> None:
             try:
                 run_distributed(model, steps=steps, microbatches=microbatches, schedule=schedule, size=size,
                                 batch_size=batch_size, lr=lr, backend=backend, timeout_s=timeout_s,
-                                calibrate=calibrate, recompute=recompute, autocast=autocast)
+                                calibrate=calibrate, recompute=recompute_name, autocast=autocast)
             except FxsplitError as exc:
                 exit_with_error(console, exc, 2)
             return
@@ -136,7 +138,7 @@ def register(app: typer.Typer) -> None:
                 pipe = fxsplit.compile(
                     case.model, parse_devices(devices), case.example_inputs,
                     microbatches=m, schedule=schedule, solver=solver, objective=objective, cost_model=cost_model,
-                    options=CompileOptions(progress=profiled, recompute=recompute, autocast=autocast),
+                    options=CompileOptions(progress=profiled, recompute=recompute_name, autocast=autocast),
                 )
             if calibrate > 0:
                 inputs, target = case.make_batch(batch_size, 999)

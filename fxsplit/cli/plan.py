@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
+from fxsplit.ir.names import ObjectiveName, RecomputeName
 from fxsplit.report import human_bytes, human_seconds, plan_summary
 
 __all__ = ["register", "plan_table", "reference_device"]
@@ -108,9 +109,10 @@ def plan_command(
             console.print(f"cluster {machine.name!r}: {len(specs)} devices in {len(set(machine.node_of))} nodes")
         else:
             specs, link, links = tuple(ref.with_(name=f"{device}:{i}") for i in range(devices)), LinkSpec(), ()
-        problem = Problem(ins.condensed.graph, specs, link=link, links=links, objective=objective,
-                          recompute=recompute).check()
-        options = CompileOptions(time_limit_s=time_limit, recompute=recompute)
+        recompute_name = cast(RecomputeName, recompute)  # Problem.check refuses any other name
+        problem = Problem(ins.condensed.graph, specs, link=link, links=links,
+                          objective=cast(ObjectiveName, objective), recompute=recompute_name).check()
+        options = CompileOptions(time_limit_s=time_limit, recompute=recompute_name)
         with console.status(f"planning over {devices} x {device} ..."):
             choice = plan_pipeline(problem, batch_size_of(list(case.example_inputs)), m, schedule, solver, options)
         plan_problem = choice.problem.with_(graph=problem.graph.scaled(1.0 / choice.microbatches))
