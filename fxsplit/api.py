@@ -42,7 +42,7 @@ class Inspection:
 
     Attributes:
         captured: The flat graph and its specs (``captured.gm`` is annotated).
-        condensed: Blocks, edges and ideals.
+        condensed: Blocks, edges and downsets.
         device: The reference device of the cost annotation.
         records: Timing of every pass.
         name: The model's name.
@@ -76,7 +76,7 @@ class Inspection:
         return (
             f"Inspection({self.name!r}: {len(self.captured.gm.graph.nodes)} nodes via {self.captured.method}, "
             f"{g.total_param_bytes / 2**20:.1f} MiB params, {len(g)} blocks, "
-            f"{self.condensed.num_ideals}{'+' if self.condensed.truncated else ''} ideals, "
+            f"{self.condensed.num_downsets}{'+' if self.condensed.truncated else ''} downsets, "
             f"fwd+bwd {g.total_time_s * 1e3:.3f} ms on {self.device.name})"
         )
 
@@ -153,7 +153,7 @@ def analyze(
     device: DeviceSpec | None = None,
     cost_model: str = "analytic",
     dump_dir: str | Path | None = None,
-    max_ideals: int = 20_000,
+    max_downsets: int = 20_000,
     verify: bool = False,
     name: str = "model",
 ) -> Inspection:
@@ -163,7 +163,7 @@ def analyze(
     flat = captured.flatten_inputs(example_inputs, example_kwargs)
     device = device or measure_cpu_spec()
     pm = PassManager(
-        front_end_passes(flat, device, cost_model=cost_model, max_ideals=max_ideals, name=name),
+        front_end_passes(flat, device, cost_model=cost_model, max_downsets=max_downsets, name=name),
         verify=verify,
         dump_dir=dump_dir,
     )
@@ -190,7 +190,7 @@ def inspect(
         example_inputs: Positional inputs (required for a module; a spec brings its own).
         example_kwargs: Keyword inputs.
         options: ``method``, ``device`` (a :class:`DeviceSpec`, default: this CPU measured),
-            ``cost_model`` (``"analytic"`` | ``"measured"``), ``dump_dir``, ``max_ideals``,
+            ``cost_model`` (``"analytic"`` | ``"measured"``), ``dump_dir``, ``max_downsets``,
             ``verify``, and for a spec ``size``.
 
     Returns:

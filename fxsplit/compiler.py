@@ -79,7 +79,7 @@ def front_end(
     profile = _profile_options(captured, flat, reference, microbatches, options) if cost_model == "profiled" else None
     load = _load_per_core()
     pm = PassManager(front_end_passes(
-        flat, reference, cost_model=cost_model, max_ideals=options.max_ideals, name=type(model).__name__,
+        flat, reference, cost_model=cost_model, max_downsets=options.max_downsets, name=type(model).__name__,
         force_shapes=True, timed_inputs=timed, measure_device=reference.torch_device, measure_scale=scale,
         profile=profile,
     ))
@@ -289,7 +289,7 @@ def compile_pipeline(
     pipe = assemble_compiled(model, captured, choice, specs, options, context)
     report = {
         "reason": choice.reason, "candidates": choice.candidates, "capture_method": captured.method,
-        "num_blocks": condensed.num_blocks, "num_ideals": condensed.num_ideals,
+        "num_blocks": condensed.num_blocks, "num_downsets": condensed.num_downsets,
         "front_end_s": t1 - t0, "plan_s": t2 - t1, "codegen_s": time.perf_counter() - t2,
         "devices": [s.name for s in specs], "predicted_step_s": plan_step_s(choice.plan),
         "not_per_sample": [str(m) for m in mixing],

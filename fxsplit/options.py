@@ -58,7 +58,7 @@ class CompileOptions:
         capture_method: ``"auto"``, ``"export"`` or ``"symbolic_trace"``.
         dynamic_batch: Export with a symbolic batch dimension so any micro-batch size runs.
         time_limit_s: Solver time limit.
-        max_ideals: Budget of the ideal enumeration (``auto`` switches to CP-SAT past it).
+        max_downsets: Budget of the downset enumeration (``auto`` switches to CP-SAT past it).
         copy_tied: Give every stage its own copy of tied tensors even on one device (tests).
         reference: The reference device of the cost annotation (default: first device).
         link: Links between the devices: a ``LinkSpec`` for every pair, ``"probe"`` to measure
@@ -95,7 +95,7 @@ class CompileOptions:
     capture_method: str = "auto"
     dynamic_batch: bool = True
     time_limit_s: float | None = 30.0
-    max_ideals: int = 20_000
+    max_downsets: int = 20_000
     copy_tied: bool = False
     reference: DeviceSpec | None = None
     link: LinkSpec | str = "auto"
