@@ -68,7 +68,7 @@ def child(name: str, quick: bool, time_limit_s: float) -> None:
     total = time.perf_counter() - t0
     passes = {r.name: r.time_s for r in ins.records}
     report("annotate", capture_s=total - sum(passes.values()), passes_s=passes, nodes=len(ins.captured.gm.graph.nodes),
-           blocks=ins.condensed.num_blocks, ideals=ins.condensed.num_ideals, truncated=ins.condensed.truncated)
+           blocks=ins.condensed.num_blocks, downsets=ins.condensed.num_downsets, truncated=ins.condensed.truncated)
     t0 = time.perf_counter()
     m = 8
     specs = tuple(ref.with_(name=f"a100:{i}") for i in range(k))
@@ -106,13 +106,13 @@ def table(rows: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
     t = Table(title="planning on the meta device: peak RSS (ru_maxrss of the subprocess) and seconds per phase")
-    for col in ("model", "params", "nodes", "blocks", "ideals", "build s", "capture s", "passes s", "plan s",
+    for col in ("model", "params", "nodes", "blocks", "downsets", "build s", "capture s", "passes s", "plan s",
                 "solver", "devices", "stages", "peak RSS MiB", "wall s", "note"):
         t.add_column(col, justify="left" if col in ("model", "solver", "note") else "right")
     for r in rows:
         passes = sum(r.get("passes_s", {}).values()) if "passes_s" in r else None
         t.add_row(r["model"], f"{r.get('params', 0) / 1e9:.2f}e9", str(r.get("nodes", "-")),
-                  str(r.get("blocks", "-")), f"{r.get('ideals', '-')}{'+' if r.get('truncated') else ''}",
+                  str(r.get("blocks", "-")), f"{r.get('downsets', '-')}{'+' if r.get('truncated') else ''}",
                   _s(r.get("build_s")), _s(r.get("capture_s")), _s(passes), _s(r.get("plan_s")),
                   f"{r.get('solver', '-')} ({r.get('status', '-')})", str(r.get("devices", "-")),
                   str(r.get("stages", "-")), f"{r.get('peak_rss_mib', 0):.0f}", f"{r['wall_s']:.1f}",

@@ -22,6 +22,7 @@ from torch import nn
 from fxsplit.errors import ConfigError
 from fxsplit.frontend import Inspection, front_end
 from fxsplit.ir.devices import DeviceSpec
+from fxsplit.ir.names import ObjectiveName
 from fxsplit.options import CompileOptions
 from fxsplit.passes.batch_layout import check_batch_dim
 from fxsplit.passes.costs import measure_cpu_spec
@@ -102,13 +103,13 @@ def analyze(
     device: DeviceSpec | None = None,
     cost_model: str = "analytic",
     dump_dir: str | Path | None = None,
-    max_ideals: int = 20_000,
+    max_downsets: int = 20_000,
     verify: bool = False,
     name: str = "model",
 ) -> Inspection:
     """Capture ``model`` and run the front-end passes; see :func:`inspect`."""
     _check_writable(dump_dir)
-    options = CompileOptions(capture_method=method, dynamic_batch=False, max_ideals=max_ideals)
+    options = CompileOptions(capture_method=method, dynamic_batch=False, max_downsets=max_downsets)
     ins = front_end(model, example_inputs, dict(example_kwargs or {}), reference=device or measure_cpu_spec(),
                     cost_model=cost_model, options=options, name=name, verify=verify, dump_dir=dump_dir)
     if dump_dir is not None:  # (checked writable before any work)
@@ -132,7 +133,7 @@ def inspect(
         example_inputs: Positional inputs (required for a module; a spec brings its own).
         example_kwargs: Keyword inputs.
         options: ``method``, ``device`` (a :class:`DeviceSpec`, default: this CPU measured),
-            ``cost_model`` (``"analytic"`` | ``"measured"``), ``dump_dir``, ``max_ideals``,
+            ``cost_model`` (``"analytic"`` | ``"measured"``), ``dump_dir``, ``max_downsets``,
             ``verify``, and for a spec ``size``.
 
     Returns:
@@ -307,7 +308,7 @@ def compile(  # noqa: A001 - the public name users expect
     solver: str = "auto",
     memory_limit_bytes: int | None = None,
     cost_model: str = "auto",
-    objective: str = "makespan",
+    objective: ObjectiveName = "makespan",
     batch_dim: int | None = None,
     options: CompileOptions | None = None,
 ) -> CompiledPipeline:

@@ -25,7 +25,7 @@ from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, InfeasibleError, NotPerSampleWarning
 from fxsplit.frontend import capture_with, front_end
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
-from fxsplit.ir.problem import AUTO_SCHEDULES, LOOPED_SCHEDULES
+from fxsplit.ir.problem import AUTO_SCHEDULES, LOOPED_SCHEDULES, ObjectiveName
 from fxsplit.options import CompileOptions, autocast_dtype
 from fxsplit.passes.batch_layout import primary_input
 from fxsplit.passes.capture import Captured, capture
@@ -182,7 +182,7 @@ def compile_pipeline(
     schedule: str,
     solver: str,
     cost_model: str,
-    objective: str,
+    objective: ObjectiveName,
     options: CompileOptions,
 ) -> CompiledPipeline:
     """Capture, plan, split and wrap ``model``; see :func:`fxsplit.compile`."""
@@ -222,7 +222,7 @@ def compile_pipeline(
     pipe = assemble_compiled(model, captured, choice, specs, options, context)
     pipe.report = CompileReport(
         reason=choice.reason, candidates=choice.candidates, capture_method=captured.method,
-        num_blocks=condensed.num_blocks, num_downsets=condensed.num_ideals, front_end_s=t1 - t0, plan_s=t2 - t1,
+        num_blocks=condensed.num_blocks, num_downsets=condensed.num_downsets, front_end_s=t1 - t0, plan_s=t2 - t1,
         codegen_s=time.perf_counter() - t2, devices=tuple(s.name for s in specs),
         predicted_step_s=plan_step_s(choice.plan), not_per_sample=tuple(str(m) for m in mixing),
     )

@@ -188,7 +188,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         solver: The solver rank 0 runs.
         timeout_s: Seconds a rank waits for a peer before raising ``ExecutionError``.
         watchdog: End a process stuck past ``timeout_s`` + 5 s where no timeout reaches.
-        options: :class:`~fxsplit.api.CompileOptions` (capture method, ideal budget).
+        options: :class:`~fxsplit.api.CompileOptions` (capture method, downset budget).
         cost_model: How rank 0 costs the plan: ``"auto"`` (profiled when the example inputs are
             real and the model fits rank 0's device, else analytic), ``"profiled"`` (rank 0
             materialises the graph on its device with stand-in weights and times every node at

@@ -74,7 +74,7 @@ class Inspection:
         return (
             f"Inspection({self.name!r}: {len(self.captured.gm.graph.nodes)} nodes via {self.captured.method}, "
             f"{g.total_param_bytes / 2**20:.1f} MiB params, {len(g)} blocks, "
-            f"{self.condensed.num_ideals}{'+' if self.condensed.truncated else ''} ideals, "
+            f"{self.condensed.num_downsets}{'+' if self.condensed.truncated else ''} downsets, "
             f"fwd+bwd {g.total_time_s * 1e3:.3f} ms on {self.device.name})"
         )
 
@@ -110,7 +110,7 @@ def front_end(
         model, args, kwargs: The module and its example inputs (a batch).
         reference: The device costs are annotated for (and timed on, for measured costs).
         cost_model: ``"analytic"``, ``"measured"`` or ``"profiled"``.
-        options: ``capture_method``, ``dynamic_batch``, ``batch_dim``, ``max_ideals``,
+        options: ``capture_method``, ``dynamic_batch``, ``batch_dim``, ``max_downsets``,
             ``autocast`` (costs in the dtypes that run), ``profile_cache_dir``, ``progress``.
         microbatches: The count that will run, or ``"auto"``.
         captured: A capture of ``model`` already made (it is annotated in place).
@@ -134,7 +134,7 @@ def front_end(
     profile = _profile_options(captured, flat, reference, microbatches, options) if cost_model == "profiled" else None
     load = _load_per_core()
     pm = PassManager(front_end_passes(
-        flat, reference, cost_model=cost_model, max_ideals=options.max_ideals, name=name,
+        flat, reference, cost_model=cost_model, max_downsets=options.max_downsets, name=name,
         force_shapes=options.dynamic_batch, timed_inputs=timed, measure_device=reference.torch_device,
         measure_scale=scale, profile=profile,
     ), verify=verify, dump_dir=dump_dir)

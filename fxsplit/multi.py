@@ -227,7 +227,7 @@ def train_many(
             memory until its backward (Hydra's spilling; on the CPU they stay where they are).
             True: it keeps only its inputs and its backward runs the forward again (one more
             forward per shard and step; host memory holds only the shard boundaries).
-        options: :class:`CompileOptions` of the capture (``capture_method``, ``max_ideals``).
+        options: :class:`CompileOptions` of the capture (``capture_method``, ``max_downsets``).
         progress: ``progress(task, units_done, units_total)`` after each unit.
 
     Returns:

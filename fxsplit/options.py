@@ -13,6 +13,7 @@ from typing import Any
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, LinkSpec
+from fxsplit.ir.names import RecomputeName
 
 __all__ = ["AUTOCAST_DTYPES", "CompileOptions", "autocast_dtype", "precision"]
 
@@ -57,7 +58,7 @@ class CompileOptions:
         capture_method: ``"auto"``, ``"export"`` or ``"symbolic_trace"``.
         dynamic_batch: Export with a symbolic batch dimension so any micro-batch size runs.
         time_limit_s: Solver time limit.
-        max_ideals: Budget of the ideal enumeration (``auto`` switches to CP-SAT past it).
+        max_downsets: Budget of the downset enumeration (``auto`` switches to CP-SAT past it).
         copy_tied: Give every stage its own copy of tied tensors even on one device (tests).
         reference: The reference device of the cost annotation (default: first device).
         link: Links between the devices: a ``LinkSpec`` for every pair, ``"probe"`` to measure
@@ -79,7 +80,7 @@ class CompileOptions:
         stages_per_device: Stages each device runs under a looped schedule
             (``schedule="interleaved-1f1b"``, which ``"auto"`` also tries): ``v >= 2`` model
             chunks per device in looping placement (Megatron-LM's interleaved 1F1B).
-        recompute: Activation recomputation per stage (:data:`fxsplit.ir.problem.RECOMPUTE`):
+        recompute: Activation recomputation per stage (:data:`fxsplit.ir.RECOMPUTE`):
             ``"auto"`` (a stage recomputes when its activations would not fit its device
             otherwise), ``"all"`` or ``"none"``.
         autocast: Mixed precision: ``"bf16"`` or ``"fp16"`` runs every stage's forward and the
@@ -94,7 +95,7 @@ class CompileOptions:
     capture_method: str = "auto"
     dynamic_batch: bool = True
     time_limit_s: float | None = 30.0
-    max_ideals: int = 20_000
+    max_downsets: int = 20_000
     copy_tied: bool = False
     reference: DeviceSpec | None = None
     link: LinkSpec | str = "auto"
@@ -106,5 +107,5 @@ class CompileOptions:
     progress: Callable[[int, int], None] | None = None
     batch_dim: int = 0
     stages_per_device: int = 2
-    recompute: str = "auto"
+    recompute: RecomputeName = "auto"
     autocast: str | None = None

@@ -1,17 +1,17 @@
-"""Coarsening: merge cheap neighbouring blocks until the ideals fit a budget.
+"""Coarsening: merge cheap neighbouring blocks until the downsets fit a budget.
 
-Wide graphs have many ideals: every independent little chain (a causal-mask computation, rotary
+Wide graphs have many downsets: every independent little chain (a causal-mask computation, rotary
 tables, the parallel Q/K/V projections) multiplies their number. When the enumeration would exceed
 the budget, this pass contracts block edges ``U -> V`` where ``V`` is ``U``'s only successor or
 ``U`` is ``V``'s only predecessor (such a contraction never creates a cycle), cheapest pair first,
 under a time cap that grows geometrically (``1e-4, 1e-3, 1e-2, ...`` of the total) until the
-ideal count fits. Only split points between cheap blocks are given up, so the exact DP over the
+downset count fits. Only split points between cheap blocks are given up, so the exact DP over the
 coarse graph stays close to the fine optimum; the solvers still see every block's true cost.
 
 Torch-free: it works on a :class:`~fxsplit.ir.CondensedGraph` and returns a block mapping.
 
 References:
-    Tarnawski et al., NeurIPS 2020, §5 (contracting the graph when ideals are too many);
+    Tarnawski et al., NeurIPS 2020, §5 (contracting the graph when downsets are too many);
     PipeDream's optimizer (SOSP 2019) which plans on coarse layer graphs for the same reason.
 """
 
@@ -82,13 +82,13 @@ def _merge_under(q: _Quotient, graph: CondensedGraph, cap_s: float) -> int:
     return merged
 
 
-def coarsen_blocks(graph: CondensedGraph, max_ideals: int) -> list[int] | None:
-    """A mapping ``old block -> group representative`` whose quotient has at most ``max_ideals``
-    ideals, or ``None`` when even the largest cap leaves too many.
+def coarsen_blocks(graph: CondensedGraph, max_downsets: int) -> list[int] | None:
+    """A mapping ``old block -> group representative`` whose quotient has at most ``max_downsets``
+    downsets, or ``None`` when even the largest cap leaves too many.
 
     Args:
         graph: The fine block graph.
-        max_ideals: The ideal budget.
+        max_downsets: The downset budget.
 
     Returns:
         ``[num_blocks]`` representative of each block's group (representatives are block ids of
@@ -101,15 +101,15 @@ def coarsen_blocks(graph: CondensedGraph, max_ideals: int) -> list[int] | None:
             continue
         mapping = [q.find(b) for b in range(len(graph))]
         coarse = _quotient_graph(graph, mapping)
-        count = count_downsets(coarse, limit=max_ideals)
-        log.info("coarsen: cap %.0e of total -> %d blocks, %s ideals", fraction, len(coarse), count)
+        count = count_downsets(coarse, limit=max_downsets)
+        log.info("coarsen: cap %.0e of total -> %d blocks, %s downsets", fraction, len(coarse), count)
         if count is not None:
             return mapping
     return None
 
 
 def _quotient_graph(graph: CondensedGraph, mapping: list[int]) -> CondensedGraph:
-    """The group DAG (structure only), blocks numbered topologically, for counting ideals."""
+    """The group DAG (structure only), blocks numbered topologically, for counting downsets."""
     from fxsplit.ir.graph import Block, Edge
 
     reps = sorted(set(mapping))

@@ -8,9 +8,9 @@ Two steps:
    ``Y`` is ``X``'s only successor (or ``X`` is ``Y``'s only predecessor) never creates a cycle, so
    the quotient stays a DAG. Each group becomes a :class:`~fxsplit.ir.Block` (its costs are the
    sums of its nodes': cost is conserved) and ``node.meta["fxsplit.block"]`` is written back.
-2. **Antichain DAG**: the states the solvers walk are the downsets (ideals) of the block DAG; the
+2. **Antichain DAG**: the states the solvers walk are the downsets of the block DAG; the
    frontier of a downset is an antichain, and adding one block links a state to the next.
-   Enumeration is bounded by ``max_ideals`` so wide graphs (Inception, NASNet) stay fast: past
+   Enumeration is bounded by ``max_downsets`` so wide graphs (Inception, NASNet) stay fast: past
    the budget the result says so and the solvers use CP-SAT instead of the DP.
 
 References:
@@ -51,16 +51,16 @@ class Condensed:
     Attributes:
         graph: Blocks in topological order with edge bytes.
         node_block: FX node name -> block id (also in ``node.meta["fxsplit.block"]``).
-        ideals: The downsets as bitmasks (``[num_ideals]``, by size), or ``None`` past the budget.
-        num_ideals: ``len(ideals)``, or a lower bound (``> max_ideals``) when truncated.
+        downsets: The downsets as bitmasks (``[num_downsets]``, by size), or ``None`` past the budget.
+        num_downsets: ``len(downsets)``, or a lower bound (``> max_downsets``) when truncated.
         truncated: True when enumeration stopped at the budget.
         fine_blocks: Blocks before coarsening (``== num_blocks`` when nothing was merged).
     """
 
     graph: CondensedGraph
     node_block: dict[str, int]
-    ideals: tuple[int, ...] | None
-    num_ideals: int
+    downsets: tuple[int, ...] | None
+    num_downsets: int
     truncated: bool
     fine_blocks: int = 0
 
@@ -68,9 +68,9 @@ class Condensed:
     def num_blocks(self) -> int:
         return len(self.graph)
 
-    def frontier(self, ideal: int) -> list[int]:
-        """The antichain of an ideal: its blocks with no successor inside it."""
-        inside = set(members(ideal))
+    def frontier(self, downset: int) -> list[int]:
+        """The antichain of a downset: its blocks with no successor inside it."""
+        inside = set(members(downset))
         return [b for b in inside if not any(s in inside for s in self.graph.successors(b))]
 
     def __repr__(self) -> str:
@@ -78,7 +78,7 @@ class Condensed:
         merged = f" (coarsened from {self.fine_blocks})" if self.fine_blocks > self.num_blocks else ""
         return (
             f"Condensed({self.graph.name!r}: {self.num_blocks} blocks{merged}, {len(self.graph.edges)} edges, "
-            f"{self.num_ideals}{more} ideals)"
+            f"{self.num_downsets}{more} downsets)"
         )
 
 
@@ -167,7 +167,7 @@ def _attach_shared_state(nodes: list[torch.fx.Node], succ: list[list[int]], pred
 def _attach_side_effects(nodes: list[torch.fx.Node], succ: list[list[int]], pred: list[list[int]], groups: _Groups) -> None:
     """Attach groups whose results nobody reads (in-place buffer updates such as BatchNorm's
     ``num_batches_tracked += 1``) to a neighbour, so they neither float between stages nor
-    multiply the number of ideals: to their only producer group, or, when they read nothing
+    multiply the number of downsets: to their only producer group, or, when they read nothing
     but state, to the group of the next node in graph order (safe: no edge touches them)."""
     feeds_output = {i for i, node in enumerate(nodes) if any(u.op == "output" for u in node.users)}
     for i in range(len(nodes)):
@@ -290,20 +290,20 @@ def _build_graph(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: li
 
 @dataclass(frozen=True)
 class CondenseAntichains:
-    """Fold free nodes, build blocks and enumerate the ideals (see the module docstring).
+    """Fold free nodes, build blocks and enumerate the downsets (see the module docstring).
 
     Args:
-        max_ideals: Budget of the ideal enumeration (the exact DP's budget by default).
+        max_downsets: Budget of the downset enumeration (the exact DP's budget by default).
         name: Name of the condensed graph.
         coarsen: Past the budget, merge cheap neighbouring blocks (:mod:`fxsplit.passes.coarsen`)
-            until the ideals fit; if they never do, ``ideals`` is ``None`` and the solvers use
+            until the downsets fit; if they never do, ``downsets`` is ``None`` and the solvers use
             CP-SAT.
 
     Raises:
         AnnotationError: when a node lacks ``"fxsplit.cost"`` (run ``annotate_costs`` first).
     """
 
-    max_ideals: int = DEFAULT_MAX_DOWNSETS
+    max_downsets: int = DEFAULT_MAX_DOWNSETS
     name: str = "graph"
     coarsen: bool = True
     requires: tuple[str, ...] = ("fxsplit.cost",)
@@ -316,35 +316,35 @@ class CondenseAntichains:
         order = _topo_blocks(len(nodes), group, nodes)
         block_of = [order[g] for g in group]
         graph = _build_graph(nodes, costs, block_of, self.name)
-        ideals, num, truncated = _ideals(graph, self.max_ideals)
+        downsets, num, truncated = _downsets(graph, self.max_downsets)
         fine_blocks = len(graph)
         if truncated and self.coarsen:
-            mapping = coarsen_blocks(graph, self.max_ideals)
+            mapping = coarsen_blocks(graph, self.max_downsets)
             if mapping is not None:
                 group = [mapping[b] for b in block_of]
                 order = _topo_blocks(len(nodes), group, nodes)
                 block_of = [order[g] for g in group]
                 graph = _build_graph(nodes, costs, block_of, self.name)
-                ideals, num, truncated = _ideals(graph, self.max_ideals)
+                downsets, num, truncated = _downsets(graph, self.max_downsets)
         for node, b in zip(nodes, block_of, strict=True):
             node.meta["fxsplit.block"] = b
         result = Condensed(
-            graph, {n.name: b for n, b in zip(nodes, block_of, strict=True)}, ideals, num, truncated, fine_blocks
+            graph, {n.name: b for n, b in zip(nodes, block_of, strict=True)}, downsets, num, truncated, fine_blocks
         )
         log.info("condense_antichains: %d nodes -> %r", len(nodes), result)
         return PassResult(gm, modified=True, artifact=result)
 
 
-def _ideals(graph: CondensedGraph, budget: int) -> tuple[tuple[int, ...] | None, int, bool]:
+def _downsets(graph: CondensedGraph, budget: int) -> tuple[tuple[int, ...] | None, int, bool]:
     try:
-        ideals = tuple(enumerate_downsets(graph, budget))
+        downsets = tuple(enumerate_downsets(graph, budget))
     except DownsetBudgetError as exc:
         return None, exc.seen, True
-    return ideals, len(ideals), False
+    return downsets, len(downsets), False
 
 
 def condense_antichains(
-    gm: torch.fx.GraphModule, *, max_ideals: int = DEFAULT_MAX_DOWNSETS, name: str = "graph", coarsen: bool = True
+    gm: torch.fx.GraphModule, *, max_downsets: int = DEFAULT_MAX_DOWNSETS, name: str = "graph", coarsen: bool = True
 ) -> Condensed:
     """Functional form of :class:`CondenseAntichains`; returns the :class:`Condensed` result."""
-    return CondenseAntichains(max_ideals, name, coarsen)(gm).artifact
+    return CondenseAntichains(max_downsets, name, coarsen)(gm).artifact

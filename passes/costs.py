@@ -50,6 +50,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, GiB
+from fxsplit.ir.names import COST_MODELS
 from fxsplit.passes.autograd_memory import autograd_saved_bytes
 from fxsplit.passes.manager import PassResult, carries_value, getattr_path, require_meta
 from fxsplit.passes.measure import measure_node_times, median_time_s
@@ -61,7 +62,6 @@ __all__ = ["NodeCost", "AnnotateCosts", "annotate_costs", "measure_cpu_spec", "C
 
 log = logging.getLogger(__name__)
 
-COST_MODELS = ("analytic", "measured", "profiled")
 _ATTENTION: set[Any] = {
     torch.ops.aten.scaled_dot_product_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,

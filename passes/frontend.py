@@ -18,7 +18,7 @@ def front_end_passes(
     device: DeviceSpec,
     *,
     cost_model: str = "analytic",
-    max_ideals: int,
+    max_downsets: int,
     name: str,
     force_shapes: bool = False,
     timed_inputs: Sequence[Any] | None = None,
@@ -32,7 +32,7 @@ def front_end_passes(
         flat_inputs: Flat example inputs (placeholder order).
         device: Reference device of the cost annotation.
         cost_model: ``"analytic"`` or ``"measured"``.
-        max_ideals: Budget of the ideal enumeration.
+        max_downsets: Budget of the downset enumeration.
         name: Name of the condensed graph.
         force_shapes: Recompute ``"val"`` even where export left one (symbolic-batch captures).
         timed_inputs: Inputs the measured cost model times (default: ``flat_inputs``).
@@ -45,5 +45,5 @@ def front_end_passes(
         PropagateShapes(tuple(flat_inputs), force=force_shapes),
         AnnotateCosts(device, cost_model=cost_model, example_inputs=timed, measure_device=measure_device,
                       measure_scale=measure_scale, **(profile or {})),
-        CondenseAntichains(max_ideals=max_ideals, name=name),
+        CondenseAntichains(max_downsets=max_downsets, name=name),
     ]

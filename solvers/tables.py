@@ -7,7 +7,7 @@ NumPy vectors, plus the downsets as packed 64-bit words to find all ``J ⊂ I`` 
 
 References:
     Tarnawski et al., "Efficient Algorithms for Device Placement of DNN Graph Operators",
-    NeurIPS 2020, §4 (the DP over ideals with prefix sums).
+    NeurIPS 2020, §4 (the DP over downsets with prefix sums).
 """
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ def test_hf_model_runs_through_the_front_end(name: str) -> None:
     case = zoo.hf(name, seq_len=8)
     device = DeviceSpec("ref", peak_flops=1e12, memory_bandwidth_bytes_per_s=1e11)
     ins = analyze(case.model, case.example_inputs, case.example_kwargs, method="export",
-                  device=device, verify=True, max_ideals=1000)
+                  device=device, verify=True, max_downsets=1000)
     graph = ins.condensed.graph
     assert graph.validate() == [] and ins.condensed.num_blocks > 10
     assert graph.total_param_bytes == 4 * case.num_parameters()  # tied GPT-2 head counted once
@@ -255,7 +255,7 @@ _META_7B = textwrap.dedent(
         "flops": sum(b.flops for b in condensed.graph.blocks),
         "blocks": condensed.num_blocks,
         "truncated": condensed.truncated,
-        "ideals": condensed.num_ideals,
+        "downsets": condensed.num_downsets,
         "fine_blocks": condensed.fine_blocks,
         "faults": condensed.graph.validate(),
         "rss_before": before,
@@ -278,9 +278,9 @@ def _check_meta_7b(result: dict, expected_params: float) -> None:
     # fp32: 4 bytes per parameter, every parameter counted once, none allocated.
     assert result["param_bytes"] == 4 * result["params"]
     assert not result["faults"] and result["blocks"] > 32
-    # 32 layers of little branches have far too many ideals; coarsening makes them fit.
+    # 32 layers of little branches have far too many downsets; coarsening makes them fit.
     assert result["fine_blocks"] > result["blocks"]
-    assert not result["truncated"] and result["ideals"] <= DEFAULT_MAX_DOWNSETS
+    assert not result["truncated"] and result["downsets"] <= DEFAULT_MAX_DOWNSETS
     # forward FLOPs ~ 2 * params * tokens (8 tokens), attention and norms on top.
     assert 0.95 * 2 * result["params"] * 8 <= result["flops"] <= 3 * result["params"] * 8
     peak_gib = result["rss_peak"] / 2**30

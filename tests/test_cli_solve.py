@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 from fxsplit.cli import _register_all, app
 from fxsplit.cli.solve import parse_bytes
 from fxsplit.errors import ConfigError
-from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, Problem
+from fxsplit.ir import OBJECTIVES, SCHEDULES, Block, CondensedGraph, DeviceSpec, Edge, Problem
 
 runner = CliRunner()
 _register_all()
@@ -107,3 +108,29 @@ def test_parse_bytes() -> None:
     assert parse_bytes("16GiB") == 16 * 2**30 and parse_bytes("1e9") == 10**9 and parse_bytes("500 MB") == 5 * 10**8
     with pytest.raises(ConfigError):
         parse_bytes("lots")
+
+
+def _names_in(text: str) -> set[str]:
+    """Every schedule- or solver-like word of a help text (``interleaved-1f1b`` whole, not ``1f1b``)."""
+    return set(re.findall(r"[\w-]+", text))
+
+
+@pytest.mark.parametrize("command", ["solve", "compile", "plan"])
+def test_help_lists_every_registered_solver_and_schedule(command: str) -> None:
+    from fxsplit.schedule import available
+    from fxsplit.solvers import available_solvers
+
+    res = runner.invoke(app, [command, "--help"], env={"COLUMNS": "300", "NO_COLOR": "1"})
+    assert res.exit_code == 0, res.output
+    words = _names_in(res.output)
+    assert set(available_solvers()) <= words, f"--solver help misses {set(available_solvers()) - words}"
+    assert set(available()) <= words, f"--schedule help misses {set(available()) - words}"
+    assert set(SCHEDULES) <= words and set(OBJECTIVES) <= words
+
+
+def test_solve_takes_every_schedule_its_help_lists(graph_file: Path) -> None:
+    for schedule in SCHEDULES:
+        res = runner.invoke(app, ["solve", str(graph_file), "--devices", "2", "--microbatches", "4", "--json",
+                                  "--schedule", schedule])
+        assert res.exit_code == 0, (schedule, res.output)
+        assert json.loads(res.stdout)["schedule"] == schedule

@@ -1,4 +1,4 @@
-"""Coarsening merges cheap neighbours until the ideals fit, keeping the DAG and the costs."""
+"""Coarsening merges cheap neighbours until the downsets fit, keeping the DAG and the costs."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ def _wide(width: int, depth: int) -> CondensedGraph:
     return CondensedGraph(tuple(blocks), tuple(edges), name="wide")
 
 
-def test_wide_chains_are_merged_until_the_ideals_fit():
+def test_wide_chains_are_merged_until_the_downsets_fit():
     g = _wide(width=6, depth=5)
-    assert count_downsets(g, limit=500) is None  # 6^6 ideals and more
-    mapping = coarsen_blocks(g, max_ideals=500)
+    assert count_downsets(g, limit=500) is None  # 6^6 downsets and more
+    mapping = coarsen_blocks(g, max_downsets=500)
     assert mapping is not None
     coarse = _quotient_graph(g, mapping)
     assert count_downsets(coarse, limit=500) is not None

@@ -1,4 +1,4 @@
-"""Antichain condensation: partition, topological order, cost conservation, determinism, ideals.
+"""Antichain condensation: partition, topological order, cost conservation, determinism, downsets.
 
 Property tests draw random DAG-shaped ``nn.Module`` s (``tests/strategies.py``, front-end
 section), capture them with both methods, annotate them on a fixed device and condense them.
@@ -40,12 +40,12 @@ PROPERTY = settings(
 
 
 def _front_end(
-    model: nn.Module, inputs: tuple, method: str, max_ideals: int = 200_000, coarsen: bool = False
+    model: nn.Module, inputs: tuple, method: str, max_downsets: int = 200_000, coarsen: bool = False
 ) -> tuple[torch.fx.GraphModule, Condensed]:
     cap = capture(model, inputs, method=method)
     flat = tuple(cap.flatten_inputs(inputs))
     pm = PassManager(
-        [PropagateShapes(flat), AnnotateCosts(DEVICE), CondenseAntichains(max_ideals=max_ideals, coarsen=coarsen)],
+        [PropagateShapes(flat), AnnotateCosts(DEVICE), CondenseAntichains(max_downsets=max_downsets, coarsen=coarsen)],
         verify=True,
     )
     pm.run(cap.gm)
@@ -53,10 +53,10 @@ def _front_end(
 
 
 def _dag_front_end(
-    spec: object, method: str, max_ideals: int = 200_000, coarsen: bool = False
+    spec: object, method: str, max_downsets: int = 200_000, coarsen: bool = False
 ) -> tuple[torch.fx.GraphModule, Condensed]:
     model, inputs = build_dag(spec)
-    return _front_end(model, inputs, method, max_ideals, coarsen)
+    return _front_end(model, inputs, method, max_downsets, coarsen)
 
 
 def _brute_force_downsets(graph: CondensedGraph) -> set[int]:
@@ -146,48 +146,48 @@ def test_condensation_is_deterministic(spec: object, method: str) -> None:
     assert first.graph == second.graph
     assert first.graph.to_json() == second.graph.to_json()
     assert first.node_block == second.node_block
-    assert first.ideals == second.ideals
+    assert first.downsets == second.downsets
 
 
 @PROPERTY
 @given(spec=any_dag_specs(max_nodes=8), method=METHODS)
-def test_ideals_are_exactly_the_downsets(spec: object, method: str) -> None:
+def test_enumerated_downsets_are_exactly_the_downsets(spec: object, method: str) -> None:
     _, result = _dag_front_end(spec, method)
     graph = result.graph
-    assert not result.truncated and result.ideals is not None
-    ideals = list(result.ideals)
+    assert not result.truncated and result.downsets is not None
+    downsets = list(result.downsets)
 
-    assert len(set(ideals)) == len(ideals) == result.num_ideals
-    assert ideals[0] == 0 and ideals[-1] == (1 << len(graph)) - 1
-    sizes = [len(members(i)) for i in ideals]
+    assert len(set(downsets)) == len(downsets) == result.num_downsets
+    assert downsets[0] == 0 and downsets[-1] == (1 << len(graph)) - 1
+    sizes = [len(members(i)) for i in downsets]
     assert sizes == sorted(sizes)
-    for ideal in ideals:
-        ids = set(members(ideal))
+    for downset in downsets:
+        ids = set(members(downset))
         assert graph.is_downset(ids)
-        assert _closure(graph, result.frontier(ideal)) == ids  # the frontier generates the ideal
+        assert _closure(graph, result.frontier(downset)) == ids  # the frontier generates the downset
     if len(graph) <= 14:
-        assert set(ideals) == _brute_force_downsets(graph)
+        assert set(downsets) == _brute_force_downsets(graph)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(spec=any_dag_specs(), method=METHODS, budget=st.integers(1, 6))
-def test_truncation_changes_only_the_ideals(spec: object, method: str, budget: int) -> None:
+def test_truncation_changes_only_the_downsets(spec: object, method: str, budget: int) -> None:
     gm, full = _dag_front_end(spec, method)
-    small = condense_antichains(gm, max_ideals=budget, coarsen=False)
+    small = condense_antichains(gm, max_downsets=budget, coarsen=False)
     assert small.graph == full.graph and small.node_block == full.node_block
-    if full.num_ideals > budget:
-        assert small.truncated and small.ideals is None and small.num_ideals > budget
-        assert "+ ideals" in repr(small)
+    if full.num_downsets > budget:
+        assert small.truncated and small.downsets is None and small.num_downsets > budget
+        assert "+ downsets" in repr(small)
     else:
-        assert not small.truncated and small.ideals == full.ideals
-    assert dataclasses.replace(small, ideals=full.ideals, num_ideals=full.num_ideals, truncated=False) == full
+        assert not small.truncated and small.downsets == full.downsets
+    assert dataclasses.replace(small, downsets=full.downsets, num_downsets=full.num_downsets, truncated=False) == full
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(spec=any_dag_specs(max_nodes=12), method=METHODS, budget=st.integers(2, 12))
 def test_coarsening_merges_whole_blocks_and_keeps_the_invariants(spec: object, method: str, budget: int) -> None:
     gm, fine = _dag_front_end(spec, method, coarsen=False)
-    coarse = condense_antichains(gm, max_ideals=budget, coarsen=True)
+    coarse = condense_antichains(gm, max_downsets=budget, coarsen=True)
     graph = coarse.graph
 
     assert graph.validate() == [] and coarse.fine_blocks == fine.num_blocks
@@ -199,11 +199,11 @@ def test_coarsening_merges_whole_blocks_and_keeps_the_invariants(spec: object, m
             assert node.meta["fxsplit.block"] == coarse.node_block[node.name]
     assert math.fsum(b.fwd_s for b in graph.blocks) == pytest.approx(math.fsum(b.fwd_s for b in fine.graph.blocks))
     assert graph.total_param_bytes == fine.graph.total_param_bytes
-    if fine.num_ideals <= budget:
+    if fine.num_downsets <= budget:
         assert coarse.graph == fine.graph  # nothing to do
     elif not coarse.truncated:
-        assert coarse.num_blocks < fine.num_blocks and coarse.num_ideals <= budget
-        assert coarse.ideals is not None and all(graph.is_downset(set(members(i))) for i in coarse.ideals)
+        assert coarse.num_blocks < fine.num_blocks and coarse.num_downsets <= budget
+        assert coarse.downsets is not None and all(graph.is_downset(set(members(i))) for i in coarse.downsets)
 
 
 # ---------------------------------------------------------------- zoo models and wide graphs
@@ -226,23 +226,23 @@ def test_inception_condenses_fast_and_reports_truncation() -> None:
     AnnotateCosts(DEVICE)(cap.gm)
 
     start = time.perf_counter()
-    result = condense_antichains(cap.gm, max_ideals=50, coarsen=False)
+    result = condense_antichains(cap.gm, max_downsets=50, coarsen=False)
     elapsed = time.perf_counter() - start
     assert elapsed < 3.0, f"condensing {len(cap.gm.graph.nodes)} nodes took {elapsed:.1f} s"
-    assert result.truncated and result.ideals is None and result.num_ideals > 50
-    assert "+ ideals" in repr(result) and result.graph.validate() == []
+    assert result.truncated and result.downsets is None and result.num_downsets > 50
+    assert "+ downsets" in repr(result) and result.graph.validate() == []
 
     start = time.perf_counter()
-    coarse = condense_antichains(cap.gm, max_ideals=50)  # coarsening on (the default)
+    coarse = condense_antichains(cap.gm, max_downsets=50)  # coarsening on (the default)
     assert time.perf_counter() - start < 5.0
     assert coarse.graph.validate() == [] and coarse.fine_blocks == result.num_blocks
-    assert coarse.truncated or (coarse.num_ideals <= 50 and coarse.num_blocks < result.num_blocks)
+    assert coarse.truncated or (coarse.num_downsets <= 50 and coarse.num_blocks < result.num_blocks)
     assert coarse.graph.total_time_s == pytest.approx(result.graph.total_time_s)
 
 
 def test_batchnorm_counter_updates_join_a_neighbour() -> None:
     # Export in training mode writes ``num_batches_tracked.add_(1)`` nodes nobody reads; they
-    # must not float as blocks of their own (each would double the number of ideals).
+    # must not float as blocks of their own (each would double the number of downsets).
     case = zoo.get("resnet")
     gm, result = _front_end(case.model, case.example_inputs, "export")
     counters = [n for n in gm.graph.nodes if n.op == "call_function" and "add_" in str(n.target)]

@@ -108,11 +108,11 @@ def test_python_inspect_returns_objects_with_readable_repr(tmp_path: Path) -> No
     text = repr(ins)
     assert re.fullmatch(
         r"Inspection\('Sequential': \d+ nodes via export, [\d.]+ MiB params, \d+ blocks, "
-        r"\d+ ideals, fwd\+bwd [\d.]+ ms on ref\)",
+        r"\d+ downsets, fwd\+bwd [\d.]+ ms on ref\)",
         text,
     ), text
     assert len(text) < 200 and "\n" not in text
-    assert re.fullmatch(r"Condensed\('Sequential': \d+ blocks, \d+ edges, \d+ ideals\)", repr(ins.condensed))
+    assert re.fullmatch(r"Condensed\('Sequential': \d+ blocks, \d+ edges, \d+ downsets\)", repr(ins.condensed))
     assert repr(ins.captured).startswith("Captured(method='export', nodes=")
     assert ins.condensed.graph.total_param_bytes == 4 * sum(p.numel() for p in model.parameters())
     assert [r.name for r in ins.records] == ["propagate_shapes", "annotate_costs", "condense_antichains"]

@@ -81,7 +81,7 @@ def test_text_round_trip(kind, p, m):
 def test_text_round_trip_uneven_ranks_and_shared_rank():
     # Two stages on one rank (room for interleaved schedules), and ranks of unequal length.
     s = Schedule(((Action(0, "F", 0), Action(1, "F", 0), Action(1, "B", 0), Action(0, "B", 0)), ()),
-                 num_stages=2, num_microbatches=1, stage_to_rank=(0, 0), name="custom")
+                 num_stages=2, microbatches=1, stage_to_rank=(0, 0), name="custom")
     text = s.to_text()
     assert text == (
         "schedule custom: stages=2 microbatches=1 stage_to_rank=0,0\n"

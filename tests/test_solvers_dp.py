@@ -45,9 +45,9 @@ def brute_force(problem: Problem) -> float:
             return
         if len(chain) - 1 >= k:
             return
-        for ideal in downs:
-            if ideal != last and ideal & last == last:
-                rec(chain + [ideal])
+        for downset in downs:
+            if downset != last and downset & last == last:
+                rec(chain + [downset])
 
     if n:
         rec([0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 from rich.console import Console
@@ -12,6 +12,14 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
+from fxsplit.cli.helptext import (
+    COST_MODEL_HELP,
+    OBJECTIVE_HELP,
+    RECOMPUTE_HELP,
+    SCHEDULE_HELP,
+    SOLVER_HELP,
+)
+from fxsplit.ir.names import RecomputeName
 from fxsplit.ir.units import format_seconds
 from fxsplit.options import precision
 from fxsplit.viz import stage_table
@@ -92,18 +100,18 @@ def register(app: typer.Typer) -> None:
         devices: Annotated[str, typer.Option(help="a count of CPU devices (4) or a list (cuda:0,cuda:1)")] = "4",
         steps: Annotated[int, typer.Option(min=1, help="training steps on synthetic data")] = 5,
         microbatches: Annotated[str, typer.Option(help="micro-batches per step, or auto")] = "auto",
-        schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, zero-bubble, interleaved-1f1b or interleaved-zero-bubble (2 stages per device), or auto")] = "auto",
-        solver: Annotated[str, typer.Option(help="dp, cpsat, auto, uniform, params, blockpartition, greedy")] = "auto",
+        schedule: Annotated[str, typer.Option(help=SCHEDULE_HELP)] = "auto",
+        solver: Annotated[str, typer.Option(help=SOLVER_HELP)] = "auto",
         size: Annotated[str, typer.Option(help="zoo size preset: tiny, small, base")] = "small",
         batch_size: Annotated[int, typer.Option(help="samples per step")] = 8,
         lr: Annotated[float, typer.Option(help="SGD learning rate")] = 1e-2,
-        objective: Annotated[str, typer.Option(help="makespan or bottleneck")] = "makespan",
-        cost_model: Annotated[str, typer.Option(help="auto (profiled on these devices), profiled, measured or analytic")] = "auto",
+        objective: Annotated[str, typer.Option(help=OBJECTIVE_HELP)] = "makespan",
+        cost_model: Annotated[str, typer.Option(help=COST_MODEL_HELP)] = "auto",
         calibrate: Annotated[int, typer.Option(help="measure this many steps, refit the costs and re-plan first (0: off)")] = 0,
         distributed: Annotated[bool, typer.Option(help="one stage per process, under torchrun (see compile_dist)")] = False,
         backend: Annotated[str, typer.Option(help="--distributed: gloo, nccl or auto")] = "auto",
         timeout_s: Annotated[float, typer.Option(help="--distributed: seconds before a silent peer is an error")] = 60.0,
-        recompute: Annotated[str, typer.Option(help="activation recomputation per stage: auto (where a stage would not fit otherwise), all or none")] = "auto",
+        recompute: Annotated[str, typer.Option(help=RECOMPUTE_HELP)] = "auto",
         autocast: Annotated[str | None, typer.Option(help="mixed precision: bf16 or fp16 (fp16: local pipeline only; default: the model's dtypes)")] = None,
     ) -> None:
         """Plan MODEL over DEVICES, train STEPS steps, and compare with the unsplit model."""
@@ -112,6 +120,7 @@ def register(app: typer.Typer) -> None:
         from fxsplit.errors import FxsplitError
 
         console = Console()
+        recompute_name = cast(RecomputeName, recompute)  # Problem.check refuses any other name
         # -- distributed path (issue 5): everything lives in fxsplit/cli/compile_dist.py -------
         if distributed:
             from fxsplit.cli.compile_dist import run_distributed
@@ -119,7 +128,7 @@ def register(app: typer.Typer) -> None:
             try:
                 run_distributed(model, steps=steps, microbatches=microbatches, schedule=schedule, size=size,
                                 batch_size=batch_size, lr=lr, backend=backend, timeout_s=timeout_s,
-                                calibrate=calibrate, recompute=recompute, autocast=autocast)
+                                calibrate=calibrate, recompute=recompute_name, autocast=autocast)
             except FxsplitError as exc:
                 exit_with_error(console, exc, 2)
             return
@@ -137,7 +146,7 @@ def register(app: typer.Typer) -> None:
                 pipe = fxsplit.compile(
                     case.model, parse_devices(devices), case.example_inputs,
                     microbatches=m, schedule=schedule, solver=solver, objective=objective, cost_model=cost_model,
-                    options=CompileOptions(progress=profiled, recompute=recompute, autocast=autocast),
+                    options=CompileOptions(progress=profiled, recompute=recompute_name, autocast=autocast),
                 )
             if calibrate > 0:
                 inputs, target = case.make_batch(batch_size, 999)

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fxsplit.ir.names import RecomputeName
 from fxsplit.ir.units import format_seconds
 from fxsplit.options import autocast_dtype, precision
 
@@ -72,7 +73,7 @@ def _summary(pipe: Any, result: dict[str, Any], world: int) -> Table:
 
 def run_distributed(
     model: str, *, steps: int, microbatches: str, schedule: str, size: str, batch_size: int, lr: float,
-    backend: str, timeout_s: float, save: str | None = None, calibrate: int = 0, recompute: str = "auto",
+    backend: str, timeout_s: float, save: str | None = None, calibrate: int = 0, recompute: RecomputeName = "auto",
     autocast: str | None = None,
 ) -> None:
     """Train ``model`` across the processes torchrun launched; rank 0 prints. ``calibrate > 0``:

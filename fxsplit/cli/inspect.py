@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
+from fxsplit.cli.helptext import choices
+from fxsplit.ir.names import COST_MODELS
 from fxsplit.ir.units import format_bytes, format_seconds
 
 __all__ = ["register", "node_table", "block_table", "formula_table"]
@@ -70,10 +72,10 @@ def register(app: typer.Typer) -> None:
         model: Annotated[str, typer.Argument(help="zoo name (gpt, resnet, ...), hf:NAME, or module:function")],
         size: Annotated[str, typer.Option(help="zoo size preset: tiny, small, base")] = "tiny",
         method: Annotated[str, typer.Option(help="capture method: auto, export, symbolic_trace")] = "auto",
-        cost_model: Annotated[str, typer.Option(help="analytic or measured")] = "analytic",
+        cost_model: Annotated[str, typer.Option(help=choices(COST_MODELS))] = "analytic",
         dump: Annotated[Path | None, typer.Option(help="write the graph after every pass and a DOT/SVG here")] = None,
         limit: Annotated[int, typer.Option(help="show at most this many nodes")] = 60,
-        max_ideals: Annotated[int, typer.Option(help="budget of the ideal enumeration")] = 20_000,
+        max_downsets: Annotated[int, typer.Option(help="budget of the downset enumeration")] = 20_000,
         symbolic: Annotated[bool, typer.Option("--symbolic", help="print each block's analytic costs as formulas of the batch size b")] = False,
     ) -> None:
         """Capture MODEL, annotate costs and condense it; print the graph and the blocks."""
@@ -83,7 +85,7 @@ def register(app: typer.Typer) -> None:
         console = Console()
         try:
             with console.status(f"capturing and annotating {model} ..."):
-                ins = inspect(model, size=size, method=method, cost_model=cost_model, dump_dir=dump, max_ideals=max_ideals)
+                ins = inspect(model, size=size, method=method, cost_model=cost_model, dump_dir=dump, max_downsets=max_downsets)
         except FxsplitError as exc:
             exit_with_error(console, exc, 2)
         console.print(node_table(ins, limit))

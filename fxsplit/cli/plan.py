@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
+from fxsplit.cli.helptext import OBJECTIVE_HELP, RECOMPUTE_HELP, SCHEDULE_HELP, SOLVER_HELP
+from fxsplit.ir.names import ObjectiveName, RecomputeName
 from fxsplit.ir.units import format_bytes, format_seconds
 from fxsplit.viz import plan_summary
 
@@ -77,14 +79,14 @@ def plan_command(
     meta: Annotated[bool, typer.Option(help="build the model on the meta device (no memory)")] = False,
     batch_size: Annotated[int, typer.Option(help="samples per step")] = 8,
     microbatches: Annotated[str, typer.Option(help="micro-batches per step, or auto")] = "auto",
-    schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, zero-bubble, interleaved-1f1b or interleaved-zero-bubble (2 stages per device), or auto")] = "auto",
-    solver: Annotated[str, typer.Option(help="auto, dp, cpsat, uniform, params, blockpartition, greedy")] = "auto",
-    objective: Annotated[str, typer.Option(help="makespan or bottleneck")] = "makespan",
+    schedule: Annotated[str, typer.Option(help=SCHEDULE_HELP)] = "auto",
+    solver: Annotated[str, typer.Option(help=SOLVER_HELP)] = "auto",
+    objective: Annotated[str, typer.Option(help=OBJECTIVE_HELP)] = "makespan",
     time_limit: Annotated[float, typer.Option(help="solver time limit, seconds")] = 30.0,
     draw: Annotated[Path | None, typer.Option(help="draw the graph coloured by stage (.svg, .png)")] = None,
     gantt: Annotated[Path | None, typer.Option(help="draw the predicted timeline (.png, .svg)")] = None,
     as_json: Annotated[Path | None, typer.Option("--json", help="write the plan as JSON here")] = None,
-    recompute: Annotated[str, typer.Option(help="activation recomputation per stage: auto (where a stage would not fit otherwise), all or none")] = "auto",
+    recompute: Annotated[str, typer.Option(help=RECOMPUTE_HELP)] = "auto",
     explore: Annotated[bool, typer.Option("--explore", help="print every schedule, micro-batch count and recomputation tried, with the step-time / peak-memory front")] = False,
     cluster: Annotated[Path | None, typer.Option(help="a cluster file (JSON: device kinds, nodes, links; see fxsplit.ir.cluster); replaces --devices and --device")] = None,
 ) -> None:
@@ -109,9 +111,10 @@ def plan_command(
             console.print(f"cluster {machine.name!r}: {len(specs)} devices in {len(set(machine.node_of))} nodes")
         else:
             specs, link, links = tuple(ref.with_(name=f"{device}:{i}") for i in range(devices)), LinkSpec(), ()
-        problem = Problem(ins.condensed.graph, specs, link=link, links=links, objective=objective,
-                          recompute=recompute).check()
-        options = CompileOptions(time_limit_s=time_limit, recompute=recompute)
+        recompute_name = cast(RecomputeName, recompute)  # Problem.check refuses any other name
+        problem = Problem(ins.condensed.graph, specs, link=link, links=links,
+                          objective=cast(ObjectiveName, objective), recompute=recompute_name).check()
+        options = CompileOptions(time_limit_s=time_limit, recompute=recompute_name)
         with console.status(f"planning over {devices} x {device} ..."):
             choice = plan_pipeline(problem, batch_size_of(list(case.example_inputs)), m, schedule, solver, options)
         plan_problem = choice.problem.with_(graph=problem.graph.scaled(1.0 / choice.microbatches))

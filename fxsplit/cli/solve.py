@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
+from fxsplit.cli.helptext import OBJECTIVE_HELP, PROBLEM_SCHEDULE_HELP, SOLVER_HELP
 from fxsplit.errors import ConfigError, FxsplitError, InfeasibleError
 from fxsplit.ir.devices import DeviceSpec, GiB, LinkSpec
 from fxsplit.ir.formats import load_graph_or_problem
@@ -137,10 +138,10 @@ def solve_command(
     format: Annotated[str, typer.Option("--format", help="auto|fxsplit|pipedream|tarnawski")] = "auto",
     devices: Annotated[int | None, typer.Option("--devices", help="N identical devices.")] = None,
     devices_file: Annotated[Path | None, typer.Option("--devices-file", help="JSON devices file.")] = None,
-    solver: Annotated[str, typer.Option("--solver", help="auto, dp, cpsat, uniform, params, blockpartition, greedy")] = "auto",
-    objective: Annotated[str | None, typer.Option("--objective", help="bottleneck|makespan")] = None,
+    solver: Annotated[str, typer.Option("--solver", help=SOLVER_HELP)] = "auto",
+    objective: Annotated[str | None, typer.Option("--objective", help=f"{OBJECTIVE_HELP} (default: the problem file's, else bottleneck)")] = None,
     microbatches: Annotated[int | None, typer.Option("--microbatches", help="Micro-batches per step.")] = None,
-    schedule: Annotated[str | None, typer.Option("--schedule", help="gpipe|1f1b")] = None,
+    schedule: Annotated[str | None, typer.Option("--schedule", help=PROBLEM_SCHEDULE_HELP)] = None,
     memory_limit: Annotated[str | None, typer.Option("--memory-limit", help="Bytes per device (16GiB, 1e9).")] = None,
     no_comm: Annotated[bool, typer.Option("--no-comm", help="Free communication.")] = False,
     time_limit: Annotated[float | None, typer.Option("--time-limit", help="Seconds.")] = None,

@@ -17,6 +17,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fxsplit.cli import exit_with_error
+from fxsplit.cli.helptext import choices
+from fxsplit.ir.names import COST_MODELS
 from fxsplit.ir.units import format_seconds
 
 __all__ = ["register", "parse_floats", "parse_ints", "alone_difference"]
@@ -95,7 +97,7 @@ def register(app: typer.Typer) -> None:
         size: Annotated[str, typer.Option(help="zoo size preset: tiny, small, base")] = "small",
         scheduler: Annotated[str, typer.Option(help="lrtf (Hydra's Sharded-LRTF), fifo or round-robin")] = "lrtf",
         optimizer: Annotated[str, typer.Option(help="adamw or sgd")] = "adamw",
-        cost_model: Annotated[str, typer.Option(help="analytic, measured or profiled: unit times the scheduler starts from")] = "analytic",
+        cost_model: Annotated[str, typer.Option(help=f"{choices(COST_MODELS)}: unit times the scheduler starts from")] = "analytic",
         recompute: Annotated[bool, typer.Option(help="shards keep only their inputs and recompute in backward (default: activations wait in host memory)")] = False,
         gantt: Annotated[bool, typer.Option(help="draw the measured timeline")] = True,
     ) -> None:

@@ -11,7 +11,7 @@ predecessors are inside). Each downset is produced once, in order of size, in
 
 References:
     Tarnawski et al., "Efficient Algorithms for Device Placement of DNN Graph Operators",
-    NeurIPS 2020, §4 (ideals, and their number for real DNN graphs);
+    NeurIPS 2020, §4 (downsets, and their number for real DNN graphs);
     Narayanan et al., "PipeDream", SOSP 2019, §3.1 (the same objects as "antichains").
 """
 
@@ -113,12 +113,12 @@ def enumerate_downsets(graph: CondensedGraph, max_count: int | None = DEFAULT_MA
     layer: dict[int, int] = {0: start_avail}
     for _size in range(n):
         nxt: dict[int, int] = {}
-        for ideal, avail in layer.items():
+        for downset, avail in layer.items():
             rest = avail
             while rest:
                 low = rest & -rest
                 rest ^= low
-                grown = ideal | low
+                grown = downset | low
                 if grown in nxt:
                     continue
                 new_avail = avail & ~low

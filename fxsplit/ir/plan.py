@@ -34,7 +34,8 @@ from typing import Any
 
 from fxsplit.errors import PlanError
 from fxsplit.ir.graph import CondensedGraph
-from fxsplit.ir.problem import LOOPED_SCHEDULES, Problem
+from fxsplit.ir.names import LOOPED_SCHEDULES, ObjectiveName, ScheduleName
+from fxsplit.ir.problem import Problem
 
 __all__ = ["StagePlan", "Plan", "evaluate", "trivial_lower_bound", "STATUSES"]
 
@@ -77,7 +78,7 @@ class Plan:
     """
 
     stages: tuple[StagePlan, ...]
-    objective: str = "bottleneck"
+    objective: ObjectiveName = "bottleneck"
     objective_s: float = 0.0
     bottleneck_s: float = 0.0
     makespan_s: float = 0.0
@@ -86,7 +87,7 @@ class Plan:
     status: str = "feasible"
     solve_time_s: float = 0.0
     microbatches: int = 1
-    schedule: str = "1f1b"
+    schedule: ScheduleName = "1f1b"
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
     graph: CondensedGraph | None = field(default=None, compare=False, repr=False)
     """The condensed graph the plan was solved on, when known (not serialised); pictures use

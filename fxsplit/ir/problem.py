@@ -25,26 +25,21 @@ from typing import Any
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, LinkSpec
 from fxsplit.ir.graph import Block, CondensedGraph
+from fxsplit.ir.names import (
+    AUTO_SCHEDULES,
+    LOOPED_SCHEDULES,
+    OBJECTIVES,
+    RECOMPUTE,
+    SCHEDULES,
+    SIMULATED_SCHEDULES,
+    ObjectiveName,
+    RecomputeName,
+    ScheduleName,
+)
 
-__all__ = ["Problem", "RECOMPUTE", "SCHEDULES", "AUTO_SCHEDULES", "LOOPED_SCHEDULES", "SIMULATED_SCHEDULES", "OBJECTIVES"]
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "interleaved-zero-bubble")
-#: Schedules that run several stages per device in looping placement (stage ``s`` on the
-#: ``s mod r``-th of ``r`` devices); :func:`fxsplit.schedule.make` generates them.
-LOOPED_SCHEDULES = ("interleaved-1f1b", "interleaved-zero-bubble")
-#: What ``schedule="auto"`` chooses from. The zero-bubble kinds run when asked for: on this
-#: machine's CPU a backward split into its input and weight halves (torch's own split) measured
-#: 29-46 % slower than the whole backward on the second stage of U-Net and GPT
-#: (bench/README.md), which the cost model does not see yet, so it would pick them where they lose.
-AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-#: Schedules whose step has no closed form in the stage times: :func:`fxsplit.schedule.plan_step_s`
-#: simulates them (the looped ones, and zero-bubble's split backward).
-SIMULATED_SCHEDULES = (*LOOPED_SCHEDULES, "zero-bubble")
-OBJECTIVES = ("bottleneck", "makespan")
-#: Activation recomputation (checkpointing) per stage: ``"none"``; ``"auto"``, a stage recomputes
-#: exactly when keeping its activations would not fit its device and recomputing saves memory (the
-#: time-optimal choice for that stage: recomputing only adds a forward); ``"all"``, every stage.
-RECOMPUTE = ("none", "auto", "all")
+# The vocabularies live in fxsplit.ir.names; re-exported here, where the problem uses them.
+__all__ = ["Problem", "RECOMPUTE", "SCHEDULES", "AUTO_SCHEDULES", "LOOPED_SCHEDULES", "SIMULATED_SCHEDULES", "OBJECTIVES",
+           "ObjectiveName", "RecomputeName", "ScheduleName"]
 
 
 @dataclass(frozen=True)
@@ -88,15 +83,15 @@ class Problem:
     link: LinkSpec = field(default_factory=LinkSpec)
     links: tuple[tuple[int, int, LinkSpec], ...] = ()
     microbatches: int = 1
-    schedule: str = "1f1b"
-    objective: str = "bottleneck"
+    schedule: ScheduleName = "1f1b"
+    objective: ObjectiveName = "bottleneck"
     training: bool = True
     optimizer_state_factor: float = 2.0
     grad_factor: float = 1.0
     device_order: str = "fixed"
     allow_idle_devices: bool = True
     stages_per_device: int = 1
-    recompute: str = "none"
+    recompute: RecomputeName = "none"
 
     @property
     def num_devices(self) -> int:

@@ -81,7 +81,7 @@ def lowered_schedule(
         ScheduleError: when ``schedule`` fails :func:`fxsplit.schedule.validate`.
     """
     validate(schedule)
-    runtime = _PipelineScheduleRuntime(list(stages), n_microbatches=schedule.num_microbatches, loss_fn=loss_fn,
+    runtime = _PipelineScheduleRuntime(list(stages), n_microbatches=schedule.microbatches, loss_fn=loss_fn,
                                        scale_grads=scale_grads)
     runtime._prepare_schedule_with_comms(torch_actions(schedule))
     return runtime

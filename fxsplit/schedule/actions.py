@@ -53,7 +53,7 @@ class Action:
     Args:
         stage: Pipeline stage, ``0 <= stage < num_stages``.
         kind: A key of :data:`KINDS` (``"F"`` forward, ``"B"`` backward).
-        microbatch: Micro-batch index, ``0 <= microbatch < num_microbatches``.
+        microbatch: Micro-batch index, ``0 <= microbatch < microbatches``.
 
     Raises:
         ScheduleError: for a negative index or an unknown kind.
@@ -114,7 +114,7 @@ class Schedule:
     Args:
         actions: ``[num_ranks][*]`` actions each rank runs, in order.
         num_stages: Number of pipeline stages ``p``.
-        num_microbatches: Number of micro-batches ``m``.
+        microbatches: Number of micro-batches ``m``.
         stage_to_rank: ``[num_stages]`` rank that runs each stage; default stage ``s`` on rank ``s``.
             Several stages may share a rank (interleaved schedules).
         name: The generator's name (``"gpipe"``, ``"1f1b"``) or ``"custom"``.
@@ -126,7 +126,7 @@ class Schedule:
 
     actions: tuple[tuple[Action, ...], ...]
     num_stages: int
-    num_microbatches: int
+    microbatches: int
     stage_to_rank: tuple[int, ...] = ()
     name: str = "custom"
 
@@ -169,7 +169,7 @@ class Schedule:
         """The first line of :meth:`to_text`."""
         mapping = ",".join(str(r) for r in self.stage_to_rank)
         return (
-            f"schedule {self.name}: stages={self.num_stages} microbatches={self.num_microbatches} "
+            f"schedule {self.name}: stages={self.num_stages} microbatches={self.microbatches} "
             f"stage_to_rank={mapping}"
         )
 
@@ -239,7 +239,7 @@ class Schedule:
         return cls(
             actions=tuple(tuple(a) for a in actions),
             num_stages=int(match["p"]),
-            num_microbatches=int(match["m"]),
+            microbatches=int(match["m"]),
             stage_to_rank=tuple(int(x) for x in match["map"].split(",")),
             name=match["name"],
         )

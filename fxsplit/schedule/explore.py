@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from fxsplit.errors import ConfigError, InfeasibleError, ScheduleError
 from fxsplit.ir.devices import GiB
+from fxsplit.ir.names import LOOPED_SCHEDULES, RecomputeName
 from fxsplit.ir.plan import Plan, evaluate
-from fxsplit.ir.problem import LOOPED_SCHEDULES, Problem
+from fxsplit.ir.problem import Problem
 from fxsplit.ir.units import format_bytes, format_seconds
 from fxsplit.schedule.actions import Schedule
 from fxsplit.schedule.simulate import Timeline, simulate_plan
@@ -66,7 +67,7 @@ class Candidate:
     capacity_bytes: tuple[int, ...]
     device_names: tuple[str, ...]
     rank_stages: tuple[tuple[int, ...], ...] = ()
-    recompute: str = "none"
+    recompute: RecomputeName = "none"
     recompute_stages: int = 0
 
     @property
@@ -128,7 +129,7 @@ class ScheduleChoice:
     table_of_candidates: tuple[Candidate, ...]
     plan: Plan
     timeline: Timeline
-    recompute: str = "none"
+    recompute: RecomputeName = "none"
 
     @property
     def kind(self) -> str:

@@ -63,9 +63,9 @@ def validate(schedule: Schedule) -> Schedule:
 
 def find_faults(schedule: Schedule) -> list[Fault]:
     """Every fault of ``schedule`` (empty when valid); deadlock is checked only if the rest passes."""
-    if schedule.num_stages < 1 or schedule.num_microbatches < 1:
-        return [Fault(f"need num_stages >= 1 and num_microbatches >= 1, got "
-                      f"{schedule.num_stages} and {schedule.num_microbatches}")]
+    if schedule.num_stages < 1 or schedule.microbatches < 1:
+        return [Fault(f"need num_stages >= 1 and microbatches >= 1, got "
+                      f"{schedule.num_stages} and {schedule.microbatches}")]
     faults = _placement_faults(schedule) + _coverage_faults(schedule)
     if faults:
         return faults
@@ -74,7 +74,7 @@ def find_faults(schedule: Schedule) -> list[Fault]:
 
 def format_faults(schedule: Schedule, faults: list[Fault]) -> str:
     """The error message: a summary, the fault list, the marked table and the fix."""
-    lines = [f"schedule {schedule.name!r} ({schedule.num_stages} stages, {schedule.num_microbatches} "
+    lines = [f"schedule {schedule.name!r} ({schedule.num_stages} stages, {schedule.microbatches} "
              f"micro-batches, {schedule.num_ranks} ranks) is invalid: {len(faults)} fault(s)"]
     lines += [f"  - {f.message}" for f in faults[:_MAX_LISTED]]
     if len(faults) > _MAX_LISTED:
@@ -87,7 +87,7 @@ def format_faults(schedule: Schedule, faults: list[Fault]) -> str:
 
 
 def _placement_faults(schedule: Schedule) -> list[Fault]:
-    p, m = schedule.num_stages, schedule.num_microbatches
+    p, m = schedule.num_stages, schedule.microbatches
     faults = []
     for rank, step, a in schedule:
         if a.stage >= p or a.microbatch >= m:
@@ -113,7 +113,7 @@ def _coverage_faults(schedule: Schedule) -> list[Fault]:
                 later = "is missing" if own is None else f"is on rank {own[0]}"
                 faults.append(Fault(f"{a} comes before its forward {a.stage}F{a.microbatch}, which "
                                     f"{later} or comes later", rank, step))
-    missing = [a for s in range(schedule.num_stages) for i in range(schedule.num_microbatches)
+    missing = [a for s in range(schedule.num_stages) for i in range(schedule.microbatches)
                for a in _backward_faults(s, i, where, faults)]
     if missing:
         shown = ", ".join(str(a) for a in missing[:_MAX_LISTED])
