@@ -119,7 +119,7 @@ def _dist_worker(rank: int, port: int, queue: Any, case_args: tuple, steps: int,
         report = pipe.calibrate(*x, target=y, loss_fn=case.loss_fn, steps=steps, **kwargs)
         after = _dist_timed(pipe, x, y, case.loss_fn, kwargs, steps, schedule)
         if rank == 0:
-            queue.put({"name": name, "cost_model": pipe.meta["plan"].get("stats", {}).get("cost_model", cost_model),
+            queue.put({"name": name, "cost_model": pipe.meta.get("cost_model") or cost_model,
                        "stages": p, "microbatches": m, "batch": batch, "schedule": schedule, "compile_s": compile_s,
                        "before": before["stages"], "step": before["step"], "replay_s": before["replay_s"],
                        "after": after["stages"], "step_after": after["step"], "replay_after_s": after["replay_s"],

@@ -194,6 +194,7 @@ class CompiledDistributedPipeline(DistributedPipeline):
             running = self.plan
             decision = self._from_rank0("re-plan", lambda: self._replan(measured, running, step_s, min_gain))
             new_plan = Plan.from_dict(decision["plan"])
+            self.meta = {**self.meta, "calibrated": decision["calibrated"]}
             if decision["rebuild"]:
                 self._rebuild(new_plan)
             else:
@@ -203,6 +204,7 @@ class CompiledDistributedPipeline(DistributedPipeline):
         def go_back(saved: tuple[Plan, float], measured: list[Measurement]) -> tuple[float, float]:
             plan, step_s = saved
             back = self._from_rank0("cost the plan to go back to", lambda: self._replan(measured, plan, step_s, None))
+            self.meta = {**self.meta, "calibrated": back["calibrated"]}
             self._rebuild(Plan.from_dict(back["plan"]))
             return back["probed_latency_s"], back["fitted_latency_s"]
 
@@ -259,7 +261,8 @@ class CompiledDistributedPipeline(DistributedPipeline):
                 ) -> dict[str, Any]:
         """Rank 0: refit the stage times to ``measured`` and the links' latency to ``running``'s
         measured ``step_s``; with ``min_gain``, solve and decide whether to rebuild, else (None)
-        only cost ``running`` on the refit; a plain dict for ``broadcast_object_list``."""
+        only cost ``running`` on the refit; a plain dict for ``broadcast_object_list``, whose
+        ``calibrated`` (True: the plan is costed on measured times) every rank records in ``meta``."""
         from fxsplit.compiler import per_microbatch, plan_pipeline
 
         ctx = self.context
@@ -280,9 +283,8 @@ class CompiledDistributedPipeline(DistributedPipeline):
         gain = 1.0 - plan_step_s(choice.plan) / old_s if choice is not None and old_s > 0 else 0.0
         rebuild = choice is not None and min_gain is not None and gain > min_gain
         chosen = choice.plan if rebuild and choice is not None else old
-        stats = {**running.stats, "calibrated": True}
         return {"gain": gain, "rebuild": rebuild, "probed_latency_s": probed, "fitted_latency_s": probed + extra,
-                "plan": chosen.with_(microbatches=m, schedule=kind, stats=stats).to_dict()}
+                "plan": chosen.with_(microbatches=m, schedule=kind, stats=running.stats).to_dict(), "calibrated": True}
 
     def _rebuild(self, plan: Plan) -> None:
         """Become this rank's stages of ``plan``: cut them from the capture, move the state, wrap them."""

@@ -9,7 +9,8 @@ stage out of, but only rank 0 plans:
    its graph with the same numbers and gets the same blocks;
 2. every rank captures, annotates and condenses;
 3. rank 0 solves the split (or takes the user's plan) and broadcasts the ``Plan`` JSON with the
-   digest of its graph (``torch.distributed.broadcast_object_list``);
+   digest of its graph, the cost model it used and what its per-sample check found
+   (``torch.distributed.broadcast_object_list``; :class:`DistPlan` holds them on every rank);
 4. every rank checks the plan against its own capture (same graph digest, every block in exactly
    one stage, contiguous stages, same schedule and micro-batch count) and all verdicts are
    gathered, so that a mismatch, or a capture or planning failure on any rank, raises on every
@@ -38,9 +39,8 @@ from fxsplit.frontend import Inspection, front_end
 from fxsplit.ir import CondensedGraph, DeviceSpec, LinkSpec, Plan, Problem
 from fxsplit.options import CompileOptions
 from fxsplit.passes.profile import (
-    ProfileCache,
-    default_cache_dir,
     device_name,
+    open_cache,
     profile_node_times,
     profile_sizes,
 )
@@ -71,12 +71,20 @@ class DistPlan:
             blocks on ``world`` copies of ``reference``, over the measured links; analytic costs
             when the user gave the plan), kept so the pipeline can be planned again
             (``calibrate``); None on the other ranks.
+        cost_model: The cost model rank 0 solved with, ``"profiled"`` or ``"analytic"``
+            (:func:`plan_on_rank0`'s ``cost_model`` as resolved); None when the user gave the plan.
+        not_per_sample: Rank 0's per-sample check (:func:`per_sample_on_rank0`): what mixes
+            samples or updates a buffer in forward (empty when nothing does); None when it did not
+            run (one micro-batch, the user's plan, meta or fake inputs, a model larger than rank
+            0's device).
     """
 
     captured: Any
     plan: Plan
     reference: DeviceSpec
     problem: Problem | None = None
+    cost_model: str | None = None
+    not_per_sample: tuple[str, ...] | None = None
 
 
 def reference_spec(device: torch.device) -> DeviceSpec:
@@ -201,10 +209,11 @@ def _rank0_cost_model(captured: Any, flat: Sequence[Any], device: torch.device, 
 
 def _plan(front: Inspection, inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
           links: tuple[tuple[int, int, LinkSpec], ...], reference: DeviceSpec, world: int, schedule: str,
-          microbatches: int | str, solver: str, options: CompileOptions) -> tuple[Plan, Problem]:
+          microbatches: int | str, solver: str, options: CompileOptions) -> tuple[Plan, Problem, dict[str, Any]]:
     """Rank 0: the per-sample check (with several micro-batches) and the graph with the chosen
-    cost model, solved, on one materialised copy of the graph; the plan records the cost model.
-    Returns the plan and the problem (whole-batch costs) it was solved on."""
+    cost model, solved, on one materialised copy of the graph. Returns the plan, the problem
+    (whole-batch costs) it was solved on, and the notes for every rank: ``cost_model`` used and
+    ``not_per_sample`` (the check's findings, None when it did not run)."""
     captured, condensed = front.captured, front.condensed
     flat, flags, batch = example_batch(captured, inputs)
     used = _rank0_cost_model(captured, flat, device, cost_model)
@@ -217,10 +226,7 @@ def _plan(front: Inspection, inputs: tuple[tuple, dict], device: torch.device, c
     choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
     plan = choice.plan.with_(microbatches=choice.microbatches, schedule=choice.schedule)
     log.info("rank 0 planned with the %s cost model: %s", used, choice.reason)
-    stats: dict[str, Any] = {**plan.stats, "cost_model": used}
-    if mixing is not None:
-        stats["not_per_sample"] = mixing
-    return plan.with_(stats=stats), problem
+    return plan, problem, {"cost_model": used, "not_per_sample": mixing}
 
 
 def per_sample_on_rank0(captured: Any, inputs: tuple[tuple, dict], device: torch.device, *,
@@ -303,12 +309,13 @@ def plan_on_rank0(
     }
     links = _links(options, device, world)
     problem: Problem | None = None
+    found: dict[str, Any] = {"cost_model": None, "not_per_sample": None}
     if rank == 0 and front is not None and plan is None:
         solved, failure = _try(
             lambda: _plan(front, inputs, device, cost_model, links, reference, world, schedule, microbatches,
                           solver, options)
         )
-        plan, problem = solved if solved is not None else (None, None)
+        plan, problem, found = solved if solved is not None else (None, None, found)
     elif rank == 0 and front is not None:  # the user's plan; the analytic problem, for calibrate only
         problem, unused = _try(lambda: _problem(front.condensed.graph, reference, links, world, options))
         if unused is not None:
@@ -317,6 +324,7 @@ def plan_on_rank0(
         **own,
         "error": _error(failure),
         "plan": plan.to_dict() if plan is not None else None,
+        **found,
     }
     payload = from_rank0(lambda: notes)
     chosen = Plan.from_dict(payload["plan"]) if payload["plan"] is not None else None
@@ -333,7 +341,9 @@ def plan_on_rank0(
         chosen.num_stages,
         reference.name,
     )
-    return DistPlan(front.captured, chosen, reference, problem)
+    mixing = payload["not_per_sample"]
+    return DistPlan(front.captured, chosen, reference, problem, cost_model=payload["cost_model"],
+                    not_per_sample=tuple(mixing) if mixing is not None else None)
 
 
 def _links(options: CompileOptions, device: torch.device, world: int) -> tuple[tuple[int, int, LinkSpec], ...]:
@@ -400,9 +410,7 @@ def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[
     work = work if work is not None else _materialised(gm, device)
     inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
     batch = batch_size_of([x for x, b in zip(inputs, batched, strict=True) if b] or inputs)
-    cache_dir = options.profile_cache_dir
-    cache = None if cache_dir is False else ProfileCache(cache_dir or default_cache_dir(),
-                                                         device_name(DeviceSpec("rank0", torch_device=str(device))))
+    cache = open_cache(options.profile_cache_dir, device_name(DeviceSpec("rank0", torch_device=str(device))))
     counts = microbatches if isinstance(microbatches, int) else default_microbatches(batch)
     profile_node_times(work, inputs, batched, profile_sizes(batch, counts), str(device), cache=cache)
     if cache is not None:

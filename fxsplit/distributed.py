@@ -235,7 +235,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     captured, plan = planned.captured, planned.plan
     schedule, m = _chosen(schedule, asked, plan)
     _check_args(schedule, m, world, plan.num_stages)
-    _warn_if_not_per_sample(captured.gm, m, rank, plan.stats.get("not_per_sample"))
+    _warn_if_not_per_sample(captured.gm, m, rank, planned.not_per_sample)
     program = split_graph(captured.gm, plan.stage_of_block(), [str(device)] * plan.num_stages)
     tied = tied_groups(program, world)
     mine = [(stage, StageState(stage.state, captured.aliases)) for stage in rank_stages(program, rank, world)]
@@ -245,7 +245,8 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         log.info("rank %d: stage %d state from %s", rank, stage.index, sorted(set(origin.values())))
     broadcast_tied([stage for stage, _ in mine], tied)
     meta = {"plan": plan.to_dict(), "schedule": schedule, "microbatches": m, "model": type(meta_model).__name__,
-            "reference": planned.reference.to_dict(), "autocast": options.autocast}
+            "reference": planned.reference.to_dict(), "autocast": options.autocast,
+            "cost_model": planned.cost_model, "calibrated": False}
     pipe = build_pipeline(mine, captured, (args, kwargs), plan.num_stages, device, schedule, m, tied,
                           meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s,
                           watchdog=watchdog, cls=CompiledDistributedPipeline)

@@ -38,9 +38,9 @@ def stage_count_error(problem: Problem) -> InfeasibleError:
     n, k = len(problem.graph), problem.num_devices
     err = InfeasibleError(
         f"graph {problem.graph.name!r} has {n} blocks but allow_idle_devices=False asks for "
-        f"{k} non-empty stages; use at most {n} devices, or set allow_idle_devices=True"
+        f"{k} non-empty stages; use at most {n} devices, or set allow_idle_devices=True",
+        min_devices=None,
     )
-    err.min_devices = None  # type: ignore[attr-defined]
     return err
 
 
@@ -76,7 +76,7 @@ def _least_devices(problem: Problem, run_excess: RunExcess, deadline: float) -> 
         from fxsplit.solvers.relax import memory_bound_error
 
         bound = memory_bound_error(problem)
-        at_least = getattr(bound, "min_devices_at_least", None)
+        at_least = bound.min_devices_at_least if bound is not None else None
         more = f"; the memory bound needs at least {at_least}" if at_least else ""
         return None, f"the search for the least number of devices ran out of time{more}"
     return hi, ""
@@ -102,9 +102,9 @@ def infeasible_error(
         budget_s: Seconds to spend looking for the least number of devices.
 
     Returns:
-        The error (not raised), with attributes ``stage``, ``device``, ``need_bytes``,
+        The error (not raised), with the fields ``stage``, ``device``, ``need_bytes``,
         ``cap_bytes``, ``over_bytes``, ``min_memory_bytes`` and ``min_devices`` (``None`` when
-        no number of devices up to the search limit helps).
+        no number of devices up to the search limit helps) set.
     """
     plan = evaluate(problem, stages, devices)
     worst = max(range(plan.num_stages),
@@ -125,11 +125,9 @@ def infeasible_error(
         f"microbatches={problem.microbatches}): the split that overflows least still needs "
         f"{fmt_bytes(st.memory_bytes)} on stage {worst} (blocks {list(st.blocks)[:6]}"
         f"{'…' if len(st.blocks) > 6 else ''}), device {st.device} {dev.name!r} has "
-        f"{fmt_bytes(dev.memory_bytes)}: {fmt_bytes(over)} over. Fix: {mem_fix}, {dev_fix}"
+        f"{fmt_bytes(dev.memory_bytes)}: {fmt_bytes(over)} over. Fix: {mem_fix}, {dev_fix}",
+        stage=worst, device=st.device, need_bytes=st.memory_bytes, cap_bytes=dev.memory_bytes,
+        over_bytes=over, min_memory_bytes=min_mem, min_devices=min_dev,
     )
-    for key, value in (("stage", worst), ("device", st.device), ("need_bytes", st.memory_bytes),
-                       ("cap_bytes", dev.memory_bytes), ("over_bytes", over),
-                       ("min_memory_bytes", min_mem), ("min_devices", min_dev)):
-        setattr(err, key, value)
     logger.info("infeasible: %s", err)
     return err

@@ -144,7 +144,7 @@ def memory_bound_error(problem: Problem) -> InfeasibleError | None:
     """An :class:`InfeasibleError` when the relaxed memory check proves that no plan fits, else
     ``None`` (which proves nothing). Cheap: ``O(k log k)`` per check, bisection for the fixes.
 
-    The error carries ``need_bytes`` and ``cap_bytes`` (totals of the relaxation),
+    The error's fields: ``need_bytes`` and ``cap_bytes`` (totals of the relaxation),
     ``over_bytes``, ``min_devices_at_least`` (``None`` when no number of devices passes, e.g. a
     block larger than every device), ``min_extra_bytes_at_least``; ``stage``, ``device`` and
     ``min_devices`` are ``None`` (the relaxation has no stages).
@@ -181,10 +181,8 @@ def memory_bound_error(problem: Problem) -> InfeasibleError | None:
     err = InfeasibleError(
         f"{head}{why}. Fix (each a lower bound): {dev_fix}, or at least {fmt_bytes(extra)} more on "
         f"every device; or keep fewer activation bytes in flight ({fewer}shorter sequences, "
-        "lower precision)"
+        "lower precision)",
+        block=mb.block, need_bytes=mb.need_bytes, cap_bytes=mb.cap_bytes, over_bytes=over,
+        min_devices_at_least=min_dev, min_extra_bytes_at_least=extra,
     )
-    for key, value in (("stage", None), ("device", None), ("min_devices", None), ("block", mb.block),
-                       ("need_bytes", mb.need_bytes), ("cap_bytes", mb.cap_bytes), ("over_bytes", over),
-                       ("min_devices_at_least", min_dev), ("min_extra_bytes_at_least", extra)):
-        setattr(err, key, value)
     return err

@@ -365,6 +365,37 @@ def toy_train_equal(rank: int, world: int, out_dir: str, name: str, runs: list[t
     return out
 
 
+class BatchCentred(torch.nn.Module):
+    """Subtracts the batch mean of its hidden rows: not per-sample (each sample's output depends
+    on the others in its micro-batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h - h.mean(0, keepdim=True))
+
+
+def not_per_sample_warned(rank: int, world: int, out_dir: str, batch: int) -> dict[str, Any]:
+    """Compile :class:`BatchCentred` with two micro-batches; report this rank's
+    ``NotPerSampleWarning`` messages and the plan's stats."""
+    import warnings
+
+    from fxsplit.errors import NotPerSampleWarning
+
+    torch.manual_seed(0)
+    model = BatchCentred()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = fxd.compile(BatchCentred, (torch.randn(batch, 8),), schedule="gpipe", microbatches=2,
+                           state_dict=model.state_dict(), timeout_s=30, options=CompileOptions(link=LinkSpec()))
+    pipe.close()
+    return {"warned": [str(w.message) for w in caught if issubclass(w.category, NotPerSampleWarning)],
+            "plan_stats": dict(pipe.plan.stats)}
+
+
 # -- Hugging Face GPT-2 (tests/test_distributed_hf.py) ------------------------------------------
 def gpt2_config(layers: int = 2, width: int = 64, vocab: int = 256, seq: int = 16) -> Any:
     """A small ``GPT2Config``: tied embeddings, no KV cache, no dropout (so losses compare)."""
@@ -455,7 +486,7 @@ def planned_on_rank0(rank: int, world: int, out_dir: str) -> dict[str, Any]:
                        state_dict=case.model.state_dict(), timeout_s=30)
     pipe.close()
     return {"reference": pipe.meta["reference"], "stages": [s["blocks"] for s in pipe.meta["plan"]["stages"]],
-            "cost_model": pipe.meta["plan"].get("stats", {}).get("cost_model")}
+            "cost_model": pipe.meta["cost_model"], "plan_stats": pipe.meta["plan"]["stats"]}
 
 
 def killed_mid_save(rank: int, world: int, out_dir: str, ckpt: str, timeout_s: float) -> dict[str, Any]:
@@ -539,7 +570,8 @@ def calibrate_rebuilds(rank: int, world: int, out_dir: str, name: str, plan_json
     for key, value in mine.items():
         torch.testing.assert_close(value, original[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
     out.update(keys=sorted(mine), replanned=report.replanned, gains=report.predicted_gains, stages_before=report.stages_before,
-               stages_after=report.stages_after, table=report.format_table(),
+               stages_after=report.stages_after, table=report.format_table(), calibrated=pipe.meta["calibrated"],
+               plan_stats=dict(pipe.plan.stats),
                imbalance_before=_imbalance(report.before), imbalance_after=_imbalance(report.after),
                step_ratio_before=report.step_before_s[1] / report.step_before_s[0],
                step_ratio_after=report.step_after_s[1] / report.step_after_s[0], plan_stages=[list(st.blocks) for st in pipe.plan.stages],

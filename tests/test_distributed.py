@@ -326,7 +326,20 @@ def test_rank_0_plans_once_on_its_measured_device_and_the_others_follow(tmp_path
     assert refs[0]["kind"] == "cpu" and refs[0]["peak_flops"] != 50e9, "the old fixed REFERENCE_CPU"
     # Real example inputs and a model that fits: rank 0 profiled (the other ranks may not).
     assert [r["result"]["cost_model"] for r in results.values()] == ["profiled", "profiled"]
+    # issue 15: what drives the ranks travels beside the plan, not in its solver stats
+    assert not {"cost_model", "not_per_sample"} & set(results[1]["result"]["plan_stats"])
     assert refs[0]["memory_bytes"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "measured on this machine"
+
+
+def test_rank_0_alone_warns_with_what_its_per_sample_check_found(tmp_path):
+    """Issue 15: rank 0's per-sample findings reach the warning through the broadcast notes
+    (``DistPlan.not_per_sample``), no longer through the plan's stats; the warning is the same."""
+    results = launch(w.not_per_sample_warned, 2, tmp_path, 8, deadline_s=90)
+    check_ok(results)
+    r0, r1 = results[0]["result"], results[1]["result"]
+    assert len(r0["warned"]) == 1 and r1["warned"] == [], (r0["warned"], r1["warned"])
+    assert "microbatches=2" in r0["warned"][0] and "were not checked" not in r0["warned"][0], r0["warned"][0]
+    assert "not_per_sample" not in r0["plan_stats"]
 
 
 def _lopsided_plan(name: str, batch: int) -> str:
@@ -369,6 +382,7 @@ def test_calibrate_rebuilds_across_ranks_and_moves_the_state(tmp_path):
     keys = set(zoo.get("gpt", batch_size=4).model.state_dict())
     assert set(r0["keys"]) | set(r1["keys"]) == keys
     assert r0["tied"] == r1["tied"] == ["lm_head.weight"]  # rebuilt with its tied group
+    assert r0["calibrated"] is r1["calibrated"] is True and "calibrated" not in r1["plan_stats"]  # issue 15
 
 
 def test_calibrate_balances_a_plan_made_on_wrong_costs_across_ranks(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 from hypothesis import given, settings
@@ -34,6 +35,29 @@ def test_single_stage_plan_validates_and_round_trips(problem: Problem) -> None:
     plan = evaluate(problem, [list(range(len(problem.graph)))], [0])
     assert plan.lower_bound_s <= plan.objective_s + 1e-12
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_plan_stats_are_read_only_and_survive_a_json_round_trip() -> None:
+    # Issue 15: stats were a mutable dict inside a frozen plan; a writer could change a plan
+    # other code already held. Now they are a read-only view of the writer's copy.
+    pb = Problem(CondensedGraph.chain([1.0, 2.0, 3.0]), (DeviceSpec("a"), DeviceSpec("b")))
+    given = {"cp_status": "OPTIMAL", "auto": {"dp_timed_out": False}, "downsets": [1, 2]}
+    plan = evaluate(pb, [[0, 1], [2]], stats=given)
+    given["cp_status"] = "UNKNOWN"  # the plan holds its own copy
+    assert plan.stats["cp_status"] == "OPTIMAL"
+    with pytest.raises(TypeError):
+        plan.stats["cp_status"] = "FEASIBLE"  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        plan.stats.update(certified=True)  # type: ignore[attr-defined]
+    data = plan.to_dict()
+    assert type(data["stats"]) is dict and data["stats"] == {**given, "cp_status": "OPTIMAL"}
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and dict(again.stats) == dict(plan.stats)
+    with pytest.raises(TypeError):
+        again.stats["x"] = 1  # type: ignore[index]
+    more = plan.with_(stats={**plan.stats, "certified": True})
+    assert more.stats["certified"] is True and "certified" not in plan.stats and more == plan  # stats not compared
+    assert dict(pickle.loads(pickle.dumps(more)).stats) == dict(more.stats)
 
 
 def test_evaluate_costs_communication_and_memory() -> None:

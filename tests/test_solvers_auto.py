@@ -67,5 +67,5 @@ def test_llama70b_on_32_a100_is_proven_infeasible_at_once() -> None:
     with pytest.raises(InfeasibleError, match=r"1027.83 GiB plus activations 557.06 GiB") as info:
         solve(pb, "auto", time_limit_s=120)
     err = info.value
-    assert err.min_devices_at_least == 55  # type: ignore[attr-defined]
+    assert err.min_devices_at_least == 55
     assert "gave up" not in str(err)

@@ -62,7 +62,7 @@ def test_cpsat_equals_dp(problem: Problem) -> None:
 @example(OVERFLOW)
 @example(OVERFLOW.with_(objective="makespan", schedule="gpipe"))
 def test_cpsat_equals_dp_free_order_binding_memory(problem: Problem) -> None:
-    test_cpsat_equals_dp.hypothesis.inner_test(problem)  # type: ignore[attr-defined]
+    test_cpsat_equals_dp.hypothesis.inner_test(problem)
 
 
 def test_cpsat_presolve_overflow_regression() -> None:
@@ -132,7 +132,7 @@ def test_cpsat_proves_llama70b_infeasible_without_search() -> None:
     pb = Problem(g, tuple(DeviceSpec.preset("a100").with_(name=f"a100:{i}") for i in range(32)), microbatches=8)
     bound = memory_bound_error(pb)
     assert bound is not None and "in flight (8 on stages 0-24, 7 on stage 25" in str(bound)
-    assert bound.min_devices_at_least > 32  # type: ignore[attr-defined]
+    assert bound.min_devices_at_least > 32
     assert memory_bound_error(pb.with_(devices=pb.devices * 4)) is None  # a bound, not a verdict
     with pytest.raises(InfeasibleError, match="80.00 GiB"):
         solve(pb, "cpsat", time_limit_s=5)

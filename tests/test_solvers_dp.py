@@ -142,6 +142,9 @@ def test_infeasible_error_names_stage_device_and_fixes() -> None:
     err = info.value
     assert err.min_devices == 6 and err.min_memory_bytes == 2400
     assert err.over_bytes == 1400 and err.device in (0, 1)
+    # declared fields, set at construction (issue 15): the stage's numbers agree with each other
+    assert err.stage is not None and err.cap_bytes == 1000 and err.need_bytes == 2400
+    assert (err.block, err.min_devices_at_least, err.min_extra_bytes_at_least) == (None, None, None)
     assert "stage" in str(err) and "'d" in str(err) and "6 devices" in str(err)
     # the numbers in the message are enough to make it feasible
     assert solve(pb.with_(devices=tuple(d.with_(memory_bytes=2400) for d in pb.devices)), "dp")
@@ -150,8 +153,19 @@ def test_infeasible_error_names_stage_device_and_fixes() -> None:
 def test_infeasible_when_too_few_blocks_and_no_idle_devices() -> None:
     pb = Problem(CondensedGraph.chain([1.0, 1.0]), tuple(DeviceSpec(f"d{i}") for i in range(3)),
                  allow_idle_devices=False)
-    with pytest.raises(InfeasibleError, match="2 blocks"):
+    with pytest.raises(InfeasibleError, match="2 blocks") as info:
         solve(pb, "dp")
+    err = info.value
+    assert (err.stage, err.device, err.need_bytes, err.min_devices) == (None, None, None, None)
+
+
+def test_infeasible_error_fields_are_keyword_only_and_default_to_none() -> None:
+    err = InfeasibleError("too big", stage=1, device=0, need_bytes=3.0, cap_bytes=2.0, over_bytes=1.0)
+    assert str(err) == "too big" and isinstance(err, ValueError)
+    assert (err.stage, err.device, err.need_bytes, err.cap_bytes, err.over_bytes) == (1, 0, 3.0, 2.0, 1.0)
+    assert err.min_devices is None and err.min_memory_bytes is None and err.block is None
+    with pytest.raises(TypeError):
+        InfeasibleError("too big", 1)  # type: ignore[misc]
 
 
 def test_one_f_one_b_memory_depends_on_number_of_stages() -> None:
@@ -195,7 +209,7 @@ def test_infeasible_message_says_why_no_device_count_helps() -> None:
                  (DeviceSpec("d0", memory_bytes=1000), DeviceSpec("d1", memory_bytes=1000)))
     with pytest.raises(InfeasibleError, match="a block needs 3.91 KiB on its own") as info:
         solve(pb, "dp")
-    assert "gave up" not in str(info.value) and info.value.min_devices is None  # type: ignore[attr-defined]
+    assert "gave up" not in str(info.value) and info.value.min_devices is None
 
 
 def test_zero_bubble_in_flight_counts_follow_the_stages_the_plan_uses() -> None:

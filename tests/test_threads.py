@@ -47,9 +47,13 @@ def test_a_failing_worker_stops_every_worker_and_leaves_no_thread():
         if str(action) == "1F2":
             raise RuntimeError("boom in 1F2")
 
-    with pytest.raises(ExecutionError, match="failed on rank 1 on cpu: RuntimeError: boom in 1F2"):
+    with pytest.raises(ExecutionError, match="failed on rank 1 on cpu: RuntimeError: boom in 1F2") as info:
         run_threaded(schedule, run, ["cpu"] * 3)
     assert not [t for t in threading.enumerate() if t.name.startswith("fxsplit-rank")]
+    # the location is kept by the runner, not bolted onto the user's exception (issue 15)
+    cause = info.value.__cause__
+    assert isinstance(cause, RuntimeError) and str(cause) == "boom in 1F2"
+    assert "fxsplit_where" not in vars(cause)
 
 
 def test_stage_error_in_a_thread_keeps_stage_microbatch_and_device():

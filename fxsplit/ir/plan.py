@@ -27,9 +27,11 @@ References:
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from types import MappingProxyType
 from typing import Any
 
 from fxsplit.errors import PlanError
@@ -75,6 +77,10 @@ class Plan:
     """The split of a problem's blocks into pipeline stages, with its predicted costs.
 
     ``gap`` is ``(objective_s - lower_bound_s) / objective_s``: 0 for a proven optimum.
+    ``stats`` are the solver's diagnostics (``cp_status``, ``quantum_s``, ``downsets``, ...), for
+    people and reports: read-only (a ``types.MappingProxyType`` over a copy of the mapping given;
+    item assignment raises ``TypeError``), not compared, serialised as a plain dict. To change
+    them, build a new plan: ``plan.with_(stats={**plan.stats, "key": value})``.
     """
 
     stages: tuple[StagePlan, ...]
@@ -88,10 +94,21 @@ class Plan:
     solve_time_s: float = 0.0
     microbatches: int = 1
     schedule: ScheduleName = "1f1b"
-    stats: dict[str, Any] = field(default_factory=dict, compare=False)
+    stats: Mapping[str, Any] = field(default_factory=dict, compare=False)
     graph: CondensedGraph | None = field(default=None, compare=False, repr=False)
     """The condensed graph the plan was solved on, when known (not serialised); pictures use
     it (``fxsplit.viz.draw_plan(plan, plan.graph, path)``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stats", MappingProxyType(dict(self.stats)))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle and deep-copy support: a mapping proxy cannot be pickled, its dict can."""
+        return {**self.__dict__, "stats": dict(self.stats)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "stats", MappingProxyType(dict(state.get("stats", {}))))
 
     @property
     def num_stages(self) -> int:
@@ -186,8 +203,12 @@ class Plan:
     # -- serialisation ---------------------------------------------------------------------
     def to_dict(self, problem: Problem | None = None) -> dict[str, Any]:
         """JSON-ready dict; with ``problem``, each stage also lists its nodes' names."""
-        d = asdict(replace(self, graph=None))
-        d.pop("graph")
+        d: dict[str, Any] = {}
+        for f in fields(self):  # asdict cannot copy the stats' mapping proxy
+            if f.name != "graph":
+                value = getattr(self, f.name)
+                d[f.name] = ([asdict(st) for st in value] if f.name == "stages"
+                             else _plain(value) if f.name == "stats" else value)
         d["gap"] = self.gap
         for st, sd in zip(self.stages, d["stages"], strict=True):
             sd["compute_s"], sd["time_s"] = st.compute_s, st.time_s
@@ -213,6 +234,15 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
+
+
+def _plain(value: Any) -> Any:
+    """A deep copy of ``value`` with every mapping (a read-only ``stats`` too) made a dict."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_plain(v) for v in value)
+    return copy.deepcopy(value)
 
 
 def _placement_faults(devs: list[int], schedule: str, problem: Problem) -> list[str]:
@@ -275,7 +305,7 @@ def evaluate(
     status: str = "feasible",
     lower_bound_s: float | None = None,
     solve_time_s: float = 0.0,
-    stats: dict[str, Any] | None = None,
+    stats: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Build a :class:`Plan` from block lists, costing every stage with the shared model.
 
@@ -313,7 +343,7 @@ def evaluate(
         solve_time_s=solve_time_s,
         microbatches=problem.microbatches,
         schedule=problem.schedule,
-        stats=dict(stats or {}),
+        stats=stats or {},
     )
 
 

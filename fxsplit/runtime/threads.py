@@ -49,7 +49,8 @@ def _device_stream(device: torch.device) -> Iterator[torch.cuda.Stream | None]:
 
 
 class _Run:
-    """Shared state of one threaded run: done events, the first error, the abort flag."""
+    """Shared state of one threaded run: done events, the first error and where it was raised
+    (``"rank 1 on cuda:1"``), the abort flag."""
 
     def __init__(self, schedule: Schedule) -> None:
         self.done: dict[_Key, threading.Event] = {
@@ -57,6 +58,7 @@ class _Run:
         }
         self.abort = threading.Event()
         self.error: BaseException | None = None
+        self.where = "a worker"
         self.lock = threading.Lock()
 
     def wait(self, key: _Key) -> bool:
@@ -67,10 +69,12 @@ class _Run:
                 return False
         return not self.abort.is_set()
 
-    def fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException, where: str) -> None:
+        """Record ``exc`` raised on ``where`` when it is the first error, and abort the run."""
         with self.lock:
             if self.error is None:
                 self.error = exc
+                self.where = where
         self.abort.set()
 
 
@@ -86,8 +90,7 @@ def _worker(rank: int, actions: Sequence[Action], device: torch.device, num_stag
                     stream.synchronize()
                 state.done[(action.stage, action.kind, action.microbatch)].set()
     except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
-        exc.fxsplit_where = f"rank {rank} on {device}"  # type: ignore[attr-defined]
-        state.fail(exc)
+        state.fail(exc, f"rank {rank} on {device}")
 
 
 def run_threaded(schedule: Schedule, run: Callable[[Action], None], devices: Sequence[str]) -> None:
@@ -123,8 +126,7 @@ def run_threaded(schedule: Schedule, run: Callable[[Action], None], devices: Seq
     if state.error is not None:
         if isinstance(state.error, ExecutionError):
             raise state.error
-        where = getattr(state.error, "fxsplit_where", "a worker")
         raise ExecutionError(
-            f"pipeline worker failed on {where}: {type(state.error).__name__}: {state.error}; "
+            f"pipeline worker failed on {state.where}: {type(state.error).__name__}: {state.error}; "
             "the traceback below (the cause) shows where"
         ) from state.error
