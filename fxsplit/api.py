@@ -7,7 +7,6 @@ it made; ``fxsplit.compile`` goes on to plan, split and run (the steps live in
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect as pyinspect
 import logging
@@ -20,12 +19,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit.errors import ConfigError
-from fxsplit.frontend import Inspection, front_end
+from fxsplit.frontend import Inspection, front_end, with_batch_dim
 from fxsplit.ir.devices import DeviceSpec
 from fxsplit.ir.names import ObjectiveName
 from fxsplit.options import CompileOptions
-from fxsplit.passes.batch_layout import check_batch_dim
-from fxsplit.passes.costs import measure_cpu_spec
+from fxsplit.passes.costs import cuda_spec, measure_cpu_spec
 
 __all__ = ["Inspection", "inspect", "load_model", "analyze", "resolve_cost_model"]
 
@@ -203,7 +201,7 @@ def _device_specs(devices: Any, memory_limit_bytes: int | None) -> list[DeviceSp
         elif isinstance(d, str | torch.device):
             dev = _runnable_device(i, d)
             if dev.type == "cuda":
-                spec = _cuda_spec(dev)
+                spec = cuda_spec(dev)
             else:
                 cpu = cpu or measure_cpu_spec()
                 spec = cpu.with_(torch_device=str(dev))
@@ -239,16 +237,6 @@ def _runnable_device(i: int, d: str | torch.device) -> torch.device:
     return dev
 
 
-def _cuda_spec(dev: torch.device) -> DeviceSpec:
-    if not torch.cuda.is_available():
-        raise ConfigError(f"device {dev} requested but CUDA is not available; use 'cpu' devices")
-    props = torch.cuda.get_device_properties(dev)
-    name = props.name.lower()
-    preset = next((p for p in ("h200", "h100", "a100", "v100", "t4") if p in name), None)
-    base = DeviceSpec.preset(preset) if preset else DeviceSpec("cuda", 100e12, 1e12)
-    return base.with_(memory_bytes=int(props.total_memory), torch_device=str(dev), kind=name)
-
-
 def _check_compile_args(solver: str, schedule: str, microbatches: Any, objective: str, cost_model: str) -> None:
     from fxsplit import solvers
     from fxsplit.ir.problem import OBJECTIVES, SCHEDULES
@@ -264,16 +252,6 @@ def _check_compile_args(solver: str, schedule: str, microbatches: Any, objective
         raise ConfigError(f"objective={objective!r} is unknown; choose one of {OBJECTIVES}")
     if cost_model != "auto" and cost_model not in COST_MODELS:
         raise ConfigError(f"cost_model={cost_model!r} is unknown; choose 'auto' or one of {COST_MODELS}")
-
-
-def with_batch_dim(options: CompileOptions, batch_dim: int | None) -> CompileOptions:
-    """``options`` with ``batch_dim`` checked and set (None keeps ``options.batch_dim``).
-
-    Raises:
-        ConfigError: for a ``batch_dim`` that is not an int >= 0.
-    """
-    value = check_batch_dim(options.batch_dim if batch_dim is None else batch_dim)
-    return options if value == options.batch_dim else dataclasses.replace(options, batch_dim=value)
 
 
 def _check_inputs_bind(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
@@ -351,6 +329,7 @@ def compile(  # noqa: A001 - the public name users expect
         CaptureError: when the model cannot be captured.
         InfeasibleError: when no split fits the devices' memory.
     """
+    from fxsplit.calibrate import CompiledPipeline
     from fxsplit.compiler import compile_pipeline
 
     options = options or CompileOptions()
@@ -363,6 +342,7 @@ def compile(  # noqa: A001 - the public name users expect
     return compile_pipeline(
         model, specs, tuple(example_inputs), dict(example_kwargs or {}), microbatches=microbatches,
         schedule=schedule, solver=solver, cost_model=cost_model, objective=objective, options=options,
+        build=CompiledPipeline.build,
     )
 
 

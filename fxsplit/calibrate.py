@@ -22,13 +22,18 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import nn
 
+from fxsplit.compiler import (
+    CompileContext,
+    CompileReport,
+    PlanChoice,
+    assemble_choice,
+    per_microbatch,
+    plan_pipeline,
+)
 from fxsplit.errors import ConfigError
-from fxsplit.ir import DeviceSpec, LinkSpec, Problem, evaluate
+from fxsplit.ir import LinkSpec, Problem, evaluate
 from fxsplit.ir.problem import SIMULATED_SCHEDULES
-from fxsplit.options import CompileOptions
-from fxsplit.passes.capture import Captured
 from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime import Pipeline
 from fxsplit.schedule import make, plan_step_s, simulate
@@ -37,31 +42,6 @@ __all__ = ["CompileContext", "CompiledPipeline", "CalibrationReport", "StageTime
            "check_calibrate_args", "fit_link_latency", "pipelined_step_s", "calibration_loop", "stage_rows"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CompileContext:
-    """What :func:`fxsplit.compile` planned from, kept so the pipeline can be planned again.
-
-    Attributes:
-        model: The user's module (its parameters live in the stages).
-        captured: The captured, annotated and condensed graph.
-        problem: The planning problem with whole-batch costs.
-        specs: The devices.
-        batch: Samples in the example batch.
-        microbatches, schedule, solver: The arguments ``compile`` was given (``"auto"`` allowed).
-        options: The ``CompileOptions``.
-    """
-
-    model: nn.Module
-    captured: Captured
-    problem: Problem
-    specs: tuple[DeviceSpec, ...]
-    batch: int
-    microbatches: int | str
-    schedule: str
-    solver: str
-    options: CompileOptions
 
 
 @dataclass(frozen=True)
@@ -185,8 +165,6 @@ def refit_problem(problem: Problem, measurements: Sequence[Measurement], microba
     """
     import numpy as np
 
-    from fxsplit.compiler import per_microbatch
-
     graph = per_microbatch(problem, microbatches, kind).graph
     n = len(graph)
     for meas in measurements:
@@ -252,8 +230,6 @@ def fit_link_latency(problem: Problem, stages: Sequence[Sequence[int]], devices:
         ``(problem, added seconds)``; the added seconds are negative when the probe's latency
         was more than the step shows.
     """
-    from fxsplit.compiler import per_microbatch
-
     def predicted(extra: float) -> float:
         pb = per_microbatch(_links_shifted(problem, extra), microbatches, kind)
         return plan_step_s(evaluate(pb, stages, devices))  # simulated for looped and zero-bubble schedules
@@ -372,42 +348,11 @@ def check_calibrate_args(steps: int, min_gain: float, rounds: int) -> None:
 
 def _replan(pipe: CompiledPipeline, ctx: CompileContext, refit: Problem) -> tuple[Any, float]:
     """The best plan on the refitted costs, and its predicted gain over the running plan's."""
-    from fxsplit.compiler import per_microbatch, plan_pipeline
-
     old = evaluate(per_microbatch(refit, pipe.microbatches, pipe.schedule_kind),
                    [st.blocks for st in pipe.plan.stages], [st.device for st in pipe.plan.stages])
     choice = plan_pipeline(refit, ctx.batch, ctx.microbatches, ctx.schedule, ctx.solver, ctx.options)
     old_s = plan_step_s(old)
     return choice, (1.0 - plan_step_s(choice.plan) / old_s if old_s > 0 else 0.0)
-
-
-@dataclass(frozen=True)
-class CompileReport:
-    """What :func:`fxsplit.compile` did and predicts (``pipe.report``; read only, drives nothing).
-
-    Attributes:
-        reason: Why the schedule and micro-batch count were chosen (the exploration's pick).
-        candidates: The exploration's table of the candidates it weighed.
-        capture_method: ``"export"`` or ``"symbolic_trace"``.
-        num_blocks: Blocks of the condensed graph.
-        num_downsets: Downsets enumerated (a lower bound when enumeration stopped at its budget).
-        front_end_s, plan_s, codegen_s: Wall seconds of capture + passes, planning, codegen.
-        devices: The devices' names.
-        predicted_step_s: The plan's simulated step, seconds.
-        not_per_sample: Ops that mix samples across the batch (empty for a per-sample model).
-    """
-
-    reason: str
-    candidates: str
-    capture_method: str
-    num_blocks: int
-    num_downsets: int
-    front_end_s: float
-    plan_s: float
-    codegen_s: float
-    devices: tuple[str, ...]
-    predicted_step_s: float
-    not_per_sample: tuple[str, ...] = ()
 
 
 class CompiledPipeline(Pipeline):
@@ -417,6 +362,16 @@ class CompiledPipeline(Pipeline):
 
     context: CompileContext | None = None
     report: CompileReport | None = None
+
+    @classmethod
+    def build(cls, context: CompileContext, choice: PlanChoice, report: CompileReport | None = None) -> CompiledPipeline:
+        """The pipeline of ``choice``'s plan (codegen and runtime), keeping ``context`` to plan
+        again from and ``report`` (its ``codegen_s`` set to the time this took)."""
+        t0 = time.perf_counter()
+        pipe = assemble_choice(context, choice, cls)
+        pipe.context = context
+        pipe.report = None if report is None else replace(report, codegen_s=time.perf_counter() - t0)
+        return pipe
 
     def predicted_step_s(self) -> float:
         """The step time this pipeline should take here: the plan's makespan, or, when the stages
@@ -507,21 +462,15 @@ class CompiledPipeline(Pipeline):
 
     def _adopt_costs(self, ctx: CompileContext, refit: Problem) -> None:
         """Keep the stages, predict them with the refitted costs (the plan's times, the context)."""
-        from fxsplit.compiler import per_microbatch
-
         pb = per_microbatch(refit, self.microbatches, self.schedule_kind)
         plan = evaluate(pb, [st.blocks for st in self.plan.stages], [st.device for st in self.plan.stages],
                         solver=self.plan.solver, status=self.plan.status)
         self.plan = plan.with_(microbatches=self.microbatches, schedule=self.schedule_kind, graph=pb.graph)
-        self.context = CompileContext(**{**ctx.__dict__, "problem": refit})
+        self.context = replace(ctx, problem=refit)
 
     def _rebuild(self, ctx: CompileContext, refit: Problem, choice: Any) -> None:
         """Become the pipeline of ``choice``'s plan (same model, same captured graph)."""
-        from fxsplit.compiler import assemble_compiled
-
-        new = assemble_compiled(ctx.model, ctx.captured, choice, ctx.specs, ctx.options,
-                                context=CompileContext(**{**ctx.__dict__, "problem": refit}))
-        if self.report is not None:
-            new.report = replace(self.report, reason=choice.reason, candidates=choice.candidates,
-                                 predicted_step_s=plan_step_s(choice.plan))
+        report = None if self.report is None else replace(
+            self.report, reason=choice.reason, candidates=choice.candidates, predicted_step_s=plan_step_s(choice.plan))
+        new = self.build(replace(ctx, problem=refit), choice, report)
         self.__dict__.update(new.__dict__)

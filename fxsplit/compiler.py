@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -18,7 +18,6 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit import solvers
-from fxsplit.calibrate import CompileContext, CompiledPipeline, CompileReport
 from fxsplit.codegen import BatchNormTracker, defer_batch_norm, place_stages, split_graph
 from fxsplit.codegen.buffers import defer_buffer_updates
 from fxsplit.codegen.split import StagedProgram
@@ -34,11 +33,68 @@ from fxsplit.runtime.links import pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
 from fxsplit.schedule import explore, make, plan_step_s
 
-__all__ = ["compile_pipeline", "example_batch_size", "plan_pipeline", "assemble", "assemble_compiled", "PlanChoice"]
+__all__ = ["compile_pipeline", "example_batch_size", "plan_pipeline", "assemble", "assemble_choice", "PlanChoice", "CompileContext",
+           "CompileReport"]
 
 log = logging.getLogger(__name__)
 
 P = TypeVar("P", bound=Pipeline)
+
+
+@dataclass(frozen=True)
+class CompileContext:
+    """What :func:`fxsplit.compile` planned from, kept so the pipeline can be planned again.
+
+    Attributes:
+        model: The user's module (its parameters live in the stages).
+        captured: The captured, annotated and condensed graph.
+        problem: The planning problem with whole-batch costs.
+        specs: The devices.
+        batch: Samples in the example batch.
+        microbatches, schedule, solver: The arguments ``compile`` was given (``"auto"`` allowed).
+        options: The ``CompileOptions``.
+    """
+
+    model: nn.Module
+    captured: Captured
+    problem: Problem
+    specs: tuple[DeviceSpec, ...]
+    batch: int
+    microbatches: int | str
+    schedule: str
+    solver: str
+    options: CompileOptions
+
+
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What :func:`fxsplit.compile` did and predicts (``pipe.report``; read only, drives nothing).
+
+    Attributes:
+        reason: Why the schedule and micro-batch count were chosen (the exploration's pick).
+        candidates: The exploration's table of the candidates it weighed.
+        capture_method: ``"export"`` or ``"symbolic_trace"``.
+        num_blocks: Blocks of the condensed graph.
+        num_downsets: Downsets enumerated (a lower bound when enumeration stopped at its budget).
+        front_end_s, plan_s, codegen_s: Wall seconds of capture + passes, planning, codegen.
+        devices: The devices' names.
+        predicted_step_s: The plan's simulated step, seconds.
+        not_per_sample: Ops that mix samples across the batch (empty for a per-sample model).
+    """
+
+    reason: str
+    candidates: str
+    capture_method: str
+    num_blocks: int
+    num_downsets: int
+    front_end_s: float
+    plan_s: float
+    codegen_s: float
+    devices: tuple[str, ...]
+    predicted_step_s: float
+    not_per_sample: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -184,8 +240,10 @@ def compile_pipeline(
     cost_model: str,
     objective: ObjectiveName,
     options: CompileOptions,
-) -> CompiledPipeline:
-    """Capture, plan, split and wrap ``model``; see :func:`fxsplit.compile`."""
+    build: Callable[[CompileContext, PlanChoice, CompileReport], P],
+) -> P:
+    """Capture and plan ``model``, then ``build`` the pipeline (codegen and runtime) from what
+    was planned; see :func:`fxsplit.compile` (whose ``build`` is ``CompiledPipeline.build``)."""
     t0 = time.perf_counter()
     batch = example_batch_size(args, kwargs, options.batch_dim)
     check_microbatches(microbatches, batch)  # before any work
@@ -219,13 +277,13 @@ def compile_pipeline(
     choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
     t2 = time.perf_counter()
     context = CompileContext(model, captured, problem, tuple(specs), batch, microbatches, schedule, solver, options)
-    pipe = assemble_compiled(model, captured, choice, specs, options, context)
-    pipe.report = CompileReport(
+    report = CompileReport(
         reason=choice.reason, candidates=choice.candidates, capture_method=captured.method,
         num_blocks=condensed.num_blocks, num_downsets=condensed.num_downsets, front_end_s=t1 - t0, plan_s=t2 - t1,
-        codegen_s=time.perf_counter() - t2, devices=tuple(s.name for s in specs),
-        predicted_step_s=plan_step_s(choice.plan), not_per_sample=tuple(str(m) for m in mixing),
+        codegen_s=0.0, devices=tuple(s.name for s in specs), predicted_step_s=plan_step_s(choice.plan),
+        not_per_sample=tuple(str(m) for m in mixing),
     )
+    pipe = build(context, choice, report)
     log.info("compiled %s into %d stages: %s", type(model).__name__, choice.plan.num_stages, choice.reason)
     return pipe
 
@@ -298,15 +356,12 @@ def _defer_updates(program: StagedProgram, captured: Captured, model: nn.Module)
     return tracker if tracker.batch_norms or tracker.tracked else None
 
 
-def assemble_compiled(
-    model: nn.Module, captured: Captured, choice: PlanChoice, specs: Sequence[DeviceSpec], options: CompileOptions,
-    context: CompileContext,
-) -> CompiledPipeline:
-    """:func:`assemble` for ``choice``, as the :class:`CompiledPipeline` that keeps ``context``."""
+def assemble_choice(context: CompileContext, choice: PlanChoice, cls: type[P]) -> P:
+    """:func:`assemble` for ``choice`` of ``context``'s planning, the plan keeping its graph (per
+    micro-batch costs) for pictures."""
     plan = choice.plan.with_(graph=choice.problem.graph.scaled(1.0 / choice.microbatches))
-    pipe = assemble(model, captured, plan, specs, choice.schedule, choice.microbatches, options, cls=CompiledPipeline)
-    pipe.context = context
-    return pipe
+    return assemble(context.model, context.captured, plan, context.specs, choice.schedule, choice.microbatches,
+                    context.options, cls=cls)
 
 
 def assemble(

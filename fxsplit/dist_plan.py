@@ -91,9 +91,9 @@ def reference_spec(device: torch.device) -> DeviceSpec:
     """The spec of ``device`` that plans are costed on: the preset of the detected GPU, or
     this CPU measured now (matmul FLOP/s, copy bandwidth, per-operator overhead)."""
     if device.type == "cuda":
-        from fxsplit.api import _cuda_spec
+        from fxsplit.passes.costs import cuda_spec
 
-        return _cuda_spec(device)
+        return cuda_spec(device)
     from fxsplit.passes.costs import measure_cpu_spec
 
     return measure_cpu_spec("cpu")

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxsplit.api import CompileOptions, with_batch_dim
 from fxsplit.checkpoint import load_shard, read_index
 from fxsplit.codegen import split_graph
 from fxsplit.dist_build import (
@@ -38,9 +37,10 @@ from fxsplit.dist_build import (
 from fxsplit.dist_calibrate import CompiledDistributedPipeline, DistContext
 from fxsplit.dist_plan import example_batch, plan_on_rank0
 from fxsplit.errors import ConfigError, NotPerSampleWarning
+from fxsplit.frontend import with_batch_dim
 from fxsplit.ir import Plan
 from fxsplit.ir.problem import LOOPED_SCHEDULES
-from fxsplit.options import autocast_dtype
+from fxsplit.options import CompileOptions, autocast_dtype
 from fxsplit.runtime.dist_state import StageState, materialise
 from fxsplit.runtime.distributed import SCHEDULES, DistributedPipeline
 

@@ -7,6 +7,7 @@ an :class:`Inspection` back (ARCHITECTURE.md §2: capture -> passes -> solvers).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from torch import nn
 from fxsplit.errors import InternalError
 from fxsplit.ir import DeviceSpec
 from fxsplit.options import CompileOptions, autocast_dtype, precision
+from fxsplit.passes.batch_layout import check_batch_dim
 from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
 from fxsplit.passes.frontend import front_end_passes
@@ -27,7 +29,7 @@ from fxsplit.passes.profile import device_name, open_cache, profile_sizes
 from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
 from fxsplit.schedule.explore import default_microbatches
 
-__all__ = ["Inspection", "capture_with", "front_end"]
+__all__ = ["Inspection", "capture_with", "front_end", "with_batch_dim"]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +154,16 @@ def front_end(
     if not isinstance(condensed, Condensed):
         raise InternalError(f"the front end's last pass made {type(condensed).__name__}, not Condensed (a bug in fxsplit)")
     return Inspection(captured, condensed, reference, tuple(pm.records), name, tuple(flat))
+
+
+def with_batch_dim(options: CompileOptions, batch_dim: int | None) -> CompileOptions:
+    """``options`` with ``batch_dim`` checked and set (None keeps ``options.batch_dim``).
+
+    Raises:
+        ConfigError: for a ``batch_dim`` that is not an int >= 0.
+    """
+    value = check_batch_dim(options.batch_dim if batch_dim is None else batch_dim)
+    return options if value == options.batch_dim else dataclasses.replace(options, batch_dim=value)
 
 
 def capture_with(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None,

@@ -122,6 +122,11 @@ def _symbolic(size: Any) -> bool:
     return isinstance(size, torch.SymInt) and not is_concrete_int(size)
 
 
+def _expr(size: Any) -> Any:
+    """The sympy expression of a symbolic size (a ``torch.SymInt``, typed ``int`` in shapes)."""
+    return size.node.expr
+
+
 def batch_dims(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, batch_dim: int
                 ) -> tuple[tuple[int | None, ...], tuple[int | None, ...]] | None:
     """The batch dimension of every flat input and output (None: no batch), read from export's
@@ -140,7 +145,7 @@ def batch_dims(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, batch_dim: i
     phs = list(gm.graph.find_nodes(op="placeholder"))
     vals = [n.meta.get("val") for n in phs]
     if batch_dim == 0:
-        symbols = {v.shape[0].node.expr for v in vals if isinstance(v, torch.Tensor) and v.dim() and _symbolic(v.shape[0])}
+        symbols = {_expr(v.shape[0]) for v in vals if isinstance(v, torch.Tensor) and v.dim() and _symbolic(v.shape[0])}
         if not symbols:
             return None
         in_dims = tuple(0 if isinstance(v, torch.Tensor) and v.dim() and _symbolic(v.shape[0]) else None for v in vals)
@@ -164,7 +169,7 @@ def batch_dims(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, batch_dim: i
 def _dim_of(val: Any, symbols: set[Any], what: str, batch: int | None, strict: bool = False) -> int | None:
     if not isinstance(val, torch.Tensor):
         return None
-    dims = [d for d, s in enumerate(val.shape) if _symbolic(s) and s.node.expr in symbols]
+    dims = [d for d, s in enumerate(val.shape) if _symbolic(s) and _expr(s) in symbols]
     if len(dims) > 1 and not strict:  # an output such as x @ x.T [batch, batch]: no one batch dimension
         return None  # (the per-sample check finds it: it changes shape twice with the batch)
     if len(dims) > 1:

@@ -392,7 +392,9 @@ class AnnotateCosts:
             require_meta(p, "val", "propagate_shapes")
         for node, cost in cost_nodes(gm, self.device).items():
             node.meta["fxsplit.cost"] = cost
-        if self.cost_model != "analytic" and self.example_inputs is None:
+        if self.cost_model == "analytic":
+            return PassResult(gm, modified=True)
+        if self.example_inputs is None:
             raise ConfigError(f"cost_model={self.cost_model!r} needs example_inputs (real tensors) to time nodes")
         if self.cost_model == "measured":
             measure_node_times(gm, self.example_inputs, self.measure_device, self.warmup, self.repeats, self.measure_scale)
@@ -431,6 +433,22 @@ def _op_overhead_s(chain: int = 32) -> float:
         return z
 
     return median_time_s(run, repeats=21) / chain
+
+
+def cuda_spec(dev: torch.device) -> DeviceSpec:
+    """The spec of CUDA device ``dev``: the preset of its model (H200, H100, A100, V100, T4) or
+    a generic 100 TFLOP/s, 1 TB/s one, with its real memory.
+
+    Raises:
+        ConfigError: when CUDA is not available here.
+    """
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {dev} requested but CUDA is not available; use 'cpu' devices")
+    props = torch.cuda.get_device_properties(dev)
+    name = props.name.lower()
+    preset = next((p for p in ("h200", "h100", "a100", "v100", "t4") if p in name), None)
+    base = DeviceSpec.preset(preset) if preset else DeviceSpec("cuda", 100e12, 1e12)
+    return base.with_(memory_bytes=int(props.total_memory), torch_device=str(dev), kind=name)
 
 
 def measure_cpu_spec(name: str = "cpu", *, size: int = 512) -> DeviceSpec:

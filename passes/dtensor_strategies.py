@@ -56,7 +56,7 @@ def op_strategy(node: torch.fx.Node, mesh: Any, strategies: dict[torch.fx.Node, 
     from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
     propagator = DTensor._op_dispatcher.sharding_propagator
-    op = node.target
+    op: Any = node.target  # an OpOverload (DTensor's private APIs are typed for that alone)
 
     def arg(a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
@@ -124,7 +124,7 @@ def _decomposed(node: torch.fx.Node, mesh: Any, schema: Any, out_meta: Any, n_ou
     from torch.distributed.tensor._op_schema import OpSchema
     from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
-    op = node.target
+    op: Any = node.target  # an OpOverload (DTensor's private APIs are typed for that alone)
     if not DecompShardingStrategy.has_decomp(op):
         return None
 
@@ -146,10 +146,10 @@ def _decomposed(node: torch.fx.Node, mesh: Any, schema: Any, out_meta: Any, n_ou
     candidates = [[Replicate(), Partial(), *(Shard(d) for d in range(x.ndim))] if isinstance(x, DTensorSpec) else [None]
                   for x in leaves]
     fake_mesh = decomp._get_fake_mesh(mesh.device_type)
-    rules = []
+    rules: list[list[Any]] = []
     for combo in itertools.product(*candidates):
         try:
-            out = decomp._propagate_through_decomp(spec_schema, combo, fake_mesh)
+            out = decomp._propagate_through_decomp(spec_schema, tuple[Any, ...](combo), fake_mesh)
         except (RuntimeError, KeyError, IndexError, AssertionError, ValueError):
             continue  # would need a redistribution inside the decomposition
         outs = list(out) if isinstance(out, tuple | list) else [out]

@@ -60,6 +60,11 @@ class BlockFormulas:
         return {k: float(v.subs(BATCH, batch)) for k, v in self.fields.items()}
 
 
+
+def _free_symbols(size: Any) -> Any:
+    """The symbols of a symbolic size (a ``torch.SymInt``, typed ``int`` in shapes)."""
+    return size.node.expr.free_symbols
+
 def _plain(expr: sympy.Expr) -> sympy.Expr:
     """``expr`` with torch's sympy helpers (``ToFloat``, ``FloatTrueDiv``, ...) as plain sympy."""
     from torch.utils._sympy.functions import FloatTrueDiv, IntTrueDiv, ToFloat
@@ -132,7 +137,7 @@ def symbolic_node_costs(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any] | N
     mode = FakeTensorMode(shape_env=ShapeEnv(specialize_zero_one=False), allow_non_fake_inputs=True)
     inputs = _symbolic_inputs(flat_inputs, batched, mode)
     symbols = {s for x in inputs if isinstance(x, torch.Tensor) for d in x.shape
-               if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
+               if isinstance(d, torch.SymInt) for s in _free_symbols(d)}
     out: dict[str, dict[str, sympy.Expr]] = {}
     with _vals_kept(gm):
         with fake_state(gm, mode), mode:

@@ -62,7 +62,8 @@ def dependent_sets(graph: StrategyGraph, order: Sequence[int]) -> list[tuple[int
     placed later (PaSE's dependent set after placing ``order[i]``)."""
     pos = {v: i for i, v in enumerate(order)}
     last = [max((pos[w] for w in nbrs), default=-1) for nbrs in graph.neighbours()]
-    sets, live = [], []
+    sets: list[tuple[int, ...]] = []
+    live: list[int] = []
     for i, v in enumerate(order):
         live = [u for u in (*live, v) if last[u] > i]
         sets.append(tuple(live))
@@ -182,11 +183,11 @@ def _dp(graph: StrategyGraph, max_states: int) -> tuple[tuple[int, ...], int]:
         history.append(new)
         table, prev = new, deps[i]
     choice = [0] * len(graph)
-    key: tuple[int, ...] = ()  # the last dependent set is empty
+    at: tuple[int, ...] = ()  # the last dependent set is empty
     for i in range(len(order) - 1, -1, -1):
-        _, back, o = history[i][key]
+        _, back, o = history[i][at]
         choice[order[i]] = o
-        key = back
+        at = back
     return tuple(choice), size
 
 
@@ -236,32 +237,32 @@ def solve_pase_cpsat(graph: StrategyGraph, *, memory_limit_bytes: float | None =
     # fine enough that the largest cost no plan uses does not round the small ones away
     q = time_quantum_s or max(max(costs, default=0.0), 1e-12) / 2**40
     m = cp_model.CpModel()
-    pick = {(v, o): m.NewBoolVar(f"pick[{v},{o}]") for v, vert in enumerate(graph.vertices)
+    pick = {(v, o): m.new_bool_var(f"pick[{v},{o}]") for v, vert in enumerate(graph.vertices)
             for o in range(len(vert.options))}
     for v, vert in enumerate(graph.vertices):  # one strategy per vertex
-        m.AddExactlyOne(pick[v, o] for o in range(len(vert.options)))
+        m.add_exactly_one(pick[v, o] for o in range(len(vert.options)))
     objective = []
     for v, vert in enumerate(graph.vertices):
         for o, opt in enumerate(vert.options):
             if math.isinf(opt.compute_s):  # an option that cannot be taken
-                m.Add(pick[v, o] == 0)
+                m.add(pick[v, o] == 0)
             else:
                 objective.append(round(opt.compute_s / q) * pick[v, o])
     for k, e in enumerate(graph.edges):  # both[k, i, j] = pick[src, i] AND pick[dst, j], linearised exactly
-        both = {(i, j): m.NewBoolVar(f"both[{k},{i},{j}]") for i in range(len(e.cost_s)) for j in range(len(e.cost_s[0]))}
+        both = {(i, j): m.new_bool_var(f"both[{k},{i},{j}]") for i in range(len(e.cost_s)) for j in range(len(e.cost_s[0]))}
         for i in range(len(e.cost_s)):
-            m.Add(sum(both[i, j] for j in range(len(e.cost_s[0]))) == pick[e.src, i])
+            m.add(sum(both[i, j] for j in range(len(e.cost_s[0]))) == pick[e.src, i])
         for j in range(len(e.cost_s[0])):
-            m.Add(sum(both[i, j] for i in range(len(e.cost_s))) == pick[e.dst, j])
+            m.add(sum(both[i, j] for i in range(len(e.cost_s))) == pick[e.dst, j])
         for (i, j), b in both.items():
             if math.isinf(e.cost_s[i][j]):  # no redistribution gets there
-                m.Add(b == 0)
+                m.add(b == 0)
             else:
                 objective.append(round(e.cost_s[i][j] / q) * b)
     if memory_limit_bytes is not None:  # per-device memory (bytes, integral)
-        m.Add(sum(math.ceil(opt.memory_bytes) * pick[v, o] for v, vert in enumerate(graph.vertices)
+        m.add(sum(math.ceil(opt.memory_bytes) * pick[v, o] for v, vert in enumerate(graph.vertices)
                   for o, opt in enumerate(vert.options)) <= math.floor(memory_limit_bytes))
-    m.Minimize(sum(objective))
+    m.minimize(sum(objective))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = num_workers
     solver.parameters.random_seed = seed

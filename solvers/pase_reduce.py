@@ -32,12 +32,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from fxsplit.ir.strategy import StrategyEdge, StrategyGraph, StrategyOption, StrategyVertex
 
 __all__ = ["ReducedGraph", "reduce_graph"]
 
 Matrix = list[list[float]]
+Record = tuple[Any, ...]
+"""An elimination, to undo in :meth:`ReducedGraph.expand`: ``("free", u, option)``,
+``("leaf", u, w, best option of u per option of w)`` or ``("link", u, w1, w2, best option of u per
+pair)``."""
 
 
 @dataclass
@@ -53,7 +58,7 @@ class ReducedGraph:
     graph: StrategyGraph
     kept: tuple[int, ...]
     num_vertices: int
-    _records: list[tuple] = field(default_factory=list, repr=False)
+    _records: list[Record] = field(default_factory=list, repr=False)
 
     def expand(self, choice: Mapping[int, int]) -> tuple[int, ...]:
         """The choice of every original vertex from ``choice`` (reduced index -> option)."""
@@ -89,7 +94,7 @@ def reduce_graph(graph: StrategyGraph) -> ReducedGraph:
     for a, b in edges:
         nbrs[a].add(b)
         nbrs[b].add(a)
-    records: list[tuple] = []
+    records: list[Record] = []
     alive = set(range(len(graph)))
     todo = [v for v in range(len(graph)) if len(nbrs[v]) <= 2]
     while todo:
@@ -116,7 +121,7 @@ def _matrix(edges: dict[tuple[int, int], Matrix], u: int, v: int) -> Matrix:
 
 
 def _eliminate(u: int, cost: list[list[float]], edges: dict[tuple[int, int], Matrix], nbrs: list[set[int]],
-               records: list[tuple]) -> list[int]:
+               records: list[Record]) -> list[int]:
     """Remove ``u`` (at most two neighbours); return the neighbours whose degree changed."""
     around = sorted(nbrs[u])
     for w in around:

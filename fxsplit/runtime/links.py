@@ -18,6 +18,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import statistics
@@ -108,7 +109,7 @@ def probe_devices(src: str, dst: str, sizes_bytes: Sequence[int] = DEFAULT_PROBE
     times = []
     for size in sizes_bytes:
         x = torch.empty(size // 4, dtype=torch.float32, device=a)
-        times.append(median_time_s(lambda x=x: x.to(b), warmup=2, repeats=repeats, device=sync))
+        times.append(median_time_s(functools.partial(x.to, b), warmup=2, repeats=repeats, device=sync))
     link = _robust_fit(sizes_bytes, times)
     log.info("link %s -> %s: %.3g GB/s, %.3g us", src, dst, link.bytes_per_s / 1e9, link.latency_s * 1e6)
     return link
