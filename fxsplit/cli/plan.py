@@ -18,15 +18,13 @@ from typing import Annotated, Any, cast
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from fxsplit.cli import exit_with_error
 from fxsplit.cli.helptext import OBJECTIVE_HELP, RECOMPUTE_HELP, SCHEDULE_HELP, SOLVER_HELP
 from fxsplit.ir.names import ObjectiveName, RecomputeName
-from fxsplit.ir.units import format_bytes, format_seconds
-from fxsplit.viz import plan_summary
+from fxsplit.viz import plan_table
 
-__all__ = ["register", "plan_table", "reference_device"]
+__all__ = ["register", "reference_device"]
 
 
 def reference_device(name: str) -> Any:
@@ -38,24 +36,6 @@ def reference_device(name: str) -> Any:
 
         return measure_cpu_spec()
     return DeviceSpec.preset(name)
-
-
-def plan_table(plan: Any, problem: Any) -> Table:
-    """One row per stage: device, blocks, nodes, forward, backward (``+fwd`` where the stage
-    recomputes its activations), communication, memory."""
-    table = Table(title=f"{problem.graph.name}: {plan.num_stages} stages, {plan.schedule}, "
-                        f"{plan.microbatches} micro-batches, solver {plan.solver} ({plan.status})")
-    for col in ("stage", "device", "blocks", "nodes", "fwd/mb", "bwd/mb", "comm/mb", "memory"):
-        table.add_column(col, justify="left" if col in ("device", "nodes") else "right")
-    for s, st in enumerate(plan.stages):
-        nodes = [n for b in st.blocks for n in problem.graph.blocks[b].nodes]
-        shown = nodes[0] if len(nodes) == 1 else f"{nodes[0]} … {nodes[-1]} ({len(nodes)})" if nodes else ""
-        table.add_row(str(s), problem.devices[st.device].name, str(len(st.blocks)), shown,
-                      format_seconds(st.fwd_s), format_seconds(st.bwd_s) + (" (+fwd)" if st.recompute else ""),
-                      format_seconds(st.comm_s),
-                      format_bytes(st.memory_bytes))
-    table.caption = f"{plan_summary(plan)}; solved in {plan.solve_time_s:.2f} s"
-    return table
 
 
 def _load(model: str, size: str, batch_size: int, preset: str | None, meta: bool) -> Any:

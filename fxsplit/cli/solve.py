@@ -17,7 +17,6 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from fxsplit.cli import exit_with_error
 from fxsplit.cli.helptext import OBJECTIVE_HELP, PROBLEM_SCHEDULE_HELP, SOLVER_HELP
@@ -116,23 +115,6 @@ def plan_json(plan: Plan, problem: Problem) -> dict[str, Any]:
     return plan.to_dict(problem)
 
 
-def _table(plan: Plan, problem: Problem) -> Table:
-    ms = 1e3
-    title = (f"{problem.graph.name}: {plan.solver} ({plan.status}), {plan.objective} "
-             f"{plan.objective_s * ms:.4g} ms, bound {plan.lower_bound_s * ms:.4g} ms, gap {plan.gap:.2%}, "
-             f"solved in {plan.solve_time_s:.3f} s")
-    table = Table(title=title)
-    for col in ("stage", "device", "blocks", "nodes", "compute ms", "comm ms", "time ms", "memory GiB"):
-        table.add_column(col, justify="right" if col not in ("device", "nodes") else "left")
-    for s, st in enumerate(plan.stages):
-        nodes = [n for b in st.blocks for n in problem.graph.blocks[b].nodes]
-        shown = nodes[0] if len(nodes) == 1 else f"{nodes[0]} … {nodes[-1]} ({len(nodes)})" if nodes else ""
-        table.add_row(str(s), problem.devices[st.device].name, str(len(st.blocks)), shown,
-                      f"{st.compute_s * ms:.4g}", f"{st.comm_s * ms:.4g}", f"{st.time_s * ms:.4g}",
-                      f"{st.memory_bytes / GiB:.3f}")
-    return table
-
-
 def solve_command(
     graph: Annotated[Path, typer.Argument(help="Graph or problem file.")],
     format: Annotated[str, typer.Option("--format", help="auto|fxsplit|pipedream|tarnawski")] = "auto",
@@ -168,7 +150,9 @@ def solve_command(
     if as_json:
         sys.stdout.write(json.dumps(plan_json(plan, problem), indent=1) + "\n")
     else:
-        Console().print(_table(plan, problem))
+        from fxsplit.viz import plan_table
+
+        Console().print(plan_table(plan, problem))
 
 
 def register(app: typer.Typer) -> None:

@@ -15,8 +15,8 @@ Byte and duration formatting is :mod:`fxsplit.ir.units`.
 
 from fxsplit.viz.dot import to_dot, write_dot
 from fxsplit.viz.draw import draw_pipeline, draw_plan, gantt, stage_colors
-from fxsplit.viz.tables import describe, stage_table
+from fxsplit.viz.tables import describe, plan_table, stage_table
 from fxsplit.viz.text import plan_summary, render_gantt, render_shard_gantt
 
-__all__ = ["describe", "draw_pipeline", "draw_plan", "gantt", "plan_summary", "render_gantt", "render_shard_gantt",
+__all__ = ["describe", "draw_pipeline", "draw_plan", "gantt", "plan_summary", "plan_table", "render_gantt", "render_shard_gantt",
            "stage_colors", "stage_table", "to_dot", "write_dot"]

@@ -12,9 +12,10 @@ from fxsplit.ir.units import format_bytes, format_seconds
 from fxsplit.viz.text import plan_summary
 
 if TYPE_CHECKING:
+    from fxsplit.ir import Plan, Problem
     from fxsplit.runtime import Pipeline
 
-__all__ = ["describe", "stage_table"]
+__all__ = ["describe", "plan_table", "stage_table"]
 
 
 def stage_table(pipe: Pipeline) -> Table:
@@ -48,3 +49,22 @@ def describe(pipe: Pipeline) -> str:
     console = Console(width=120, record=True, file=io.StringIO())
     console.print(stage_table(pipe))
     return console.export_text()
+
+
+def plan_table(plan: Plan, problem: Problem) -> Table:
+    """A rich table with one row per stage of ``plan`` (costs per micro-batch) for ``problem``:
+    device, blocks, the nodes it runs, forward, backward (``+fwd`` where the stage recomputes its
+    activations), communication and memory; the caption gives the predicted step, the bound and
+    the gap (:func:`~fxsplit.viz.text.plan_summary`) and the solve time."""
+    table = Table(title=f"{problem.graph.name}: {plan.num_stages} stages, {plan.schedule}, "
+                        f"{plan.microbatches} micro-batches, solver {plan.solver} ({plan.status})",
+                  caption=f"{plan_summary(plan)}; solved in {plan.solve_time_s:.2f} s")
+    for col in ("stage", "device", "blocks", "nodes", "fwd/mb", "bwd/mb", "comm/mb", "memory"):
+        table.add_column(col, justify="left" if col in ("device", "nodes") else "right")
+    for s, st in enumerate(plan.stages):
+        nodes = [n for b in st.blocks for n in problem.graph.blocks[b].nodes]
+        shown = nodes[0] if len(nodes) == 1 else f"{nodes[0]} … {nodes[-1]} ({len(nodes)})" if nodes else ""
+        table.add_row(str(s), problem.devices[st.device].name, str(len(st.blocks)), shown, format_seconds(st.fwd_s),
+                      format_seconds(st.bwd_s) + (" (+fwd)" if st.recompute else ""), format_seconds(st.comm_s),
+                      format_bytes(st.memory_bytes))
+    return table
