@@ -85,7 +85,7 @@ def _dist_timed(pipe: Any, x: Any, y: Any, loss_fn: Any, kwargs: dict, steps: in
     from fxsplit.schedule import make, simulate
 
     step_s, per_step = pipe.timed_steps(*x, target=y, loss_fn=loss_fn, steps=steps, **kwargs)
-    plan = pipe.meta["plan"]
+    plan = pipe.running_plan().to_dict()
     stages = [{"stage": s, "pred_fwd_s": st["fwd_s"], "pred_bwd_s": st["bwd_s"],
                "meas_fwd_s": statistics.median(r[s]["fwd_s"] for r in per_step),
                "meas_bwd_s": statistics.median(r[s]["bwd_s"] for r in per_step)}

@@ -102,7 +102,7 @@ def _variant_fxsplit(args: argparse.Namespace, rank: int, kind: str) -> tuple[Ca
     pipe = fxd.compile(lambda: build_model(args), (x,), schedule=kind, microbatches=args.microbatches,
                        timeout_s=600.0)
     if rank == 0:  # the plan's simulated step, as every rank agreed on it
-        _PREDICTED[f"fxsplit {kind}"] = float(pipe.meta.get("plan", {}).get("makespan_s", float("nan")))
+        _PREDICTED[f"fxsplit {kind}"] = float(pipe.running_plan().makespan_s)
     return (lambda: pipe.train_step(x, target=y, loss_fn=lm_loss)), torch.optim.SGD(list(pipe.parameters()), lr=1e-4)
 
 

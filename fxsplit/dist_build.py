@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fxsplit.codegen.place import get_state
+from fxsplit.ir import Plan
 from fxsplit.options import autocast_dtype
 from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import StageModule
@@ -86,18 +87,18 @@ def batched_flags(captured: Any, flat: Sequence[Any]) -> list[bool]:
 
 def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inputs: tuple[tuple, dict],
                    num_stages: int, device: torch.device, schedule: str, m: int, tied: list[TiedGroup], *,
-                   meta: dict[str, Any], state_order: list[str], timeout_s: float, watchdog: bool,
-                   cls: type[P]) -> P:
+                   plan: Plan, autocast: str | None, meta: dict[str, Any], state_order: list[str], timeout_s: float,
+                   watchdog: bool, cls: type[P]) -> P:
     """This rank's runtime (``cls``, a :class:`DistributedPipeline`) around its materialised
     stages, ``(stage, state)`` pairs (:func:`rank_stages`); ``inputs`` is ``(args, kwargs)``."""
     flat = captured.flatten_inputs(*inputs)
     batched = batched_flags(captured, flat)
     batch = batch_size_of([x for x, b in zip(flat, batched, strict=True) if b] or flat)
-    dtype = autocast_dtype(meta.get("autocast"))  # mixed precision: stages, wire shapes and loss under autocast
+    dtype = autocast_dtype(autocast)  # mixed precision: stages, wire shapes and loss under autocast
     held = []
     for stage, state in stages:
         first, last = stage.index == 0, stage.index == num_stages - 1
-        recompute = bool(meta["plan"]["stages"][stage.index].get("recompute", False))
+        recompute = plan.stages[stage.index].recompute
         module = StageModule(stage.gm, first=first, last=last, batched=batched, recompute=recompute,
                              autocast=(device.type, dtype) if dtype is not None else None)
         shapes = WireShapes(
@@ -111,6 +112,6 @@ def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inpu
     return cls(
         held, num_stages=num_stages, device=device, schedule_kind=schedule,
         microbatches=m, in_spec=captured.in_spec, out_spec=captured.out_spec, tied=tied,
-        state_order=state_order, meta=meta, timeout_s=timeout_s, watchdog=watchdog,
+        state_order=state_order, plan=plan, autocast=autocast, meta=meta, timeout_s=timeout_s, watchdog=watchdog,
         batched_inputs=batched, batched_outputs=captured.batched_outputs, layout=captured.layout,
     )

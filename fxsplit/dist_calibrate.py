@@ -139,15 +139,18 @@ class CompiledDistributedPipeline(DistributedPipeline):
     its :class:`DistContext` so it can :meth:`calibrate` itself."""
 
     context: DistContext | None = None
+    calibrated: bool = False
+    """True once :meth:`calibrate` has costed the plan on measured times (every rank)."""
 
-    @property
-    def plan(self) -> Plan:
+    def running_plan(self) -> Plan:
         """The plan this pipeline runs (rank 0's, as every rank holds it)."""
-        return Plan.from_dict(self.meta["plan"])
+        if self.plan is None:
+            raise ConfigError("this pipeline was built without its plan; build it with fxsplit.distributed.compile")
+        return self.plan
 
     def predicted_step_s(self) -> float:
         """The plan's predicted step (:func:`fxsplit.schedule.plan_step_s`), seconds."""
-        return float(plan_step_s(self.plan))
+        return float(plan_step_s(self.running_plan()))
 
     def calibrate(
         self,
@@ -191,26 +194,26 @@ class CompiledDistributedPipeline(DistributedPipeline):
                               "planned from)")
 
         def recalibrate(measured: list[Measurement], step_s: float) -> tuple[float, bool, tuple[float, float]]:
-            running = self.plan
+            running = self.running_plan()
             decision = self._from_rank0("re-plan", lambda: self._replan(measured, running, step_s, min_gain))
             new_plan = Plan.from_dict(decision["plan"])
-            self.meta = {**self.meta, "calibrated": decision["calibrated"]}
+            self.calibrated = decision["calibrated"]
             if decision["rebuild"]:
                 self._rebuild(new_plan)
             else:
-                self.meta = {**self.meta, "plan": new_plan.to_dict()}
+                self.plan = new_plan
             return decision["gain"], decision["rebuild"], (decision["probed_latency_s"], decision["fitted_latency_s"])
 
         def go_back(saved: tuple[Plan, float], measured: list[Measurement]) -> tuple[float, float]:
             plan, step_s = saved
             back = self._from_rank0("cost the plan to go back to", lambda: self._replan(measured, plan, step_s, None))
-            self.meta = {**self.meta, "calibrated": back["calibrated"]}
+            self.calibrated = back["calibrated"]
             self._rebuild(Plan.from_dict(back["plan"]))
             return back["probed_latency_s"], back["fitted_latency_s"]
 
         speeds = self._from_rank0("read the devices' speeds", self._speeds)["speeds"]
         report = calibration_loop(self, rounds, min_gain, lambda: self._measure(args, kwargs, target, loss_fn, steps),
-                                  recalibrate, go_back, lambda step_s: (self.plan, step_s), speeds=speeds)
+                                  recalibrate, go_back, lambda step_s: (self.running_plan(), step_s), speeds=speeds)
         if dist.get_rank() == 0:
             log.info("calibrate:\n%s", report.format_table())
         return report
@@ -242,7 +245,7 @@ class CompiledDistributedPipeline(DistributedPipeline):
             walls, per_step = self.timed_steps(*args, target=target, loss_fn=loss_fn, steps=steps, **kwargs)
         self.zero_grad(set_to_none=True)
         walls = from_rank0(lambda: walls)
-        return stage_rows(self.plan, per_step), (self.predicted_step_s(), statistics.median(walls))
+        return stage_rows(self.running_plan(), per_step), (self.predicted_step_s(), statistics.median(walls))
 
     def _speeds(self) -> dict[str, Any]:
         """Rank 0: each device's speed (reference device 1), for comparing measured plans."""
@@ -304,7 +307,7 @@ class CompiledDistributedPipeline(DistributedPipeline):
             materialise(stage.gm, state, self.device, state_dict=source, init_fn=None, meta_model=ctx.meta_model,
                         model_fn=None)
         new = build_pipeline(mine, ctx.captured, ctx.inputs, plan.num_stages, self.device, self.schedule_kind,
-                             self.microbatches, tied, meta={**self.meta, "plan": plan.to_dict()},
+                             self.microbatches, tied, plan=plan, autocast=self.autocast, meta=dict(self.meta),
                              state_order=self.state_order, timeout_s=self.timeout_s,
                              watchdog=self.watchdog is not None, cls=type(self))
         new.context = ctx

@@ -244,11 +244,9 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
                              meta_model=meta_model, model_fn=model_fn)
         log.info("rank %d: stage %d state from %s", rank, stage.index, sorted(set(origin.values())))
     broadcast_tied([stage for stage, _ in mine], tied)
-    meta = {"plan": plan.to_dict(), "schedule": schedule, "microbatches": m, "model": type(meta_model).__name__,
-            "reference": planned.reference.to_dict(), "autocast": options.autocast,
-            "cost_model": planned.cost_model, "calibrated": False}
+    meta = {"model": type(meta_model).__name__, "reference": planned.reference.to_dict(), "cost_model": planned.cost_model}
     pipe = build_pipeline(mine, captured, (args, kwargs), plan.num_stages, device, schedule, m, tied,
-                          meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s,
+                          plan=plan, autocast=options.autocast, meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s,
                           watchdog=watchdog, cls=CompiledDistributedPipeline)
     pipe.context = DistContext(model_fn, meta_model, captured, to_meta((args, kwargs)), planned.problem,
                                example_batch(captured, (args, kwargs))[2], solver, options)

@@ -485,8 +485,9 @@ def planned_on_rank0(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="gpipe", microbatches=2,
                        state_dict=case.model.state_dict(), timeout_s=30)
     pipe.close()
-    return {"reference": pipe.meta["reference"], "stages": [s["blocks"] for s in pipe.meta["plan"]["stages"]],
-            "cost_model": pipe.meta["cost_model"], "plan_stats": pipe.meta["plan"]["stats"]}
+    plan = pipe.running_plan()
+    return {"reference": pipe.meta["reference"], "stages": [list(s.blocks) for s in plan.stages],
+            "cost_model": pipe.meta["cost_model"], "plan_stats": dict(plan.stats)}
 
 
 def killed_mid_save(rank: int, world: int, out_dir: str, ckpt: str, timeout_s: float) -> dict[str, Any]:
@@ -570,7 +571,7 @@ def calibrate_rebuilds(rank: int, world: int, out_dir: str, name: str, plan_json
     for key, value in mine.items():
         torch.testing.assert_close(value, original[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
     out.update(keys=sorted(mine), replanned=report.replanned, gains=report.predicted_gains, stages_before=report.stages_before,
-               stages_after=report.stages_after, table=report.format_table(), calibrated=pipe.meta["calibrated"],
+               stages_after=report.stages_after, table=report.format_table(), calibrated=pipe.calibrated,
                plan_stats=dict(pipe.plan.stats),
                imbalance_before=_imbalance(report.before), imbalance_after=_imbalance(report.after),
                step_ratio_before=report.step_before_s[1] / report.step_before_s[0],
@@ -599,7 +600,7 @@ def recompute_equal(rank: int, world: int, out_dir: str, schedules: list[str], b
                            options=CompileOptions(link=LinkSpec(), recompute="all", allow_idle_devices=False))
         loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
         out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
-        out[tag]["planned"] = [st["recompute"] for st in pipe.meta["plan"]["stages"]]
+        out[tag]["planned"] = [st.recompute for st in pipe.running_plan().stages]
         out[tag]["running"] = [st.module.recomputed is not None for st in pipe.stages]
         pipe.close()
     return out

@@ -38,7 +38,7 @@ def _train(pipe: Any, case: Any, reference: Any, steps: int, lr: float, batch_si
         start = time.perf_counter()
         loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
         out["step_s"].append(time.perf_counter() - start)
-        with precision("cpu", autocast_dtype(pipe.meta.get("autocast"))):  # the unsplit model under it too
+        with precision("cpu", autocast_dtype(pipe.autocast)):  # the unsplit model under it too
             ref_loss = case.loss_fn(reference(*inputs), target)
         ref_loss.backward()
         ref_loss = ref_loss.detach()

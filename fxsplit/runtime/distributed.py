@@ -37,6 +37,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import torch
@@ -47,6 +48,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleL
 
 from fxsplit.checkpoint import PLAN_FILE, commit, next_version, shard_name, write_atomic
 from fxsplit.errors import ConfigError, ExecutionError
+from fxsplit.ir import Plan
 from fxsplit.options import autocast_dtype, precision
 from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
 from fxsplit.runtime.dist_faults import Progress, Watchdog
@@ -159,6 +161,8 @@ class DistributedPipeline(ParameterAPI):
         out_spec: pytree.TreeSpec,
         tied: Sequence[TiedGroup] = (),
         state_order: Sequence[str] = (),
+        plan: Plan | None = None,
+        autocast: str | None = None,
         meta: Mapping[str, Any] | None = None,
         timeout_s: float = 60.0,
         watchdog: bool = True,
@@ -173,7 +177,10 @@ class DistributedPipeline(ParameterAPI):
         self.schedule_kind, self.microbatches = schedule_kind, microbatches
         self.in_spec, self.out_spec = in_spec, out_spec
         self.tied, self.state_order = tuple(tied), list(state_order)
-        self.meta, self.timeout_s = dict(meta or {}), timeout_s
+        self.plan, self.autocast = plan, autocast
+        # what the pipeline is (model, reference device, cost model): saved with checkpoints, drives nothing
+        self.meta: Mapping[str, Any] = MappingProxyType(dict(meta or {}))
+        self.timeout_s = timeout_s
         self.batched_outputs = batched_outputs
         self.batched_inputs = (list(batched_inputs) if batched_inputs is not None
                                else (self.stages[0].module.batched or None))
@@ -344,7 +351,7 @@ class DistributedPipeline(ParameterAPI):
                 self._loss_fn, outs, self.batched_outputs, self._unflatten, target, self._mb_size,
                 self._target_dim or 0)
         weight = 1.0 if self._reduction == "sum" else self._weight
-        with precision(self.device, autocast_dtype(self.meta.get("autocast"))):  # as the unsplit model runs it
+        with precision(self.device, autocast_dtype(self.autocast)):  # as the unsplit model runs it
             return self._loss_fn(self._unflatten(outs), target) * weight
 
     def _run(self, what: str, call: Callable[[], Any]) -> Any:
@@ -632,7 +639,9 @@ class DistributedPipeline(ParameterAPI):
         self._run("gathering the shard index", lambda: dist.all_gather_object(keys, mine))
         if rank == 0:
             index = dict(sorted(pair for held in keys for pair in held))
-            doc = {**self.meta, "num_stages": self.num_stages, "state_order": self.state_order, "shards": index}
+            doc = {**self.meta, "plan": self.plan.to_dict() if self.plan is not None else None, "autocast": self.autocast,
+                   "schedule": self.schedule_kind, "microbatches": self.microbatches, "num_stages": self.num_stages,
+                   "state_order": self.state_order, "shards": index}
             write_atomic(os.path.join(folder, PLAN_FILE), lambda f: f.write(json.dumps(doc, indent=1).encode()))
             commit(directory, version, keep)
         self._run("waiting for the checkpoint to be committed", dist.barrier)
