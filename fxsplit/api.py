@@ -109,7 +109,8 @@ def analyze(
     _check_writable(dump_dir)
     options = CompileOptions(capture_method=method, dynamic_batch=False, max_downsets=max_downsets)
     ins = front_end(model, example_inputs, dict(example_kwargs or {}), reference=device or measure_cpu_spec(),
-                    cost_model=cost_model, options=options, name=name, verify=verify, dump_dir=dump_dir)
+                    cost_model=cost_model, options=options, name=name, force_shapes=False,
+                    measure_device="cpu", verify=verify, dump_dir=dump_dir)
     if dump_dir is not None:  # (checked writable before any work)
         from fxsplit.viz import write_dot
 

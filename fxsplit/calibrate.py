@@ -473,4 +473,6 @@ class CompiledPipeline(Pipeline):
         report = None if self.report is None else replace(
             self.report, reason=choice.reason, candidates=choice.candidates, predicted_step_s=plan_step_s(choice.plan))
         new = self.build(replace(ctx, problem=refit), choice, report)
+        if self.report is not None and new.report is not None:  # the compile's timings, not the rebuild's
+            new.report = replace(new.report, codegen_s=self.report.codegen_s)
         self.__dict__.update(new.__dict__)

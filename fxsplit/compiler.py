@@ -66,8 +66,6 @@ class CompileContext:
     options: CompileOptions
 
 
-
-
 @dataclass(frozen=True)
 class CompileReport:
     """What :func:`fxsplit.compile` did and predicts (``pipe.report``; read only, drives nothing).

@@ -265,7 +265,7 @@ class CompiledDistributedPipeline(DistributedPipeline):
         """Rank 0: refit the stage times to ``measured`` and the links' latency to ``running``'s
         measured ``step_s``; with ``min_gain``, solve and decide whether to rebuild, else (None)
         only cost ``running`` on the refit; a plain dict for ``broadcast_object_list``, whose
-        ``calibrated`` (True: the plan is costed on measured times) every rank records in ``meta``."""
+        ``calibrated`` (True: the plan is costed on measured times) every rank records in ``pipe.calibrated``."""
         from fxsplit.compiler import per_microbatch, plan_pipeline
 
         ctx = self.context

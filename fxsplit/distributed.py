@@ -42,7 +42,8 @@ from fxsplit.ir import Plan
 from fxsplit.ir.problem import LOOPED_SCHEDULES
 from fxsplit.options import CompileOptions, autocast_dtype
 from fxsplit.runtime.dist_state import StageState, materialise
-from fxsplit.runtime.distributed import SCHEDULES, DistributedPipeline
+from fxsplit.runtime.distributed import DistributedPipeline
+from fxsplit.schedule import available
 
 __all__ = ["compile", "load", "CompiledDistributedPipeline", "DistributedPipeline", "init_process_group",
            "batched_flags"]
@@ -81,8 +82,8 @@ def init_process_group(backend: str | None, timeout_s: float) -> tuple[int, int,
 
 
 def _check_args(schedule: str, microbatches: int | str, world: int, num_stages: int | None) -> None:
-    if schedule not in SCHEDULES and schedule != "auto":
-        raise ConfigError(f"schedule={schedule!r} is unknown; choose 'auto' or one of {sorted(SCHEDULES)}")
+    if schedule not in available() and schedule != "auto":  # looked up now: schedules registered since count
+        raise ConfigError(f"schedule={schedule!r} is unknown; choose 'auto' or one of {sorted(available())}")
     if microbatches != "auto" and (not isinstance(microbatches, int) or microbatches < 1):
         raise ConfigError(f"microbatches={microbatches!r}; pass a positive int or 'auto'")
     if schedule == "auto" or microbatches == "auto":

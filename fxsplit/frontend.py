@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ class Inspection:
     device: DeviceSpec
     records: tuple[PassRecord, ...]
     name: str = "model"
-    flat_inputs: tuple[Any, ...] = ()
+    flat_inputs: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
     def node_rows(self) -> list[dict[str, Any]]:
         """One dict per graph node: name, op, target, shape, block and costs."""
@@ -96,6 +96,8 @@ def front_end(
     microbatches: int | str = "auto",
     captured: Captured | None = None,
     name: str | None = None,
+    force_shapes: bool = True,
+    measure_device: str | None = None,
     verify: bool = False,
     dump_dir: str | Path | None = None,
 ) -> Inspection:
@@ -117,6 +119,10 @@ def front_end(
         microbatches: The count that will run, or ``"auto"``.
         captured: A capture of ``model`` already made (it is annotated in place).
         name: The condensed graph's name (default: the model's class name).
+        force_shapes: Propagate shapes and dtypes again where capture left them (as they run: a
+            symbolic batch, autocast's dtypes); :func:`fxsplit.inspect` keeps capture's.
+        measure_device: Where measured costs are timed (default ``reference.torch_device``; a
+            preset device with no torch device here is timed on ``"cpu"`` by inspect).
         verify, dump_dir: :class:`~fxsplit.passes.manager.PassManager`'s checks and dumps.
 
     Returns:
@@ -137,7 +143,7 @@ def front_end(
     load = _load_per_core()
     pm = PassManager(front_end_passes(
         flat, reference, cost_model=cost_model, max_downsets=options.max_downsets, name=name,
-        force_shapes=options.dynamic_batch, timed_inputs=timed, measure_device=reference.torch_device,
+        force_shapes=force_shapes, timed_inputs=timed, measure_device=measure_device or reference.torch_device,
         measure_scale=scale, profile=profile,
     ), verify=verify, dump_dir=dump_dir)
     with precision(reference.torch_device, autocast_dtype(options.autocast)):  # dtypes, bytes, timings as they run

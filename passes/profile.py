@@ -56,11 +56,11 @@ def default_cache_dir() -> Path:
 
 def open_cache(directory: str | os.PathLike[str] | bool | None, device: str) -> ProfileCache | None:
     """The timing cache ``CompileOptions.profile_cache_dir`` asks for: ``False`` none (every node
-    timed afresh), ``None`` or ``True`` the default folder (:func:`default_cache_dir`), else that
+    timed afresh), ``None``, ``True`` or ``""`` the default folder (:func:`default_cache_dir`), else that
     folder; ``device`` is the name timings are kept under (:func:`device_name`)."""
     if directory is False:
         return None
-    return ProfileCache(default_cache_dir() if directory is None or directory is True else directory, device)
+    return ProfileCache(default_cache_dir() if directory is True or not directory else directory, device)
 
 
 def device_name(spec: DeviceSpec) -> str:

@@ -146,3 +146,18 @@ def test_a_wrong_way_import_breaks_the_contract(installed_layout: pathlib.Path, 
     path.write_text(path.read_text() + f"\n{bad}  # noqa\n")
     out = _run_on(tree, "lint-imports")
     assert out.returncode != 0 and "BROKEN" in out.stdout, out.stdout[-2000:]
+
+
+def test_every_package_folder_is_installed() -> None:
+    """Regression: ``fxsplit/viz/`` was a new package missing from ``[tool.setuptools] packages``
+    (an explicit list), so a wheel or a non-editable install lacked it and ``fxsplit plan`` failed
+    to import; the editable install and the copied layout above both hid it."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {prefix: ROOT / path for prefix, path in config["package-dir"].items()}
+    found = set()
+    for prefix, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            parts = init.parent.relative_to(folder).parts
+            found.add(".".join((prefix, *parts)))
+    assert found - set(config["packages"]) == set(), "add these to [tool.setuptools] packages"

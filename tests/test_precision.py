@@ -123,3 +123,19 @@ def test_distributed_refuses_fp16_without_loss_scaling() -> None:
     case = zoo.get("mlp", batch_size=4)
     with pytest.raises(ConfigError, match=r"autocast='fp16' needs loss scaling.*use autocast='bf16'"):
         fxd.compile(lambda: case.model, case.example_inputs, options=fxsplit.CompileOptions(autocast="fp16"))
+
+
+def test_bf16_costs_read_autocast_dtypes_without_a_symbolic_batch_too() -> None:
+    """Regression (found by review): with ``dynamic_batch=False`` the front end kept the dtypes
+    export recorded outside autocast (fp32), so output bytes came out twice the bf16 size."""
+    from fxsplit.frontend import front_end
+    from fxsplit.ir import DeviceSpec
+
+    case = zoo.get("mlp", batch_size=8)
+    spec = DeviceSpec("cpu", torch_device="cpu")
+    out = {}
+    for mode in (None, "bf16"):
+        ins = front_end(case.model, tuple(case.example_inputs), {}, reference=spec, cost_model="analytic",
+                        options=fxsplit.CompileOptions(dynamic_batch=False, autocast=mode))
+        out[mode] = sum(b.output_bytes for b in ins.condensed.graph.blocks)
+    assert out["bf16"] < 0.8 * out[None], out

@@ -66,15 +66,13 @@ from fxsplit.runtime.microbatch import (
 )
 from fxsplit.runtime.state import ParameterAPI, check_loadable
 from fxsplit.runtime.trace import TraceEvent, TraceRecorder
-from fxsplit.schedule import available, make
+from fxsplit.schedule import make
 
-__all__ = ["DistributedPipeline", "RankStage", "TiedGroup", "SCHEDULES", "from_rank0", "rank_of", "shard_name",
+__all__ = ["DistributedPipeline", "RankStage", "TiedGroup", "from_rank0", "rank_of", "shard_name",
            "PLAN_FILE"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = tuple(available())
-"""Schedules the distributed runtime runs (the looped ones with several stages per rank)."""
 T = TypeVar("T")
 
 
@@ -131,7 +129,7 @@ class DistributedPipeline(ParameterAPI):
         stages: The :class:`RankStage` s this rank runs (stage ``s`` on rank ``s mod R``).
         num_stages: The pipeline length (a multiple of the world size ``R``).
         device: Where the stages run.
-        schedule_kind: A name of :data:`SCHEDULES`.
+        schedule_kind: A registered schedule (:func:`fxsplit.schedule.available`).
         microbatches: Micro-batches per step.
         in_spec, out_spec: Pytree specs of the model's ``(args, kwargs)`` and outputs.
         tied: Tensors with copies in several stages that this rank holds one of.

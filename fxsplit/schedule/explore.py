@@ -35,9 +35,9 @@ logger = logging.getLogger(__name__)
 MAX_DEFAULT_MICROBATCHES = 256
 
 
-
 def _seconds(seconds: float) -> str:
     return format_seconds(seconds, significant=3)
+
 
 @dataclass(frozen=True)
 class Candidate:
