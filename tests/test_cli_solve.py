@@ -134,3 +134,18 @@ def test_solve_takes_every_schedule_its_help_lists(graph_file: Path) -> None:
                                   "--schedule", schedule])
         assert res.exit_code == 0, (schedule, res.output)
         assert json.loads(res.stdout)["schedule"] == schedule
+
+
+def test_a_command_loads_only_its_own_module(graph_file: Path) -> None:
+    """Start-up (issue 14): ``fxsplit solve`` registers and imports the solve command alone, not
+    the torch-side commands (compile, inspect, plan, sweep, strategies), and never torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from fxsplit.cli import main; sys.argv = ['fxsplit', 'solve', sys.argv[1], '--devices', '2']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('fxsplit.cli.')), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(graph_file)], capture_output=True, text=True, check=True)
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.endswith("False") and "fxsplit.cli.solve" in last, out.stdout[-2000:] + out.stderr[-2000:]
+    assert not any(f"fxsplit.cli.{name}'" in last for name in ("compile", "inspect", "plan", "sweep", "strategies")), last

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from typing import Any, NoReturn
 
 import typer
@@ -21,7 +22,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
 
 
 @app.callback()
@@ -43,17 +43,14 @@ _SUBCOMMANDS = ("solve", "inspect", "compile", "plan", "sweep", "strategies")
 _registered = False
 
 
-def _register_all() -> None:
+def _register_all(only: str | None = None) -> None:
+    """Register every subcommand on :data:`app`, or ``only`` that one (start-up: a command does
+    not import the others' modules)."""
     global _registered
     if _registered:
         return
-    for name in _SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"fxsplit.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"fxsplit.cli.{name}":
-                continue  # subcommand not built yet
-            raise
+    for name in (only,) if only in _SUBCOMMANDS else _SUBCOMMANDS:
+        module = importlib.import_module(f"fxsplit.cli.{name}")
         module.register(app)
     _registered = True
 
@@ -61,5 +58,6 @@ def _register_all() -> None:
 def main() -> None:
     """Entry point of the ``fxsplit`` script and ``python -m fxsplit``."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    _register_all()
+    first = next((a for a in sys.argv[1:] if not a.startswith("-")), None)  # the subcommand, if one is named
+    _register_all(only=first)
     app()
