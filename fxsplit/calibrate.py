@@ -470,9 +470,7 @@ class CompiledPipeline(Pipeline):
 
     def _rebuild(self, ctx: CompileContext, refit: Problem, choice: Any) -> None:
         """Become the pipeline of ``choice``'s plan (same model, same captured graph)."""
-        report = None if self.report is None else replace(
+        new = self.build(replace(ctx, problem=refit), choice)
+        new.report = None if self.report is None else replace(  # the compile's timings, the new plan's choice
             self.report, reason=choice.reason, candidates=choice.candidates, predicted_step_s=plan_step_s(choice.plan))
-        new = self.build(replace(ctx, problem=refit), choice, report)
-        if self.report is not None and new.report is not None:  # the compile's timings, not the rebuild's
-            new.report = replace(new.report, codegen_s=self.report.codegen_s)
         self.__dict__.update(new.__dict__)

@@ -377,3 +377,18 @@ def test_bad_example_inputs_and_train_step_arguments_say_what_to_do():
         pipe.train_step(*case.example_inputs, target=None, loss_fn=None)
     with pytest.raises(ExecutionError, match=r"loss_fn failed on micro-batch 0.*given no target"):
         pipe.train_step(*case.example_inputs, loss_fn=case.loss_fn)
+
+
+def test_repr_names_the_blocks_of_a_stage_that_is_not_one_run():
+    """Regression (found re-reading the change): ``repr(pipe)`` printed ``min-max`` of a stage's
+    blocks, so a looped plan's stage 0 read ``blocks 0-9`` while block 2 ran in stage 2."""
+    from fxsplit.ir.units import format_ids
+
+    case = zoo.get("gpt", batch_size=8)
+    pipe = fxsplit.compile(case.model, devices(2), case.example_inputs, microbatches=4, schedule="interleaved-1f1b",
+                           options=fxsplit.CompileOptions(allow_idle_devices=False))
+    text = repr(pipe)
+    split = [st.blocks for st in pipe.plan.stages if tuple(st.blocks) != tuple(range(min(st.blocks), max(st.blocks) + 1))]
+    assert split, "no stage of this plan has blocks out of one run; the test proves nothing"
+    for blocks in split:
+        assert f"blocks {format_ids(blocks)}," in text and f"blocks {min(blocks)}-{max(blocks)}," not in text, text

@@ -1,4 +1,4 @@
-"""Bytes and seconds for people: the one place fxsplit formats them (torch-free).
+"""Bytes, seconds and id lists for people: the one place fxsplit formats them (torch-free).
 
 Every layer that shows a size or a duration (error messages of the solvers, the schedule's tables
 and Gantt charts, the reports, the pictures) formats it here, in binary units for bytes and
@@ -7,7 +7,9 @@ s / ms / us for seconds.
 
 from __future__ import annotations
 
-__all__ = ["BINARY_UNITS", "bytes_unit", "format_bytes", "format_seconds"]
+from collections.abc import Iterable
+
+__all__ = ["BINARY_UNITS", "bytes_unit", "format_bytes", "format_ids", "format_seconds"]
 
 #: Binary byte units, largest first.
 BINARY_UNITS: tuple[tuple[str, int], ...] = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
@@ -49,3 +51,18 @@ def format_seconds(seconds: float, significant: int | None = None) -> str:
             value = seconds / scale
             return f"{value:.{significant}g} {unit}" if significant else f"{value:.{decimals}f} {unit}"
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_ids(ids: Iterable[int], shown: int = 6) -> str:
+    """Block (or stage) ids: a contiguous run as ``first-last``, else the first ``shown`` ids.
+
+    Example:
+        >>> format_ids((3, 1, 2)), format_ids((5,)), format_ids((4, 52, 53)), format_ids(range(0, 20, 2))
+        ('1-3', '5', '4,52,53', '0,2,4,6,8,10...')
+    """
+    ids = tuple(sorted(ids))
+    if not ids:
+        return ""
+    if ids == tuple(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+    return ",".join(map(str, ids[:shown])) + ("..." if len(ids) > shown else "")

@@ -29,7 +29,7 @@ from fxsplit.codegen.batchnorm import BatchNormTracker
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, ExecutionError, InternalError
 from fxsplit.ir import Plan
-from fxsplit.ir.units import format_bytes, format_seconds
+from fxsplit.ir.units import format_bytes, format_ids, format_seconds
 from fxsplit.options import precision
 from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
 from fxsplit.passes.per_sample import is_random
@@ -499,8 +499,7 @@ class Pipeline(ParameterAPI):
             sp = self.plan.stages[st.index]
             name = self.device_names[st.index]
             where = name if name == st.device else f"{name} ({st.device})"
-            blocks = f"{min(sp.blocks)}-{max(sp.blocks)}" if sp.blocks else "none"
-            rows.append(f"  stage {st.index} on {where}: blocks {blocks}, "
+            rows.append(f"  stage {st.index} on {where}: blocks {format_ids(sp.blocks) or 'none'}, "
                         f"{format_seconds(sp.compute_s)}/micro-batch, {format_bytes(sp.memory_bytes)}")
         return "\n".join([head + ":", *rows]) + ")"
 

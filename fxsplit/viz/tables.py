@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from fxsplit.ir.units import format_bytes, format_seconds
+from fxsplit.ir.units import format_bytes, format_ids, format_seconds
 from fxsplit.viz.text import plan_summary
 
 if TYPE_CHECKING:
@@ -28,20 +28,11 @@ def stage_table(pipe: Pipeline) -> Table:
     for st in pipe.stages:
         sp, name = plan.stages[st.index], pipe.device_names[st.index]
         table.add_row(
-            str(st.index), name if name == st.device else f"{name} ({st.device})", _ranges(sp.blocks),
+            str(st.index), name if name == st.device else f"{name} ({st.device})", format_ids(sp.blocks),
             str(len(st.gm.graph.nodes)), str(sum(p.numel() for p in st.gm.parameters())),
             format_seconds(sp.compute_s), format_seconds(sp.comm_s), format_bytes(sp.memory_bytes),
         )
     return table
-
-
-def _ranges(ids: tuple[int, ...]) -> str:
-    ids = tuple(sorted(ids))
-    if not ids:
-        return ""
-    if ids == tuple(range(ids[0], ids[-1] + 1)):
-        return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
-    return ",".join(map(str, ids[:6])) + ("..." if len(ids) > 6 else "")
 
 
 def describe(pipe: Pipeline) -> str:
