@@ -35,20 +35,17 @@ from torch import nn
 
 from fxsplit.compiler import plan_pipeline
 from fxsplit.errors import ConfigError, InternalError, PlanError
-from fxsplit.frontend import Inspection, front_end
+from fxsplit.frontend import Inspection, front_end, profile_options
 from fxsplit.ir import CondensedGraph, DeviceSpec, LinkSpec, Plan, Problem
 from fxsplit.options import CompileOptions
 from fxsplit.passes.profile import (
     device_name,
-    open_cache,
     profile_node_times,
-    profile_sizes,
 )
 from fxsplit.runtime.dist_state import retarget_meta_devices
 from fxsplit.runtime.distributed import from_rank0
 from fxsplit.runtime.links import probe_pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
-from fxsplit.schedule import default_microbatches
 
 __all__ = ["DistPlan", "example_batch", "graph_digest", "plan_on_rank0", "per_sample_on_rank0", "reference_spec", "check_plan",
            "profiled_blocks", "fits_device"]
@@ -409,10 +406,10 @@ def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[
     """
     work = work if work is not None else _materialised(gm, device)
     inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
-    batch = batch_size_of([x for x, b in zip(inputs, batched, strict=True) if b] or inputs)
-    cache = open_cache(options.profile_cache_dir, device_name(DeviceSpec("rank0", torch_device=str(device))))
-    counts = microbatches if isinstance(microbatches, int) else default_microbatches(batch)
-    profile_node_times(work, inputs, batched, profile_sizes(batch, counts), str(device), cache=cache)
+    profile = profile_options(inputs, batched, device_name(DeviceSpec("rank0", torch_device=str(device))),
+                              microbatches, options)
+    cache = profile["profile_cache"]
+    profile_node_times(work, inputs, batched, profile["profile_sizes"], str(device), cache=cache)
     if cache is not None:
         cache.save()
     costs = {n.name: n.meta["fxsplit.cost"] for n in work.graph.nodes if n.op != "output"}

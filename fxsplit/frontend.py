@@ -29,7 +29,7 @@ from fxsplit.passes.profile import device_name, open_cache, profile_sizes
 from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
 from fxsplit.schedule.explore import default_microbatches
 
-__all__ = ["Inspection", "capture_with", "front_end", "with_batch_dim"]
+__all__ = ["Inspection", "capture_with", "front_end", "profile_options", "with_batch_dim"]
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,8 @@ def front_end(
     timed, scale = tuple(flat), 1.0
     if cost_model == "measured" and isinstance(microbatches, int) and microbatches > 1:
         timed, scale = tuple(split_microbatches(flat, microbatches)[0][0]), float(microbatches)
-    profile = _profile_options(captured, flat, reference, microbatches, options) if cost_model == "profiled" else None
+    batched = None if captured.batched_inputs is None else tuple(captured.batched_inputs)
+    profile = profile_options(flat, batched, device_name(reference), microbatches, options) if cost_model == "profiled" else None
     load = _load_per_core()
     pm = PassManager(front_end_passes(
         flat, reference, cost_model=cost_model, max_downsets=options.max_downsets, name=name,
@@ -188,12 +189,15 @@ def _load_per_core() -> float:
         return 0.0
 
 
-def _profile_options(captured: Captured, flat: Sequence[Any], reference: DeviceSpec, microbatches: int | str,
-                     options: CompileOptions) -> dict[str, Any]:
-    """Options of the profiled cost model: sizes from the micro-batch counts that may run."""
-    batched = None if captured.batched_inputs is None else tuple(captured.batched_inputs)
+def profile_options(flat: Sequence[Any], batched: Sequence[bool] | None, device: str, microbatches: int | str,
+                    options: CompileOptions) -> dict[str, Any]:
+    """Options of the profiled cost model (:class:`~fxsplit.passes.costs.AnnotateCosts`):
+    ``batched`` (which of ``flat``, the flat inputs, carry the batch; None: all), the micro-batch
+    sizes to time (from the counts that may run: ``microbatches``, or the schedule search's
+    defaults for ``"auto"``), the timing cache of ``device`` (its :func:`device_name`) that
+    ``options.profile_cache_dir`` asks for, and ``options.progress``."""
+    batched = None if batched is None else tuple(batched)
     batch = batch_size_of([x for x, b in zip(flat, batched or [True] * len(flat), strict=True) if b] or flat)
     counts = microbatches if isinstance(microbatches, int) else default_microbatches(batch)
     return {"batched": batched, "profile_sizes": profile_sizes(batch, counts),
-            "profile_cache": open_cache(options.profile_cache_dir, device_name(reference)),
-            "progress": options.progress}
+            "profile_cache": open_cache(options.profile_cache_dir, device), "progress": options.progress}
