@@ -10,8 +10,10 @@ Policy of :func:`solve_auto` with a time limit ``T``:
    ``AUTO_DP_SHARE · T``, with ``AUTO_DP_TIME_SHARE · T`` to finish;
 2. if ``dp`` times out (:class:`~fxsplit.solvers.dpcore.DPTimeoutError`), ``cpsat`` with the
    remaining time, hinted by ``greedy`` (not by the DP that just timed out);
-3. otherwise ``cpsat`` with all of ``T``, after the memory bound of :mod:`fxsplit.solvers.relax`
-   (infeasibility proven in microseconds is reported at once).
+3. otherwise ``cpsat`` with all of ``T``.
+
+Before either, the memory bound of :mod:`fxsplit.solvers.relax` runs (infeasibility proven in
+microseconds is reported at once, with its arithmetic).
 
 Without a limit, ``dp`` runs when the estimate is at most :data:`AUTO_DP_MAX_S`, with
 ``max(AUTO_DP_MAX_S, 4 × estimate)`` to finish, then ``cpsat`` with its default limit.
@@ -57,6 +59,9 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
     from fxsplit.solvers.cpsat import DEFAULT_TIME_LIMIT_S, solve_cpsat
 
     start = time.perf_counter()
+    err = memory_bound_error(problem)
+    if err is not None:
+        raise err
     est = estimate_dp(problem, max_downsets)
     budget = AUTO_DP_MAX_S if time_limit_s is None else AUTO_DP_SHARE * time_limit_s
     tried_dp = est.seconds <= budget
@@ -71,9 +76,6 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
             opts.setdefault("hint", "greedy")
     else:
         logger.info("auto: cpsat (dp estimate %.3g s > %.3g s, %s downsets)", est.seconds, budget, est.downsets)
-        err = memory_bound_error(problem)
-        if err is not None:
-            raise err
     left = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s - (time.perf_counter() - start)
     plan = solve_cpsat(problem, time_limit_s=max(0.01, left), **opts)
     auto = {"dp_estimate_s": est.seconds, "downsets": est.downsets, "dp_timed_out": tried_dp}

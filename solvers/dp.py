@@ -19,7 +19,10 @@ found. Every plan ``P`` is dominated at ``τ = max(P)``, so the sweep is exact; 
 ``feasible`` and a proven bound after ``max_rounds`` rounds.
 
 1F1B memory depends on the number of stages ``p`` (stage ``s`` holds ``min(m, p - s)``
-micro-batches); when memory can bind, the DP runs once per ``p``.
+micro-batches); when memory can bind, the layout has one chain of slots per ``p``, or, when
+devices are interchangeable given their counts per class, places the stages from the pipeline's
+end over the reversed graph, where that count is ``min(m, d + 1)`` for the ``d``-th stage from the
+end whatever ``p`` is (:mod:`fxsplit.solvers.layout`): ``k`` moves instead of ``k(k+1)/2``.
 
 References:
     Tarnawski et al., "Efficient Algorithms for Device Placement of DNN Graph Operators",

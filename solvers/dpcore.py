@@ -76,7 +76,10 @@ def _stage_cost(c: _Ctx, sig: Signature, kind: str) -> np.ndarray:
     its forward once more where it recomputes: always under ``"all"``; under ``"auto"`` where its
     kept activations overflow the device and recomputing saves memory."""
     tb, i, js = c.tb, c.i, c.js
-    cut_in, cut_out = tb.cut_bytes[js], float(tb.cut_bytes[i])
+    cut_in: np.ndarray | float = tb.cut_bytes[js]
+    cut_out: np.ndarray | float = float(tb.cut_bytes[i])
+    if tb.is_flipped:  # the reversed graph's stage I \ J receives cut(I) and sends cut(J)
+        cut_in, cut_out = cut_out, cut_in
     need = math.isfinite(sig.cap_bytes) or kind == "excess"
     mode = tb.recompute
     mem, again = None, np.zeros(len(js), dtype=bool)
@@ -92,8 +95,8 @@ def _stage_cost(c: _Ctx, sig: Signature, kind: str) -> np.ndarray:
             mem = np.where(again, saved, keep)
         if kind == "excess":
             return mem - sig.cap_bytes
-    comm = _transfer(cut_in, sig.link_in.latency_s, sig.link_in.bytes_per_s)
-    comm = comm + float(_transfer(cut_out, sig.link_out.latency_s, sig.link_out.bytes_per_s))
+    comm = _transfer(cut_in, sig.link_in.latency_s, sig.link_in.bytes_per_s) \
+        + _transfer(cut_out, sig.link_out.latency_s, sig.link_out.bytes_per_s)
     work = tb.work_s[i] - tb.work_s[js] + np.where(again, tb.fwd_s[i] - tb.fwd_s[js], 0.0)
     cost = work / sig.speed + c.comm_factor * comm
     if need and mem is not None:
@@ -163,7 +166,7 @@ def run_dp(
     """Run the DP and return the best plan over ``layout.terminal``.
 
     Args:
-        tb: Downset tables of the problem.
+        tb: Downset tables of the problem (or of its reversed graph).
         layout: Slots and moves (see :mod:`solvers.layout`).
         comm_factor: 2 in training (activations forward, gradients backward), else 1.
         combine: ``"max"`` (bottleneck) or ``"sum"`` (sum of stage costs).
@@ -172,9 +175,15 @@ def run_dp(
         deadline: ``time.perf_counter()`` value after which to give up.
         want_break: Track :attr:`DPResult.next_break` (costs a little).
 
+    With a layout built from the pipeline's end (:attr:`Layout.from_end`) the DP runs over the
+    reversed graph's tables (:meth:`DownsetTables.flipped`); the stages it returns are in
+    pipeline order either way.
+
     Raises:
         DPTimeoutError: when ``deadline`` passes; the message says how far it got.
     """
+    if layout.from_end != tb.is_flipped:
+        tb = tb.flipped()
     num = tb.num
     f = np.full((layout.num_slots, num), np.inf)
     f[0, 0] = -np.inf if kind == "excess" else 0.0
@@ -210,4 +219,6 @@ def run_dp(
         if f[t, tb.full] < value:
             value, slot = float(f[t, tb.full]), t
     stages = _reconstruct(tb, layout, par_move, par_j, slot) if slot >= 0 else ()
+    if layout.from_end:
+        stages = stages[::-1]
     return DPResult(value, stages, next_break)

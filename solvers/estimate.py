@@ -4,7 +4,8 @@ One DP run (:func:`fxsplit.solvers.dpcore.run_dp`) compares each downset ``I`` w
 smaller downset ``J ⊊ I`` under every move of the layout (:mod:`fxsplit.solvers.layout`), so it
 costs about ``a·P + b·P·G + c·P·M`` seconds for ``P = Σ_I |{J : |J| < |I|}|`` pairs (an upper
 bound of the subset pairs), ``G`` move signatures and ``M`` moves (``k`` in fixed order,
-``k(k+1)/2`` when 1F1B memory depends on the number of stages, slots × classes in free order).
+``k(k+1)/2`` when 1F1B memory depends on the number of stages and the devices differ, slots ×
+classes in free order).
 The constants were measured on a 2-core CPU (GPT-2 XL and Llama-70B graphs, 3 to 528 moves;
 within a factor of about 1.3). The bottleneck objective costs 2 runs (optimum, tie-break); the
 makespan sweep about :data:`MAKESPAN_RUNS`.

@@ -9,6 +9,14 @@ A *slot* summarises the devices already used by a prefix of the pipeline:
   on any class with a device left. This is Tarnawski et al.'s "counts per device type" state; it
   needs one link for all pairs (devices of a class are then interchangeable).
 
+Under 1F1B with memory checked, stage ``s`` of a ``p``-stage pipeline holds ``min(m, p - s)``
+micro-batches, so a layout built from the first stage needs one chain of slots per ``p``
+(``k(k+1)/2`` moves for ``k`` devices). That count is a function of the distance from the
+pipeline's *end* alone, so when devices are interchangeable given the counts per class (free
+order, or fixed order with identical devices) the layout is built *from the end*
+(:attr:`Layout.from_end`): the DP then runs over the reversed graph (its downsets are the upsets,
+:meth:`~fxsplit.solvers.tables.DownsetTables.flipped`) with one set of slots for every ``p``.
+
 A *move* adds one stage: from slot ``src`` to slot ``dst`` on a device of speed ``speed``, as
 stage number ``stage`` of the pipeline. Moves with equal cost parameters share a *signature* so
 their stage costs are computed once.
@@ -65,6 +73,8 @@ class Layout:
         groups: ``[len(sigs)]`` tuples of move indices sharing that signature.
         terminal: Slots in which a complete plan may end (ascending number of stages).
         units: Device indices of each unit (fixed: one device each; free: one class each).
+        from_end: Slots count the stages from the pipeline's end (the DP places the last stage
+            first, over the reversed graph); else from its start.
     """
 
     num_slots: int
@@ -74,6 +84,7 @@ class Layout:
     groups: tuple[tuple[int, ...], ...]
     terminal: tuple[int, ...]
     units: tuple[tuple[int, ...], ...]
+    from_end: bool = False
 
 
 def device_classes(problem: Problem) -> list[tuple[int, ...]]:
@@ -115,7 +126,7 @@ class _Builder:
         self.moves.append(Move(src, dst, unit, stage, 0))
         self.sigs.append(sig)
 
-    def build(self, units: tuple[tuple[int, ...], ...]) -> Layout:
+    def build(self, units: tuple[tuple[int, ...], ...], from_end: bool = False) -> Layout:
         index: dict[Signature, int] = {}
         groups: list[list[int]] = []
         moves: list[Move] = []
@@ -127,7 +138,7 @@ class _Builder:
             moves.append(Move(m.src, m.dst, m.unit, m.stage, index[sig]))
         terminal = tuple(slot for _, slot in sorted(set(self.terminal)))
         return Layout(len(self.stages), tuple(self.stages), tuple(moves), tuple(index),
-                      tuple(tuple(g) for g in groups), terminal, units)
+                      tuple(tuple(g) for g in groups), terminal, units, from_end)
 
 
 def _sig(problem: Problem, device: int, stage: int, p: int | None, check_memory: bool,
@@ -156,6 +167,35 @@ def _fixed(problem: Problem, max_stages: int, per_p: bool, check_memory: bool) -
     return b.build(tuple((i,) for i in range(k)))
 
 
+def _can_start_from_end(problem: Problem, per_p: bool) -> bool:
+    """Whether the per-``p`` chains can be replaced by one layout counted from the end: 1F1B's
+    in-flight counts (``min(m, p - s)``; zero-bubble's ``min(m, p)`` is not a function of the
+    distance from the end), any number of stages, one link, and devices interchangeable given the
+    counts per class (free order, or fixed order with all devices alike)."""
+    return (per_p and problem.schedule == "1f1b" and problem.allow_idle_devices and not problem.links
+            and (problem.device_order == "free" or len(device_classes(problem)) == 1))
+
+
+def _from_end(problem: Problem, max_stages: int) -> Layout:
+    """Counts per class as in free order; the stage placed after ``d`` others is ``d`` stages from
+    the end and holds ``min(m, d + 1)`` micro-batches whatever the pipeline's length."""
+    classes, b, link = device_classes(problem), _Builder(), problem.link
+    vectors = [c for c in itertools.product(*(range(len(cl) + 1) for cl in classes)) if sum(c) <= max_stages]
+    for c in sorted(vectors, key=lambda c: (sum(c), c)):
+        d = sum(c)
+        if d >= 1:
+            b.terminal.append((d, b.slot_of(c, d)))
+        if d == max_stages:
+            continue
+        for t, cl in enumerate(classes):
+            if c[t] < len(cl):
+                nxt = c[:t] + (c[t] + 1,) + c[t + 1 :]
+                dev = problem.devices[cl[0]]
+                sig = Signature(dev.speed, float(dev.memory_bytes), problem.in_flight(0, d + 1), link, link)
+                b.add(b.slot_of(c, d), b.slot_of(nxt, d + 1), t, d, sig)
+    return b.build(tuple(classes), from_end=True)
+
+
 def _free(problem: Problem, max_stages: int, per_p: bool, check_memory: bool) -> Layout:
     if problem.links:
         raise SolverError(
@@ -182,7 +222,8 @@ def _free(problem: Problem, max_stages: int, per_p: bool, check_memory: bool) ->
     return b.build(tuple(classes))
 
 
-def build_layout(problem: Problem, num_blocks: int, check_memory: bool, per_p: bool = False) -> Layout:
+def build_layout(problem: Problem, num_blocks: int, check_memory: bool, per_p: bool = False,
+                 from_end: bool | None = None) -> Layout:
     """The DP state space for ``problem``.
 
     Args:
@@ -192,11 +233,15 @@ def build_layout(problem: Problem, num_blocks: int, check_memory: bool, per_p: b
         per_p: Lay out one chain of slots per number of stages ``p`` (1F1B in-flight counts
             ``min(m, p - s)`` depend on it); otherwise in-flight counts are computed as if all
             devices were used (exact whenever they do not depend on ``p`` or memory is unchecked).
+        from_end: Build the layout from the pipeline's end instead of the per-``p`` chains
+            (``None``: whenever that is exact, see the module docstring; ``False``: never).
 
     Raises:
         SolverError: for ``device_order="free"`` with per-pair link overrides.
     """
     max_stages = min(problem.num_devices, num_blocks)
+    if from_end is not False and check_memory and _can_start_from_end(problem, per_p):
+        return _from_end(problem, max_stages)
     if problem.device_order == "fixed":
         return _fixed(problem, max_stages, per_p, check_memory)
     return _free(problem, max_stages, per_p, check_memory)

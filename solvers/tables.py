@@ -39,6 +39,8 @@ class DownsetTables:
         static_bytes: ``[D]`` params × (1 + grad + optimizer) + buffers, bytes.
         act_bytes: ``[D]`` activation bytes kept for backward per micro-batch.
         cut_bytes: ``[D]`` bytes per micro-batch leaving the downset.
+        flipped_from: For the tables of the reversed graph (:meth:`flipped`), the tables they
+            came from; ``None`` for the graph itself.
     """
 
     masks: list[int]
@@ -51,6 +53,7 @@ class DownsetTables:
     static_bytes: np.ndarray
     act_bytes: np.ndarray
     cut_bytes: np.ndarray
+    flipped_from: DownsetTables | None = None
 
     @property
     def num(self) -> int:
@@ -69,6 +72,41 @@ class DownsetTables:
         outside = ~self.words[i]
         inside = ~np.any(self.words[:hi] & outside, axis=1)
         return np.flatnonzero(inside)
+
+    @property
+    def is_flipped(self) -> bool:
+        """Whether these are the tables of the reversed graph (a stage ``I \\ J`` then receives
+        ``cut(I)`` and sends ``cut(J)``)."""
+        return self.flipped_from is not None
+
+    def flipped(self) -> DownsetTables:
+        """The tables of the reversed graph: its downsets are the upsets ``V \\ I``.
+
+        ``U = V \\ I`` has the sums ``W(V) - W(I)`` and the cut of ``I`` (the bytes entering
+        ``U``), so a stage ``U' \\ U`` of the reversed graph is the stage ``I \\ I'`` of the graph;
+        ordered by size as :meth:`subsets` needs. The flip of a flip is the original.
+        """
+        if self.flipped_from is not None:
+            return self.flipped_from
+        n = self.layer_start.shape[0] - 2
+        full = self.masks[-1]
+        size = n - self.size[::-1]
+        valid = np.zeros(self.words.shape[1], dtype=np.uint64)
+        for b in range(n):
+            valid[b // 64] |= np.uint64(1) << np.uint64(b % 64)
+        return DownsetTables(
+            masks=[full ^ m for m in reversed(self.masks)],
+            size=size,
+            words=~self.words[::-1] & valid,
+            layer_start=np.searchsorted(size, np.arange(n + 2), side="left"),
+            work_s=self.work_s[-1] - self.work_s[::-1],
+            fwd_s=self.fwd_s[-1] - self.fwd_s[::-1],
+            recompute=self.recompute,
+            static_bytes=self.static_bytes[-1] - self.static_bytes[::-1],
+            act_bytes=self.act_bytes[-1] - self.act_bytes[::-1],
+            cut_bytes=self.cut_bytes[::-1].copy(),
+            flipped_from=self,
+        )
 
 
 def _membership(masks: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:

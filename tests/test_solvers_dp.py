@@ -225,3 +225,48 @@ def test_zero_bubble_in_flight_counts_follow_the_stages_the_plan_uses() -> None:
     plans = [solve(pb, name) for name in ("dp", "cpsat")]
     assert [p.num_stages for p in plans] == [2, 2]
     assert all(max(st.memory_bytes for st in p.stages) <= 2500 for p in plans)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_blocks=9, max_devices=5, heterogeneous=True, device_order=None, memory_mib=(8, 48)),
+       st.integers(2, 6), st.booleans())
+def test_layout_from_the_end_equals_one_chain_per_stage_count(problem: Problem, m: int, alike: bool) -> None:
+    # 1F1B memory: the DP over the reversed graph with one layout counted from the end must find
+    # the optimum of the per-p chains (and a plan that evaluate() prices at that value).
+    from fxsplit.solvers.dp import _memory_can_bind
+    from fxsplit.solvers.dpcore import run_dp
+    from fxsplit.solvers.layout import build_layout
+    from fxsplit.solvers.tables import build_tables
+
+    if alike:
+        problem = problem.with_(devices=tuple(replace(problem.devices[0], name=f"d{i}")
+                                              for i in range(problem.num_devices)))
+    problem = problem.with_(schedule="1f1b", training=True, microbatches=m, objective="bottleneck")
+    tb = build_tables(problem)
+    assume(_memory_can_bind(problem, tb))
+    n = len(problem.graph)
+    end = build_layout(problem, n, True, True)
+    assume(end.from_end)
+    chains = build_layout(problem, n, True, True, from_end=False)
+    assert not chains.from_end and len(end.moves) <= len(chains.moves)
+    comm = 2.0
+    a, b = run_dp(tb, end, comm_factor=comm), run_dp(tb, chains, comm_factor=comm)
+    assert math.isinf(a.value) == math.isinf(b.value)
+    if math.isfinite(a.value):
+        assert a.value == pytest.approx(b.value, rel=1e-9, abs=1e-12)
+        plan = solve(problem, "dp")
+        assert plan.status == "optimal" and plan.objective_s == pytest.approx(b.value, rel=1e-9)
+        assert all(st.memory_bytes <= problem.devices[st.device].memory_bytes for st in plan.stages)
+
+
+def test_layout_from_the_end_keeps_one_slot_per_stage_count() -> None:
+    # 64 alike devices under 1F1B with binding memory: 65 slots and 64 moves instead of k(k+1)/2.
+    from fxsplit.solvers.layout import build_layout
+
+    g = CondensedGraph.chain([1.0] * 80)
+    devs = tuple(DeviceSpec(f"d{i}", memory_bytes=1) for i in range(64))
+    pb = Problem(g, devs, microbatches=8, schedule="1f1b")
+    end, chains = build_layout(pb, 80, True, True), build_layout(pb, 80, True, True, from_end=False)
+    assert end.from_end and (end.num_slots, len(end.moves)) == (65, 64)
+    assert (chains.num_slots, len(chains.moves)) == (2081, 2080)
+    assert [end.sigs[end.moves[d].sig].flight for d in range(10)] == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8]
