@@ -33,7 +33,10 @@ References:
 from __future__ import annotations
 
 import logging
+import math
 import time
+
+import numpy as np
 
 from fxsplit.errors import InfeasibleError, InternalError
 from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, members
@@ -96,6 +99,19 @@ def _infeasible(problem: Problem, tb: DownsetTables, comm: float, deadline: floa
         return stage_count_error(problem)
     stages, devices = _to_lists(res, lay)
     return infeasible_error(problem, stages, devices, res.value, run_excess)
+
+
+def _chain_bound(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, deadline: float | None) -> float:
+    """The best bottleneck over splits along the blocks' topological order (its ``n + 1``
+    prefixes are downsets): a feasible plan's value, so an upper bound on the optimum that
+    narrows the full DP's downset pairs (``run_dp(bound_s=...)``); ``inf`` when no such split
+    fits or the graph is a chain already."""
+    n = len(problem.graph)
+    if tb.num <= 2 * (n + 1):
+        return math.inf
+    row = {mask: r for r, mask in enumerate(tb.masks)}
+    rows = np.array(sorted(row[(1 << t) - 1] for t in range(n + 1)), dtype=np.int64)
+    return run_dp(tb.restricted(rows), lay, comm_factor=comm, deadline=deadline).value
 
 
 class _Sweep:
@@ -198,7 +214,8 @@ def solve_dp(
     tb = build_tables(problem, max_downsets)
     lay = _layout(problem, tb)
     comm = 2.0 if problem.training else 1.0
-    res = run_dp(tb, lay, comm_factor=comm, deadline=deadline)
+    res = run_dp(tb, lay, comm_factor=comm, deadline=deadline,
+                 bound_s=_chain_bound(problem, tb, lay, comm, deadline))
     if not res.stages:
         raise _infeasible(problem, tb, comm, deadline)
     bound, rounds = res.value, 0
@@ -206,7 +223,7 @@ def solve_dp(
         res, bound, rounds = _makespan(problem, tb, lay, comm, res.value, deadline, max_rounds)
     elif tie_break:
         res = run_dp(tb, lay, comm_factor=comm, combine="sum", cap_s=res.value, deadline=deadline,
-                     want_break=False)
+                     want_break=False, bound_s=res.value)
     stages, devices = _to_lists(res, lay)
     stats = {"downsets": tb.num, "slots": lay.num_slots, "moves": len(lay.moves), "rounds": rounds}
     plan = evaluate(problem, stages, devices, solver="dp", lower_bound_s=bound, stats=stats)

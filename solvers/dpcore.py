@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +36,8 @@ from fxsplit.solvers.tables import DownsetTables
 
 __all__ = ["DPResult", "DPTimeoutError", "run_dp"]
 
-_DEADLINE_EVERY = 64
+_CHUNK_ELEMENTS = 1 << 21
+"""Pairs x words (or x moves) per vectorised chunk of one size's downsets."""
 
 
 class DPTimeoutError(SolverError):
@@ -57,87 +59,125 @@ class DPResult:
     next_break: float
 
 
-@dataclass
-class _Ctx:
-    tb: DownsetTables
-    i: int
-    js: np.ndarray
-    comm_factor: float
+@dataclass(frozen=True)
+class _Sigs:
+    """The layout's signatures as ``[G]`` arrays, to cost every signature at once."""
+
+    speed: np.ndarray
+    cap_bytes: np.ndarray
+    flight: np.ndarray
+    lat_in: np.ndarray
+    bw_in: np.ndarray
+    lat_out: np.ndarray
+    bw_out: np.ndarray
+
+    @classmethod
+    def of(cls, layout: Layout) -> _Sigs:
+        def col(get: Callable[[Signature], float]) -> np.ndarray:
+            return np.array([get(sig) for sig in layout.sigs], dtype=float)[:, None]
+
+        return cls(col(lambda g: g.speed), col(lambda g: g.cap_bytes), col(lambda g: g.flight),
+                   col(lambda g: g.link_in.latency_s), col(lambda g: g.link_in.bytes_per_s),
+                   col(lambda g: g.link_out.latency_s), col(lambda g: g.link_out.bytes_per_s))
 
 
-def _transfer(size: np.ndarray | float, lat: float, bw: float) -> np.ndarray | float:
-    return np.where(np.asarray(size) > 0, lat + np.asarray(size) / bw, 0.0)
+def _transfer(size: np.ndarray, lat: np.ndarray, bw: np.ndarray) -> np.ndarray:
+    """``[G, n]`` seconds to send ``size`` bytes (``[n]`` or ``[1]``) over each signature's link."""
+    return np.where(size > 0, lat + size / bw, 0.0)
 
 
-def _stage_cost(c: _Ctx, sig: Signature, kind: str) -> np.ndarray:
-    """``[len(js)]`` cost of stage ``I \\ J`` for each ``J`` under one signature.
+def _stage_costs(tb: DownsetTables, i: np.ndarray, js: np.ndarray, sigs: _Sigs, comm_factor: float,
+                 kind: str) -> np.ndarray:
+    """``[G, P]`` cost of the stages ``I \\ J`` for the pairs ``(i[p], js[p])`` under every signature.
 
     With recomputation (``tb.recompute``, :meth:`fxsplit.ir.Problem.recomputes`) a stage costs
     its forward once more where it recomputes: always under ``"all"``; under ``"auto"`` where its
     kept activations overflow the device and recomputing saves memory."""
-    tb, i, js = c.tb, c.i, c.js
-    cut_in: np.ndarray | float = tb.cut_bytes[js]
-    cut_out: np.ndarray | float = float(tb.cut_bytes[i])
+    cut_in, cut_out = tb.cut_bytes[js], tb.cut_bytes[i]
     if tb.is_flipped:  # the reversed graph's stage I \ J receives cut(I) and sends cut(J)
         cut_in, cut_out = cut_out, cut_in
-    need = math.isfinite(sig.cap_bytes) or kind == "excess"
+    need = kind == "excess" or bool(np.isfinite(sigs.cap_bytes).any())
     mode = tb.recompute
-    mem, again = None, np.zeros(len(js), dtype=bool)
+    mem, again = None, np.zeros((1, len(js)), dtype=bool)
     if need or mode == "all":
         static, act = tb.static_bytes[i] - tb.static_bytes[js], tb.act_bytes[i] - tb.act_bytes[js]
-        keep = Problem.stage_memory_bytes(static, act, cut_in, cut_out, sig.flight, False)
+        keep = Problem.stage_memory_bytes(static, act, cut_in, cut_out, sigs.flight, False)
         if mode == "none":
             mem = keep
         else:
-            saved = Problem.stage_memory_bytes(static, act, cut_in, cut_out, sig.flight, True)
-            again = (np.ones(len(js), dtype=bool) if mode == "all"
-                     else (keep > sig.cap_bytes) & (saved < keep))
+            saved = Problem.stage_memory_bytes(static, act, cut_in, cut_out, sigs.flight, True)
+            again = (np.ones(keep.shape, dtype=bool) if mode == "all"
+                     else (keep > sigs.cap_bytes) & (saved < keep))
             mem = np.where(again, saved, keep)
         if kind == "excess":
-            return mem - sig.cap_bytes
-    comm = _transfer(cut_in, sig.link_in.latency_s, sig.link_in.bytes_per_s) \
-        + _transfer(cut_out, sig.link_out.latency_s, sig.link_out.bytes_per_s)
+            return mem - sigs.cap_bytes
+    comm = _transfer(cut_in, sigs.lat_in, sigs.bw_in) + _transfer(cut_out, sigs.lat_out, sigs.bw_out)
     work = tb.work_s[i] - tb.work_s[js] + np.where(again, tb.fwd_s[i] - tb.fwd_s[js], 0.0)
-    cost = work / sig.speed + c.comm_factor * comm
+    cost = work / sigs.speed + comm_factor * comm
     if need and mem is not None:
-        cost = np.where(mem < sig.cap_bytes + 1.0, cost, np.inf)
+        cost = np.where(mem < sigs.cap_bytes + 1.0, cost, np.inf)
     return cost
 
 
 @dataclass(frozen=True)
-class _Group:
-    """Moves of one signature sorted by the number of stages before them."""
+class _Moves:
+    """All moves sorted by the number of stages before them, as arrays."""
 
     move: np.ndarray
     src: np.ndarray
     dst: np.ndarray
+    sig: np.ndarray
     src_stage: np.ndarray
 
     @classmethod
-    def of(cls, layout: Layout, group: tuple[int, ...]) -> _Group:
-        order = sorted(group, key=lambda m: layout.stages[layout.moves[m].src])
+    def of(cls, layout: Layout) -> _Moves:
+        order = sorted(range(len(layout.moves)), key=lambda m: layout.stages[layout.moves[m].src])
+        moves = [layout.moves[m] for m in order]
         return cls(
             move=np.array(order, dtype=np.int64),
-            src=np.array([layout.moves[m].src for m in order], dtype=np.int64),
-            dst=np.array([layout.moves[m].dst for m in order], dtype=np.int64),
-            src_stage=np.array([layout.stages[layout.moves[m].src] for m in order]),
+            src=np.array([m.src for m in moves], dtype=np.int64),
+            dst=np.array([m.dst for m in moves], dtype=np.int64),
+            sig=np.array([m.sig for m in moves], dtype=np.int64),
+            src_stage=np.array([layout.stages[m.src] for m in moves], dtype=np.int64),
         )
 
 
-def _update(f: np.ndarray, par_move: np.ndarray, par_j: np.ndarray, layout: Layout, i: int,
-            cands: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-    """Store, for each destination slot, the best candidate of downset ``i``."""
-    moves = np.concatenate([c[0] for c in cands])
-    vals = np.concatenate([c[1] for c in cands])
-    js = np.concatenate([c[2] for c in cands])
-    dst = np.array([layout.moves[m].dst for m in moves.tolist()], dtype=np.int64)
-    order = np.lexsort((vals, dst))
-    dst_sorted = dst[order]
-    first = order[np.r_[True, dst_sorted[1:] != dst_sorted[:-1]]]
-    keep = first[np.isfinite(vals[first]) | (vals[first] < 0)]
-    f[dst[keep], i] = vals[keep]
-    par_move[dst[keep], i] = moves[keep]
-    par_j[dst[keep], i] = js[keep]
+def _update(f: np.ndarray, par_move: np.ndarray, par_j: np.ndarray, targets: np.ndarray, moves: np.ndarray,
+            dst: np.ndarray, vals: np.ndarray, js: np.ndarray) -> None:
+    """Store the best candidate of each downset in ``targets`` (not set before) for each slot.
+
+    ``vals`` and ``js`` are ``[len(moves), len(targets)]``: the best value and its ``J`` per
+    move and downset; among moves into one slot the first smallest wins (``lexsort`` is stable)."""
+    width = len(targets)
+    key = (dst[:, None] * width + np.arange(width)[None, :]).ravel()
+    flat = vals.ravel()
+    order = np.lexsort((flat, key))
+    ordered = key[order]
+    first = order[np.r_[True, ordered[1:] != ordered[:-1]]]
+    first = first[flat[first] < np.inf]
+    m, t = np.divmod(first, width)
+    f[dst[m], targets[t]] = flat[first]
+    par_move[dst[m], targets[t]] = moves[m]
+    par_j[dst[m], targets[t]] = js.ravel()[first]
+
+
+def _pairs(tb: DownsetTables, rows: np.ndarray, hi: int, reach: float) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs ``(I, J)``: ``I`` in ``rows`` (downsets of one size), ``J`` a proper subset among the
+    first ``hi`` (smaller) downsets with ``W(I) - W(J) <= reach``; grouped by ``I``, ``J`` ascending.
+
+    The subset test runs on the whole ``[rows, hi]`` block, or, when the work window keeps under
+    a third of it, on the pairs in the window only."""
+    if math.isfinite(reach):
+        near = tb.work_s[None, :hi] >= tb.work_s[rows, None] - reach
+        if 3 * int(np.count_nonzero(near)) < near.size:
+            ii, jj = np.nonzero(near)
+            inside = ~np.any(tb.words[jj] & ~tb.words[rows[ii]], axis=1)
+            return rows[ii[inside]], jj[inside]
+    inside = ~np.any(tb.words[None, :hi, :] & ~tb.words[rows, None, :], axis=2)
+    if math.isfinite(reach):
+        inside &= near
+    ii, jj = np.nonzero(inside)
+    return rows[ii], jj
 
 
 def _reconstruct(tb: DownsetTables, layout: Layout, par_move: np.ndarray, par_j: np.ndarray,
@@ -162,6 +202,7 @@ def run_dp(
     kind: str = "time",
     deadline: float | None = None,
     want_break: bool = True,
+    bound_s: float = math.inf,
 ) -> DPResult:
     """Run the DP and return the best plan over ``layout.terminal``.
 
@@ -174,6 +215,10 @@ def run_dp(
         kind: ``"time"`` (stage seconds) or ``"excess"`` (stage memory minus device memory, bytes).
         deadline: ``time.perf_counter()`` value after which to give up.
         want_break: Track :attr:`DPResult.next_break` (costs a little).
+        bound_s: Consider only stages whose work alone takes at most this on the fastest device,
+            seconds (stage costs only add communication and recomputation to it). The result is
+            exact whenever the optimum is at most ``bound_s`` (a feasible plan's bottleneck, or
+            ``cap_s`` when ``want_break`` is off); it prunes the downset pairs to a window.
 
     With a layout built from the pipeline's end (:attr:`Layout.from_end`) the DP runs over the
     reversed graph's tables (:meth:`DownsetTables.flipped`); the stages it returns are in
@@ -189,31 +234,42 @@ def run_dp(
     f[0, 0] = -np.inf if kind == "excess" else 0.0
     par_move = np.full((layout.num_slots, num), -1, dtype=np.int32)
     par_j = np.zeros((layout.num_slots, num), dtype=np.int32)
-    groups = [_Group.of(layout, g) for g in layout.groups]
+    mv, sigs = _Moves.of(layout), _Sigs.of(layout)
     next_break = math.inf
-    for i in range(1, num):
-        if deadline is not None and i % _DEADLINE_EVERY == 0 and time.perf_counter() > deadline:
-            raise DPTimeoutError(
-                f"dp timed out after {i}/{num} downsets; raise time_limit_s or use solver='cpsat'"
-            )
-        ctx = _Ctx(tb, i, tb.subsets(i), comm_factor)
-        cands = []
-        for grp, sig in zip(groups, layout.sigs, strict=True):
-            n_active = int(np.searchsorted(grp.src_stage, tb.size[i], side="left"))
-            if n_active == 0:
+    reach = math.inf
+    if math.isfinite(bound_s) and kind == "time":
+        tol = 1e-9 * max(1.0, float(np.abs(tb.work_s).max()))  # the sums' rounding
+        reach = bound_s * float(sigs.speed.max()) + tol
+    nwords = tb.words.shape[1]
+    for size in range(1, int(tb.size[-1]) + 1):
+        n_active = int(np.searchsorted(mv.src_stage, size, side="left"))
+        first, last = int(tb.layer_start[size]), int(tb.layer_start[size + 1])
+        if n_active == 0 or first == last:
+            continue
+        rows_per_chunk = max(1, _CHUNK_ELEMENTS // (first * max(nwords, n_active)))
+        for lo in range(first, last, rows_per_chunk):
+            if deadline is not None and time.perf_counter() > deadline:
+                raise DPTimeoutError(
+                    f"dp timed out after {lo}/{num} downsets; raise time_limit_s or use solver='cpsat'"
+                )
+            pi, js = _pairs(tb, np.arange(lo, min(lo + rows_per_chunk, last)), first, reach)
+            if len(js) == 0:
                 continue
-            cost = _stage_cost(ctx, sig, kind)
+            cost = _stage_costs(tb, pi, js, sigs, comm_factor, kind)
             if combine == "sum" and math.isfinite(cap_s):
                 over = cost > cap_s
                 if want_break and over.any():
                     next_break = min(next_break, float(cost[over].min()))
                 cost[over] = np.inf
-            prev = f[np.ix_(grp.src[:n_active], ctx.js)]
-            val = prev + cost if combine == "sum" else np.maximum(prev, cost)
-            best = np.argmin(val, axis=1)
-            cands.append((grp.move[:n_active], val[np.arange(n_active), best], ctx.js[best]))
-        if cands:
-            _update(f, par_move, par_j, layout, i, cands)
+            prev = f[mv.src[:n_active, None], js[None, :]]
+            here = cost[mv.sig[:n_active]]
+            val = prev + here if combine == "sum" else np.maximum(prev, here)
+            starts = np.flatnonzero(np.r_[True, pi[1:] != pi[:-1]])
+            seg_min = np.minimum.reduceat(val, starts, axis=1)
+            counts = np.diff(np.r_[starts, len(pi)])
+            pos = np.where(val == np.repeat(seg_min, counts, axis=1), np.arange(len(pi)), len(pi))
+            best = np.minimum.reduceat(pos, starts, axis=1)
+            _update(f, par_move, par_j, pi[starts], mv.move[:n_active], mv.dst[:n_active], seg_min, js[best])
     value, slot = math.inf, -1
     for t in layout.terminal:
         if f[t, tb.full] < value:

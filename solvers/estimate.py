@@ -1,13 +1,14 @@
 """How long the exact DP would take, estimated without running it (torch-free).
 
-One DP run (:func:`fxsplit.solvers.dpcore.run_dp`) compares each downset ``I`` with every
-smaller downset ``J ⊊ I`` under every move of the layout (:mod:`fxsplit.solvers.layout`), so it
-costs about ``a·P + b·P·G + c·P·M`` seconds for ``P = Σ_I |{J : |J| < |I|}|`` pairs (an upper
-bound of the subset pairs), ``G`` move signatures and ``M`` moves (``k`` in fixed order,
-``k(k+1)/2`` when 1F1B memory depends on the number of stages and the devices differ, slots ×
-classes in free order).
-The constants were measured on a 2-core CPU (GPT-2 XL and Llama-70B graphs, 3 to 528 moves;
-within a factor of about 1.3). The bottleneck objective costs 2 runs (optimum, tie-break); the
+One DP run (:func:`fxsplit.solvers.dpcore.run_dp`) compares each downset ``I`` with the smaller
+downsets ``J ⊊ I``, a block of downsets of one size at a time, under every move of the layout
+(:mod:`fxsplit.solvers.layout`), so it costs about ``a·L + b·P·W + c·P·M`` seconds for ``L``
+sizes (blocks + 1), ``P = Σ_I |{J : |J| < |I|}|`` pairs (an upper bound of the subset pairs),
+``W`` 64-bit words per downset and ``M`` moves (``k`` in fixed order, ``k(k+1)/2`` when 1F1B
+memory depends on the number of stages and the devices differ, slots × classes in free order).
+The constants were fitted on a 2-core CPU (GNMT, DenseNet-121, GPT 96-layer, Llama-7B and 70B
+graphs, 4 to 64 moves; within a factor of about 1.4). The bottleneck objective costs 2 runs
+(optimum, tie-break; both narrowed by an upper bound, so the estimate is high there); the
 makespan sweep about :data:`MAKESPAN_RUNS`.
 """
 
@@ -23,9 +24,9 @@ from fxsplit.solvers.layout import build_layout
 
 __all__ = ["DPEstimate", "MAKESPAN_RUNS", "estimate_dp"]
 
-SECONDS_PER_PAIR = 3.5e-8
-SECONDS_PER_PAIR_SIGNATURE = 1.4e-8
-SECONDS_PER_PAIR_MOVE = 3.4e-9
+SECONDS_PER_SIZE = 8e-5
+SECONDS_PER_PAIR_WORD = 7.7e-9
+SECONDS_PER_PAIR_MOVE = 2.8e-9
 MAKESPAN_RUNS = 12
 """DP runs of the exact makespan sweep, typical (GPT-2 XL: ~6x the bottleneck's time)."""
 
@@ -89,5 +90,7 @@ def estimate_dp(problem: Problem, max_downsets: int | None = DEFAULT_MAX_DOWNSET
         return DPEstimate(len(masks))
     moves, sigs = len(lay.moves), len(lay.groups)
     runs = 2 if problem.objective == "bottleneck" else MAKESPAN_RUNS
-    per_run = pairs * (SECONDS_PER_PAIR + SECONDS_PER_PAIR_SIGNATURE * sigs + SECONDS_PER_PAIR_MOVE * moves)
+    words = max(1, (len(problem.graph) + 63) // 64)
+    per_run = (SECONDS_PER_SIZE * (len(problem.graph) + 1)
+               + pairs * (SECONDS_PER_PAIR_WORD * words + SECONDS_PER_PAIR_MOVE * moves))
     return DPEstimate(len(masks), pairs, moves, sigs, runs, runs * per_run)

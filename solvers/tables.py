@@ -73,6 +73,26 @@ class DownsetTables:
         inside = ~np.any(self.words[:hi] & outside, axis=1)
         return np.flatnonzero(inside)
 
+    def subsets_among(self, i: int, cands: np.ndarray) -> np.ndarray:
+        """Those of the downset indices ``cands`` that are proper subsets of ``masks[i]``,
+        ascending, ``[<= len(cands)]``."""
+        cands = np.sort(cands[cands < self.layer_start[int(self.size[i])]])
+        inside = ~np.any(self.words[cands] & ~self.words[i], axis=1)
+        return cands[inside]
+
+    def restricted(self, rows: np.ndarray) -> DownsetTables:
+        """The tables of a subfamily of the downsets: ``rows`` ascending, with ``0`` (the empty
+        downset) first and :attr:`full` last."""
+        n = self.layer_start.shape[0] - 2
+        size = self.size[rows]
+        return DownsetTables(
+            masks=[self.masks[r] for r in rows.tolist()], size=size, words=self.words[rows],
+            layer_start=np.searchsorted(size, np.arange(n + 2), side="left"),
+            work_s=self.work_s[rows], fwd_s=self.fwd_s[rows], recompute=self.recompute,
+            static_bytes=self.static_bytes[rows], act_bytes=self.act_bytes[rows],
+            cut_bytes=self.cut_bytes[rows],
+        )
+
     @property
     def is_flipped(self) -> bool:
         """Whether these are the tables of the reversed graph (a stage ``I \\ J`` then receives

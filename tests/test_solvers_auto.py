@@ -33,7 +33,7 @@ def test_estimate_counts_pairs_moves_and_runs() -> None:
 
 
 def test_auto_picks_cpsat_when_the_dp_estimate_exceeds_the_time() -> None:
-    pb = _independent(13, 3)  # 8192 downsets: under the downset budget, ~5 s of DP
+    pb = _independent(15, 3)  # 32768 downsets: under the downset budget, seconds of DP
     assert estimate_dp(pb).seconds > 0.5 * 2.0
     plan = solve(pb, "auto", time_limit_s=2.0)
     assert plan.solver == "cpsat" and plan.stats["auto"]["dp_timed_out"] is False
