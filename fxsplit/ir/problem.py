@@ -136,9 +136,9 @@ class Problem:
         return self.training and self.recompute != "none"
 
     @staticmethod
-    def stage_memory_bytes(static_bytes: Any, act_bytes: Any, in_bytes: Any, out_bytes: Any, flight: int,
+    def stage_memory_bytes(static_bytes: Any, act_bytes: Any, in_bytes: Any, out_bytes: Any, flight: Any,
                            recompute: bool) -> Any:
-        """Peak memory of a stage (floats or NumPy arrays of them), bytes: its state, what each of
+        """Peak memory of a stage (numbers or NumPy arrays of them, ``flight`` too), bytes: its state, what each of
         ``flight`` in-flight micro-batches keeps (activations and received inputs; only the inputs
         when it recomputes, plus one micro-batch's activations while recomputing) and its output
         buffer."""
