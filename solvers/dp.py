@@ -126,7 +126,7 @@ class _Sweep:
     def __call__(self, cap_s: float) -> DPResult:
         self.runs += 1
         res = run_dp(self.tb, self.lay, comm_factor=self.comm, combine="sum", cap_s=cap_s,
-                     deadline=self.deadline)
+                     deadline=self.deadline, bound_s=2 * cap_s)
         if res.stages:
             obj = evaluate(self.problem, *_to_lists(res, self.lay)).makespan_s
             if self.best is None or obj < self.best[0]:
@@ -141,18 +141,20 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
     Within an interval where ``S`` is constant the best ``S(τ) + (m - 1)·τ`` is at its left end,
     so only ``τ_0`` and the points where ``S`` drops matter; each drop is found by bisection on
     ``τ`` snapped to the DP's next stage cost. Plans with bottleneck ``>= τ`` cost at least
-    ``S(∞) + (m - 1)·τ``, which bounds the sweep. Returns the best result, a proven lower bound
-    and the number of DP runs.
+    ``L + (m - 1)·τ`` for any lower bound ``L`` of ``S(∞)``, which bounds the sweep: ``L`` is the
+    graph's work on the fastest device (every stage time adds communication to its work), so no
+    uncapped DP runs. Returns the best result, a proven lower bound and the number of DP runs.
     """
     m1 = problem.microbatches - 1
-    smin = run_dp(tb, lay, comm_factor=comm, combine="sum", deadline=deadline)
     if m1 == 0:
+        smin = run_dp(tb, lay, comm_factor=comm, combine="sum", deadline=deadline)
         return smin, smin.value, 1
+    floor = float(tb.work_s[tb.full]) / max(d.speed for d in problem.devices)
     sweep = _Sweep(problem, tb, lay, comm, deadline)
     cur = sweep(tau0)
     tau = tau0
     while sweep.best is not None and sweep.runs < max_rounds:
-        tau_max = (sweep.best[0] - smin.value) / m1
+        tau_max = (sweep.best[0] - floor) / m1
         if tau_max <= tau or sweep(tau_max).value >= cur.value:
             return sweep.best[1], sweep.best[0], sweep.runs
         lo, hi, nb = tau, tau_max, cur.next_break
@@ -167,7 +169,7 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
         cur = sweep(tau)
     if sweep.best is None:
         raise InternalError("dp makespan sweep found no plan under the optimal bottleneck")
-    return sweep.best[1], min(sweep.best[0], smin.value + m1 * tau), sweep.runs
+    return sweep.best[1], min(sweep.best[0], floor + m1 * tau), sweep.runs
 
 
 def solve_dp(

@@ -161,19 +161,28 @@ def _update(f: np.ndarray, par_move: np.ndarray, par_j: np.ndarray, targets: np.
     par_j[dst[m], targets[t]] = js.ravel()[first]
 
 
-def _pairs(tb: DownsetTables, rows: np.ndarray, hi: int, reach: float) -> tuple[np.ndarray, np.ndarray]:
+def _pairs(tb: DownsetTables, cols: list[np.ndarray], rows: np.ndarray, hi: int,
+           reach: float) -> tuple[np.ndarray, np.ndarray]:
     """Pairs ``(I, J)``: ``I`` in ``rows`` (downsets of one size), ``J`` a proper subset among the
     first ``hi`` (smaller) downsets with ``W(I) - W(J) <= reach``; grouped by ``I``, ``J`` ascending.
 
-    The subset test runs on the whole ``[rows, hi]`` block, or, when the work window keeps under
-    a third of it, on the pairs in the window only."""
+    ``cols`` are the membership words by column (``tb.words[:, w]``). The subset test runs on the
+    whole ``[rows, hi]`` block, or, when the work window keeps under a third of it, on the pairs in
+    the window only."""
     if math.isfinite(reach):
         near = tb.work_s[None, :hi] >= tb.work_s[rows, None] - reach
         if 3 * int(np.count_nonzero(near)) < near.size:
             ii, jj = np.nonzero(near)
-            inside = ~np.any(tb.words[jj] & ~tb.words[rows[ii]], axis=1)
-            return rows[ii[inside]], jj[inside]
-    inside = ~np.any(tb.words[None, :hi, :] & ~tb.words[rows, None, :], axis=2)
+            ri = rows[ii]
+            outside = cols[0][jj] & ~cols[0][ri]
+            for col in cols[1:]:
+                outside |= col[jj] & ~col[ri]
+            inside = outside == 0
+            return ri[inside], jj[inside]
+    block = cols[0][None, :hi] & ~cols[0][rows, None]
+    for col in cols[1:]:
+        block |= col[None, :hi] & ~col[rows, None]
+    inside = block == 0
     if math.isfinite(reach):
         inside &= near
     ii, jj = np.nonzero(inside)
@@ -218,7 +227,9 @@ def run_dp(
         bound_s: Consider only stages whose work alone takes at most this on the fastest device,
             seconds (stage costs only add communication and recomputation to it). The result is
             exact whenever the optimum is at most ``bound_s`` (a feasible plan's bottleneck, or
-            ``cap_s`` when ``want_break`` is off); it prunes the downset pairs to a window.
+            ``cap_s``); it prunes the downset pairs to a window. The stages left out cost more
+            than ``bound_s``, so :attr:`DPResult.next_break` is then at most ``bound_s`` (a
+            breakpoint at or below the true one; the makespan sweep passes ``2 × cap_s``).
 
     With a layout built from the pipeline's end (:attr:`Layout.from_end`) the DP runs over the
     reversed graph's tables (:meth:`DownsetTables.flipped`); the stages it returns are in
@@ -241,18 +252,19 @@ def run_dp(
         tol = 1e-9 * max(1.0, float(np.abs(tb.work_s).max()))  # the sums' rounding
         reach = bound_s * float(sigs.speed.max()) + tol
     nwords = tb.words.shape[1]
+    cols = [np.ascontiguousarray(tb.words[:, w]) for w in range(nwords)]
     for size in range(1, int(tb.size[-1]) + 1):
         n_active = int(np.searchsorted(mv.src_stage, size, side="left"))
         first, last = int(tb.layer_start[size]), int(tb.layer_start[size + 1])
         if n_active == 0 or first == last:
             continue
-        rows_per_chunk = max(1, _CHUNK_ELEMENTS // (first * max(nwords, n_active)))
+        rows_per_chunk = max(1, _CHUNK_ELEMENTS // (first * n_active))
         for lo in range(first, last, rows_per_chunk):
             if deadline is not None and time.perf_counter() > deadline:
                 raise DPTimeoutError(
                     f"dp timed out after {lo}/{num} downsets; raise time_limit_s or use solver='cpsat'"
                 )
-            pi, js = _pairs(tb, np.arange(lo, min(lo + rows_per_chunk, last)), first, reach)
+            pi, js = _pairs(tb, cols, np.arange(lo, min(lo + rows_per_chunk, last)), first, reach)
             if len(js) == 0:
                 continue
             cost = _stage_costs(tb, pi, js, sigs, comm_factor, kind)
@@ -270,6 +282,8 @@ def run_dp(
             pos = np.where(val == np.repeat(seg_min, counts, axis=1), np.arange(len(pi)), len(pi))
             best = np.minimum.reduceat(pos, starts, axis=1)
             _update(f, par_move, par_j, pi[starts], mv.move[:n_active], mv.dst[:n_active], seg_min, js[best])
+    if want_break and math.isfinite(reach):
+        next_break = min(next_break, bound_s)
     value, slot = math.inf, -1
     for t in layout.terminal:
         if f[t, tb.full] < value:
