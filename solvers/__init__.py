@@ -2,8 +2,8 @@
 
 ``solve(problem, solver="auto")`` returns a validated :class:`fxsplit.ir.Plan`. Solvers:
 ``dp`` (exact DP over downsets), ``cpsat`` (exact OR-Tools model, imported on first use),
-``auto`` (``dp`` when its estimated work fits the time limit, else or after a ``dp`` time-out
-``cpsat``: :mod:`fxsplit.solvers.auto`), and the baselines ``uniform``, ``params``,
+``auto`` (``dp`` where its estimated work is small, ``dp`` racing ``cpsat`` in two threads
+where it fits the time limit, else ``cpsat``: :mod:`fxsplit.solvers.auto`), and the baselines ``uniform``, ``params``,
 ``blockpartition`` and ``greedy``. ``InfeasibleError`` is raised only with a proof (the DP, CP-SAT,
 or the memory bound of :mod:`fxsplit.solvers.relax`); a time-out without a plan is a
 ``SolverError``.

@@ -1,54 +1,63 @@
-"""``auto``: the exact DP when its estimated work fits the time, CP-SAT otherwise or after it.
+"""``auto``: the exact DP where it is quick, a race of the DP and CP-SAT where it may not be,
+CP-SAT alone where the DP would not finish.
 
 Picking by the number of downsets alone misjudges the DP: its work grows with the downset pairs
-× the moves of the layout (a 70B Llama with 6485 downsets but 32 devices and 1F1B memory needs
-528 moves and minutes), so ``auto`` asks :func:`fxsplit.solvers.estimate.estimate_dp`.
+× the moves of the layout, so ``auto`` asks :func:`fxsplit.solvers.estimate.estimate_dp`.
 
 Policy of :func:`solve_auto` with a time limit ``T``:
 
-1. ``dp`` when the graph has at most ``max_downsets`` downsets and the estimate is at most
-   ``AUTO_DP_SHARE · T``, with ``AUTO_DP_TIME_SHARE · T`` to finish;
-2. if ``dp`` times out (:class:`~fxsplit.solvers.dpcore.DPTimeoutError`), ``cpsat`` with the
-   remaining time, hinted by ``greedy`` (not by the DP that just timed out);
-3. otherwise ``cpsat`` with all of ``T``.
+1. ``dp`` alone when its estimate is at most :data:`AUTO_RACE_FROM_S` (a race would cost more
+   than it could win), with ``AUTO_DP_TIME_SHARE · T`` to finish;
+2. a race when the graph has at most ``max_downsets`` downsets and the estimate is at most
+   ``AUTO_DP_SHARE · T``: ``dp`` in the calling thread (``AUTO_DP_TIME_SHARE · T``), ``cpsat`` in
+   a second one (``T``, hinted by ``greedy``). The first *proof* (an optimum, or infeasibility)
+   wins and stops the other (:class:`fxsplit.solvers.cancel.Cancel`); a plan that is only
+   ``feasible`` waits for the other solver, and the better plan is returned;
+3. otherwise ``cpsat`` alone with all of ``T``;
+4. after a ``dp`` time-out in 1., ``cpsat`` with the time left, hinted by ``greedy``.
 
-Before either, the memory bound of :mod:`fxsplit.solvers.relax` runs (infeasibility proven in
-microseconds is reported at once, with its arithmetic).
-
-Without a limit, ``dp`` runs when the estimate is at most :data:`AUTO_DP_MAX_S`, with
-``max(AUTO_DP_MAX_S, 4 × estimate)`` to finish, then ``cpsat`` with its default limit.
-``InfeasibleError`` from either solver is a proof and is raised as is.
+Before any of these the memory bound of :mod:`fxsplit.solvers.relax` runs (infeasibility proven
+in microseconds is reported at once, with its arithmetic). Without a limit, the estimate is
+compared with :data:`AUTO_DP_MAX_S` instead, ``dp`` gets ``max(AUTO_DP_MAX_S, 4 × estimate)`` and
+``cpsat`` its default limit. ``InfeasibleError`` from either solver is a proof and is raised as
+is. Both solvers are exact, so the race changes how fast a proof comes, never the optimum
+(``stats["auto"]["race"]`` says who won and when).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
+from fxsplit.errors import InfeasibleError
 from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS
 from fxsplit.ir.plan import Plan
 from fxsplit.ir.problem import Problem
+from fxsplit.solvers.cancel import Cancel
 from fxsplit.solvers.dp import solve_dp
-from fxsplit.solvers.dpcore import DPTimeoutError
+from fxsplit.solvers.dpcore import DPCancelledError, DPTimeoutError
 from fxsplit.solvers.estimate import estimate_dp
 from fxsplit.solvers.relax import memory_bound_error
 
-__all__ = ["AUTO_DP_MAX_S", "AUTO_DP_SHARE", "AUTO_DP_TIME_SHARE", "solve_auto"]
+__all__ = ["AUTO_DP_MAX_S", "AUTO_DP_SHARE", "AUTO_DP_TIME_SHARE", "AUTO_RACE_FROM_S", "solve_auto"]
 
 logger = logging.getLogger(__name__)
 
 AUTO_DP_SHARE = 0.5
-"""``auto`` picks ``dp`` when its estimate is at most this share of the time limit."""
+"""``auto`` runs ``dp`` (alone or in the race) when its estimate is at most this share of the limit."""
 AUTO_DP_TIME_SHARE = 0.75
-"""Share of the time limit ``dp`` may use before ``auto`` falls back to ``cpsat``."""
+"""Share of the time limit ``dp`` may use (alone, before ``auto`` falls back to ``cpsat``, or in the race)."""
 AUTO_DP_MAX_S = 60.0
-"""Without a time limit, ``auto`` picks ``dp`` when its estimate is at most this, seconds."""
+"""Without a time limit, ``auto`` runs ``dp`` when its estimate is at most this, seconds."""
+AUTO_RACE_FROM_S = 1.0
+"""``auto`` races ``dp`` against ``cpsat`` when the DP's estimate is above this, seconds."""
 
 
 def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
                max_downsets: int = DEFAULT_MAX_DOWNSETS, **opts: Any) -> Plan:
-    """``dp`` when its estimated work fits the time, else (or when it times out) ``cpsat``.
+    """``dp``, a race of ``dp`` and ``cpsat``, or ``cpsat``, by the DP's estimated work.
 
     See the module docstring for the policy. ``opts`` go to ``cpsat``.
 
@@ -64,19 +73,74 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
         raise err
     est = estimate_dp(problem, max_downsets)
     budget = AUTO_DP_MAX_S if time_limit_s is None else AUTO_DP_SHARE * time_limit_s
-    tried_dp = est.seconds <= budget
-    if tried_dp:
-        dp_limit = (max(AUTO_DP_MAX_S, 4 * est.seconds) if time_limit_s is None
-                    else AUTO_DP_TIME_SHARE * time_limit_s)
-        logger.info("auto: dp (estimate %.3g s <= %.3g s, %s downsets)", est.seconds, budget, est.downsets)
+    dp_limit = (max(AUTO_DP_MAX_S, 4 * est.seconds) if time_limit_s is None
+                else AUTO_DP_TIME_SHARE * time_limit_s)
+    cp_limit = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s
+    auto: dict[str, Any] = {"dp_estimate_s": est.seconds, "downsets": est.downsets, "dp_timed_out": False}
+    if est.seconds <= min(budget, AUTO_RACE_FROM_S):
+        logger.info("auto: dp (estimate %.3g s, %s downsets)", est.seconds, est.downsets)
         try:
             return solve_dp(problem, time_limit_s=dp_limit, max_downsets=max_downsets)
         except DPTimeoutError as exc:
             logger.info("auto: %s; falling back to cpsat", exc)
             opts.setdefault("hint", "greedy")
+            auto["dp_timed_out"] = True
+    elif est.seconds <= budget:
+        logger.info("auto: dp races cpsat (dp estimate %.3g s, %s downsets)", est.seconds, est.downsets)
+        return _race(problem, dp_limit, cp_limit, max_downsets, opts, auto)
     else:
         logger.info("auto: cpsat (dp estimate %.3g s > %.3g s, %s downsets)", est.seconds, budget, est.downsets)
-    left = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s - (time.perf_counter() - start)
+    left = cp_limit if time_limit_s is None else time_limit_s - (time.perf_counter() - start)
     plan = solve_cpsat(problem, time_limit_s=max(0.01, left), **opts)
-    auto = {"dp_estimate_s": est.seconds, "downsets": est.downsets, "dp_timed_out": tried_dp}
     return plan.with_(stats={**plan.stats, "auto": auto})
+
+
+def _race(problem: Problem, dp_limit_s: float, cp_limit_s: float, max_downsets: int, opts: dict[str, Any],
+          auto: dict[str, Any]) -> Plan:
+    """``dp`` here and ``cpsat`` in a thread; the first proof stops the other (module docstring)."""
+    from fxsplit.solvers.cpsat import solve_cpsat
+
+    start = time.perf_counter()
+    stop_dp, stop_cp = Cancel(), Cancel()
+    box: dict[str, Any] = {}
+
+    def run_cpsat() -> None:
+        try:
+            plan = solve_cpsat(problem, time_limit_s=cp_limit_s, cancel=stop_cp, **{"hint": "greedy", **opts})
+            box["plan"], box["cpsat_s"] = plan, time.perf_counter() - start
+            if plan.status == "optimal":
+                stop_dp.set()
+        except InfeasibleError as exc:  # a proof too
+            box["error"], box["cpsat_s"] = exc, time.perf_counter() - start
+            stop_dp.set()
+        except Exception as exc:  # noqa: BLE001 - handed to the calling thread
+            box["error"], box["cpsat_s"] = exc, time.perf_counter() - start
+
+    thread = threading.Thread(target=run_cpsat, name="fxsplit-auto-cpsat", daemon=True)
+    thread.start()
+    try:
+        plan = solve_dp(problem, time_limit_s=dp_limit_s, max_downsets=max_downsets, cancel=stop_dp)
+    except DPTimeoutError as exc:  # cancelled (cpsat proved first) or out of time: cpsat's answer
+        thread.join()
+        auto = {**auto, "dp_timed_out": not isinstance(exc, DPCancelledError),
+                "race": {"winner": "cpsat", "cpsat_s": box["cpsat_s"], "dp": "stopped" if isinstance(
+                    exc, DPCancelledError) else "timed out"}}
+        if "error" in box:
+            raise box["error"] from None
+        cp: Plan = box["plan"]
+        return cp.with_(stats={**cp.stats, "auto": auto})
+    except BaseException:
+        stop_cp.set()
+        thread.join()
+        raise
+    dp_s = time.perf_counter() - start
+    if plan.status == "optimal":
+        stop_cp.set()
+    thread.join()
+    other = box.get("plan")
+    if plan.status != "optimal" and other is not None and other.objective_s < plan.objective_s:
+        best, winner = other.with_(lower_bound_s=max(other.lower_bound_s, min(plan.lower_bound_s, other.objective_s))), "cpsat"
+    else:
+        best, winner = plan, "dp"
+    race = {"winner": winner, "dp_s": dp_s, "cpsat": "stopped" if plan.status == "optimal" else "finished"}
+    return best.with_(stats={**best.stats, "auto": {**auto, "race": race}})

@@ -46,6 +46,7 @@ from typing import Any
 from fxsplit.errors import InfeasibleError, SolverError
 from fxsplit.ir.plan import Plan, evaluate, trivial_lower_bound
 from fxsplit.ir.problem import Problem
+from fxsplit.solvers.cancel import Cancel
 from fxsplit.solvers.cpsat_model import CpData, build_model
 from fxsplit.solvers.diagnose import stage_count_error
 from fxsplit.solvers.estimate import estimate_dp
@@ -202,10 +203,12 @@ def _checked(problem: Problem, plan: Plan, hint: Plan | None, slack_s: float) ->
 
 
 def _run(cp_model: Any, problem: Problem, data: CpData, hint_plan: Plan | None, limit_s: float,
-         params: dict[str, Any]) -> tuple[Any, str, Plan | None, dict[str, Any]]:
+         params: dict[str, Any], cancel: Cancel | None = None) -> tuple[Any, str, Plan | None, dict[str, Any]]:
     """One CP-SAT solve of ``data``: its status, status name, the evaluated plan (None without a
     solution; ``lower_bound_s`` the proven bound, status ``optimal`` for CP-SAT's OPTIMAL) and
-    the stats."""
+    the stats. Setting ``cancel`` stops the search (status UNKNOWN when it is set before)."""
+    if cancel is not None and cancel.is_set():
+        return cp_model.UNKNOWN, "UNKNOWN", None, {"cp_status": "UNKNOWN", "cancelled": True}
     model, var = build_model(cp_model, data, hint_plan)
     solver = cp_model.CpSolver()
     for key, value in {**SAFE_PARAMETERS, **params}.items():
@@ -213,7 +216,13 @@ def _run(cp_model: Any, problem: Problem, data: CpData, hint_plan: Plan | None, 
     solver.parameters.max_time_in_seconds = max(0.01, limit_s)
     if params.get("log_search_progress"):
         solver.log_callback = logger.info
-    status = solver.Solve(model)
+    if cancel is not None and cancel.is_set():
+        return cp_model.UNKNOWN, "UNKNOWN", None, {"cp_status": "UNKNOWN", "cancelled": True}
+    remove = cancel.on_set(solver.stop_search) if cancel is not None else (lambda: None)
+    try:
+        status = solver.Solve(model)
+    finally:
+        remove()
     name = solver.StatusName(status)
     stats: dict[str, Any] = {"cp_status": name, "quantum_s": data.quantum_s,
                              "cp_wall_s": solver.WallTime(), "hinted": hint_plan is not None}
@@ -229,7 +238,7 @@ def _run(cp_model: Any, problem: Problem, data: CpData, hint_plan: Plan | None, 
 
 
 def _certified(cp_model: Any, problem: Problem, data: CpData, plan: Plan, limit_s: float,
-               params: dict[str, Any]) -> Plan:
+               params: dict[str, Any], cancel: Cancel | None = None) -> Plan:
     """``plan``, optimal up to the rounding of ``data``'s quantum, proven optimal to
     :data:`OPTIMAL_GAP` by a second solve on a quantum fine enough that rounding can hide no more
     than half that gap (objective values up to ``2^44`` quanta) (hinted with ``plan``; a cheaper plan it finds replaces it); else
@@ -238,7 +247,7 @@ def _certified(cp_model: Any, problem: Problem, data: CpData, plan: Plan, limit_
     fine = OPTIMAL_GAP / 2 * plan.objective_s / max(slack_quanta, 1.0)
     if fine >= data.quantum_s or fine < plan.objective_s / 2**44 or limit_s <= 0.05:
         return plan.with_(status="feasible", stats={**plan.stats, "certified": False})
-    status, _, again, stats = _run(cp_model, problem, CpData.of(problem, fine), plan, limit_s, params)
+    status, _, again, stats = _run(cp_model, problem, CpData.of(problem, fine), plan, limit_s, params, cancel)
     if again is None:
         return plan.with_(status="feasible", stats={**plan.stats, "certified": False})
     best = again if again.objective_s < plan.objective_s else plan
@@ -258,6 +267,7 @@ def solve_cpsat(
     hint: str | Plan | None = "auto",
     time_quantum_s: float | None = None,
     log_search: bool = False,
+    cancel: Cancel | None = None,
 ) -> Plan:
     """Solve the split with OR-Tools CP-SAT (imported here, not at ``import fxsplit``).
 
@@ -271,6 +281,8 @@ def solve_cpsat(
             :class:`Plan`, or ``None``.
         time_quantum_s: Seconds per integer time unit; default ``total time / 2^20``.
         log_search: Let CP-SAT log its search (to the logger of this module).
+        cancel: Stop the search when this flag is set (``auto``'s race): the best plan so far
+            comes back ``feasible``, or :class:`SolverError` without one.
 
     Returns:
         The plan from :func:`evaluate`: status ``optimal`` when CP-SAT proved it to a gap of at
@@ -299,7 +311,7 @@ def solve_cpsat(
     data = CpData.of(problem, time_quantum_s)
     params = {"num_workers": num_workers, "random_seed": seed, "log_search_progress": log_search}
     left_s = limit_s - (time.perf_counter() - start)
-    status, name, solved, stats = _run(cp_model, problem, data, hint_plan, left_s, params)
+    status, name, solved, stats = _run(cp_model, problem, data, hint_plan, left_s, params, cancel)
     if status == cp_model.INFEASIBLE and hint_plan is None:
         left = limit_s - (time.perf_counter() - start)
         raise _infeasible(problem, max(0.1, left), "CP-SAT proved")
@@ -315,5 +327,5 @@ def solve_cpsat(
     slack_s = _rounding_slack_s(problem, data, solved)
     plan = _checked(problem, solved.with_(stats={**stats, "rounding_slack_s": slack_s}), hint_plan, slack_s)
     if plan.status == "optimal" and plan.gap > OPTIMAL_GAP:
-        plan = _certified(cp_model, problem, data, plan, limit_s - (time.perf_counter() - start), params)
+        plan = _certified(cp_model, problem, data, plan, limit_s - (time.perf_counter() - start), params, cancel)
     return plan.with_(solve_time_s=time.perf_counter() - start)

@@ -42,6 +42,7 @@ from fxsplit.errors import InfeasibleError, InternalError
 from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, members
 from fxsplit.ir.plan import Plan, evaluate
 from fxsplit.ir.problem import Problem
+from fxsplit.solvers.cancel import Cancel
 from fxsplit.solvers.diagnose import infeasible_error, stage_count_error
 from fxsplit.solvers.dpcore import DPResult, DPTimeoutError, run_dp
 from fxsplit.solvers.layout import Layout, build_layout
@@ -79,16 +80,17 @@ def _to_lists(res: DPResult, layout: Layout) -> tuple[list[list[int]], list[int]
     return stages, devices
 
 
-def _infeasible(problem: Problem, tb: DownsetTables, comm: float, deadline: float | None) -> Exception:
+def _infeasible(problem: Problem, tb: DownsetTables, comm: float, deadline: float | None,
+                cancel: Cancel | None = None) -> Exception:
     """The error for a problem the DP proved infeasible: the exact diagnosis (least overflow,
     memory and devices) when it finishes by ``deadline``, else the memory bound's numbers."""
     def run_excess(pb: Problem, until: float) -> DPResult:
         return run_dp(tb, _layout(pb, tb), comm_factor=comm, kind="excess",
-                      deadline=until if deadline is None else min(until, deadline))
+                      deadline=until if deadline is None else min(until, deadline), cancel=cancel)
 
     lay = _layout(problem, tb)
     try:
-        res = run_dp(tb, lay, comm_factor=comm, kind="excess", deadline=deadline)
+        res = run_dp(tb, lay, comm_factor=comm, kind="excess", deadline=deadline, cancel=cancel)
     except DPTimeoutError:
         err = memory_bound_error(problem)
         return err if err is not None else InfeasibleError(
@@ -101,7 +103,8 @@ def _infeasible(problem: Problem, tb: DownsetTables, comm: float, deadline: floa
     return infeasible_error(problem, stages, devices, res.value, run_excess)
 
 
-def _chain_bound(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, deadline: float | None) -> float:
+def _chain_bound(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, deadline: float | None,
+                 cancel: Cancel | None) -> float:
     """The best bottleneck over splits along the blocks' topological order (its ``n + 1``
     prefixes are downsets): a feasible plan's value, so an upper bound on the optimum that
     narrows the full DP's downset pairs (``run_dp(bound_s=...)``); ``inf`` when no such split
@@ -111,22 +114,23 @@ def _chain_bound(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, 
         return math.inf
     row = {mask: r for r, mask in enumerate(tb.masks)}
     rows = np.array(sorted(row[(1 << t) - 1] for t in range(n + 1)), dtype=np.int64)
-    return run_dp(tb.restricted(rows), lay, comm_factor=comm, deadline=deadline).value
+    return run_dp(tb.restricted(rows), lay, comm_factor=comm, deadline=deadline, cancel=cancel).value
 
 
 class _Sweep:
     """Sum-of-stage-times DPs under a bottleneck cap, counted, with the best makespan seen."""
 
     def __init__(self, problem: Problem, tb: DownsetTables, lay: Layout, comm: float,
-                 deadline: float | None) -> None:
+                 deadline: float | None, cancel: Cancel | None) -> None:
         self.problem, self.tb, self.lay, self.comm, self.deadline = problem, tb, lay, comm, deadline
+        self.cancel = cancel
         self.runs = 0
         self.best: tuple[float, DPResult] | None = None
 
     def __call__(self, cap_s: float) -> DPResult:
         self.runs += 1
         res = run_dp(self.tb, self.lay, comm_factor=self.comm, combine="sum", cap_s=cap_s,
-                     deadline=self.deadline, bound_s=2 * cap_s)
+                     deadline=self.deadline, bound_s=2 * cap_s, cancel=self.cancel)
         if res.stages:
             obj = evaluate(self.problem, *_to_lists(res, self.lay)).makespan_s
             if self.best is None or obj < self.best[0]:
@@ -135,7 +139,7 @@ class _Sweep:
 
 
 def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau0: float,
-              deadline: float | None, max_rounds: int) -> tuple[DPResult, float, int]:
+              deadline: float | None, max_rounds: int, cancel: Cancel | None) -> tuple[DPResult, float, int]:
     """Exact makespan by visiting the drops of ``S(τ)`` (least sum of stage times, stages ``<= τ``).
 
     Within an interval where ``S`` is constant the best ``S(τ) + (m - 1)·τ`` is at its left end,
@@ -147,10 +151,10 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
     """
     m1 = problem.microbatches - 1
     if m1 == 0:
-        smin = run_dp(tb, lay, comm_factor=comm, combine="sum", deadline=deadline)
+        smin = run_dp(tb, lay, comm_factor=comm, combine="sum", deadline=deadline, cancel=cancel)
         return smin, smin.value, 1
     floor = float(tb.work_s[tb.full]) / max(d.speed for d in problem.devices)
-    sweep = _Sweep(problem, tb, lay, comm, deadline)
+    sweep = _Sweep(problem, tb, lay, comm, deadline, cancel)
     cur = sweep(tau0)
     tau = tau0
     while sweep.best is not None and sweep.runs < max_rounds:
@@ -179,6 +183,7 @@ def solve_dp(
     max_downsets: int | None = DEFAULT_MAX_DOWNSETS,
     tie_break: bool = True,
     max_rounds: int = 200,
+    cancel: Cancel | None = None,
 ) -> Plan:
     """Optimal contiguous split by dynamic programming over the downsets of the graph.
 
@@ -189,6 +194,8 @@ def solve_dp(
         tie_break: Among bottleneck-optimal splits return one with the least sum of stage times.
         max_rounds: Makespan only: most rounds of the bottleneck sweep before returning the best
             plan found with status ``feasible`` and a proven lower bound.
+        cancel: Stop with :class:`~fxsplit.solvers.dpcore.DPCancelledError` when this flag is set
+            (``auto``'s race).
 
     Returns:
         The plan, built by :func:`evaluate`, status ``optimal`` (or ``feasible`` when the makespan
@@ -216,16 +223,16 @@ def solve_dp(
     tb = build_tables(problem, max_downsets)
     lay = _layout(problem, tb)
     comm = 2.0 if problem.training else 1.0
-    res = run_dp(tb, lay, comm_factor=comm, deadline=deadline,
-                 bound_s=_chain_bound(problem, tb, lay, comm, deadline))
+    res = run_dp(tb, lay, comm_factor=comm, deadline=deadline, cancel=cancel,
+                 bound_s=_chain_bound(problem, tb, lay, comm, deadline, cancel))
     if not res.stages:
-        raise _infeasible(problem, tb, comm, deadline)
+        raise _infeasible(problem, tb, comm, deadline, cancel)
     bound, rounds = res.value, 0
     if problem.objective == "makespan":
-        res, bound, rounds = _makespan(problem, tb, lay, comm, res.value, deadline, max_rounds)
+        res, bound, rounds = _makespan(problem, tb, lay, comm, res.value, deadline, max_rounds, cancel)
     elif tie_break:
         res = run_dp(tb, lay, comm_factor=comm, combine="sum", cap_s=res.value, deadline=deadline,
-                     want_break=False, bound_s=res.value)
+                     want_break=False, bound_s=res.value, cancel=cancel)
     stages, devices = _to_lists(res, lay)
     stats = {"downsets": tb.num, "slots": lay.num_slots, "moves": len(lay.moves), "rounds": rounds}
     plan = evaluate(problem, stages, devices, solver="dp", lower_bound_s=bound, stats=stats)

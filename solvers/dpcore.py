@@ -31,10 +31,11 @@ import numpy as np
 
 from fxsplit.errors import SolverError
 from fxsplit.ir.problem import Problem
+from fxsplit.solvers.cancel import Cancel
 from fxsplit.solvers.layout import Layout, Signature
 from fxsplit.solvers.tables import DownsetTables
 
-__all__ = ["DPResult", "DPTimeoutError", "run_dp"]
+__all__ = ["DPCancelledError", "DPResult", "DPTimeoutError", "run_dp"]
 
 _CHUNK_ELEMENTS = 1 << 21
 """Pairs x words (or x moves) per vectorised chunk of one size's downsets."""
@@ -42,6 +43,10 @@ _CHUNK_ELEMENTS = 1 << 21
 
 class DPTimeoutError(SolverError):
     """The DP ran past its deadline (``auto`` falls back to ``cpsat`` on this one)."""
+
+
+class DPCancelledError(DPTimeoutError):
+    """The DP was stopped by its :class:`~fxsplit.solvers.cancel.Cancel` (another solver won the race)."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +217,7 @@ def run_dp(
     deadline: float | None = None,
     want_break: bool = True,
     bound_s: float = math.inf,
+    cancel: Cancel | None = None,
 ) -> DPResult:
     """Run the DP and return the best plan over ``layout.terminal``.
 
@@ -230,6 +236,7 @@ def run_dp(
             ``cap_s``); it prunes the downset pairs to a window. The stages left out cost more
             than ``bound_s``, so :attr:`DPResult.next_break` is then at most ``bound_s`` (a
             breakpoint at or below the true one; the makespan sweep passes ``2 × cap_s``).
+        cancel: Stop (:class:`DPCancelledError`) when this flag is set, checked between blocks.
 
     With a layout built from the pipeline's end (:attr:`Layout.from_end`) the DP runs over the
     reversed graph's tables (:meth:`DownsetTables.flipped`); the stages it returns are in
@@ -237,6 +244,7 @@ def run_dp(
 
     Raises:
         DPTimeoutError: when ``deadline`` passes; the message says how far it got.
+        DPCancelledError: when ``cancel`` is set.
     """
     if layout.from_end != tb.is_flipped:
         tb = tb.flipped()
@@ -260,6 +268,8 @@ def run_dp(
             continue
         rows_per_chunk = max(1, _CHUNK_ELEMENTS // (first * n_active))
         for lo in range(first, last, rows_per_chunk):
+            if cancel is not None and cancel.is_set():
+                raise DPCancelledError(f"dp stopped after {lo}/{num} downsets: another solver finished first")
             if deadline is not None and time.perf_counter() > deadline:
                 raise DPTimeoutError(
                     f"dp timed out after {lo}/{num} downsets; raise time_limit_s or use solver='cpsat'"

@@ -126,7 +126,7 @@ for _solver in (
     FunctionSolver("dp", solve_dp, True, "exact DP over downsets x devices (Tarnawski et al. 2020)"),
     FunctionSolver("cpsat", _cpsat, True, "exact OR-Tools CP-SAT model; bound and incumbent on time-out"),
     FunctionSolver("auto", solve_auto, True,
-                   "dp when its estimated work fits the time limit, else (or on dp time-out) cpsat"),
+                   "dp where it is quick, dp racing cpsat where it may not be, else cpsat"),
     FunctionSolver("uniform", baselines.solve_uniform, False, "equal numbers of blocks per stage"),
     FunctionSolver("params", baselines.solve_params, False, "balanced parameter bytes (DeepSpeed)"),
     FunctionSolver("blockpartition", baselines.solve_blockpartition, False,

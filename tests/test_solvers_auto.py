@@ -1,5 +1,5 @@
-"""``auto``: picks by estimated DP work, falls back to CP-SAT on a DP time-out; proofs of
-infeasibility and time-outs are told apart."""
+"""``auto``: picks by estimated DP work, races the DP against CP-SAT, falls back to CP-SAT on a
+DP time-out; proofs of infeasibility and time-outs are told apart."""
 
 from __future__ import annotations
 
@@ -7,10 +7,14 @@ import gzip
 import pathlib
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from strategies import problems
 
 from fxsplit.errors import InfeasibleError
 from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Problem
-from fxsplit.solvers import auto, solve
+from fxsplit.solvers import auto, solve, solve_dp
+from fxsplit.solvers.cancel import Cancel
+from fxsplit.solvers.dpcore import DPCancelledError
 from fxsplit.solvers.estimate import DPEstimate, estimate_dp
 
 pytest.importorskip("ortools")
@@ -33,7 +37,7 @@ def test_estimate_counts_pairs_moves_and_runs() -> None:
 
 
 def test_auto_picks_cpsat_when_the_dp_estimate_exceeds_the_time() -> None:
-    pb = _independent(15, 3)  # 32768 downsets: under the downset budget, seconds of DP
+    pb = _independent(14, 3)  # 16384 downsets: under the downset budget, seconds of DP
     assert estimate_dp(pb).seconds > 0.5 * 2.0
     plan = solve(pb, "auto", time_limit_s=2.0)
     assert plan.solver == "cpsat" and plan.stats["auto"]["dp_timed_out"] is False
@@ -69,3 +73,41 @@ def test_llama70b_on_32_a100_is_proven_infeasible_at_once() -> None:
     err = info.value
     assert err.min_devices_at_least == 55
     assert "gave up" not in str(err)
+
+
+def test_race_cpsat_proof_stops_the_dp() -> None:
+    # 16384 downsets: the DP needs seconds, CP-SAT proves these independent blocks at once; the
+    # race returns CP-SAT's optimum and the DP is stopped, not waited for.
+    pb = _independent(14, 3)
+    assert auto.AUTO_RACE_FROM_S < estimate_dp(pb).seconds <= auto.AUTO_DP_MAX_S
+    plan = solve(pb, "auto")
+    race = plan.stats["auto"]["race"]
+    assert (race["winner"], race["dp"], plan.solver, plan.status) == ("cpsat", "stopped", "cpsat", "optimal")
+    assert plan.objective_s == pytest.approx(solve(pb, "cpsat").objective_s)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_blocks=8, max_devices=3, objective=None, memory_mib=(8, 64)))
+def test_race_finds_the_dp_optimum(problem: Problem) -> None:
+    # Forced race on small problems: whichever solver proves first, the optimum is the DP's.
+    try:
+        expected = solve(problem, "dp")
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            auto._race(problem, 30.0, 30.0, 10**6, {}, {})
+        return
+    plan = auto._race(problem, 30.0, 30.0, 10**6, {}, {})
+    assert plan.status == "optimal" and plan.stats["auto"]["race"]["winner"] in ("dp", "cpsat")
+    assert plan.objective_s == pytest.approx(expected.objective_s, rel=1e-9, abs=1e-12)
+
+
+def test_cancel_stops_the_dp_and_cpsat() -> None:
+    from fxsplit.solvers.cpsat import solve_cpsat
+
+    pb = _independent(10, 3)
+    stop = Cancel()
+    stop.set()
+    with pytest.raises(DPCancelledError, match="another solver finished first"):
+        solve_dp(pb, cancel=stop)
+    plan = solve_cpsat(pb, cancel=stop, hint="greedy")  # stopped before its search: the hint, unproven
+    assert plan.status == "feasible" and plan.stats["cancelled"] is True
