@@ -12,6 +12,9 @@ Run: ``python bench/plan_speed.py [--quick] [--out bench/results]``.
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -78,7 +81,8 @@ def _time(problem: Problem, solver: str, **opts: Any) -> dict[str, Any]:
     start = time.perf_counter()
     plan = solve(problem, solver, **opts)
     return {"graph": problem.graph.name, "blocks": len(problem.graph), "devices": problem.num_devices,
-            "solver": solver, "status": plan.status, "objective_s": plan.objective_s,
+            "solver": solver, "solved_by": plan.solver, "race": plan.stats.get("auto", {}).get("race"),
+            "status": plan.status, "objective_s": plan.objective_s,
             "lower_bound_s": plan.lower_bound_s, "seconds": time.perf_counter() - start,
             "downsets": count_downsets(problem.graph, limit=10**6)}
 
@@ -102,12 +106,70 @@ def run(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+PIPEDREAM_GRAPHS = ("alexnet", "vgg16", "resnet18", "resnet50", "gnmt", "densenet121")
+
+
+def run_pipedream(quick: bool) -> list[dict[str, Any]]:
+    """PipeDream's profiled graphs × k devices as ``fxsplit solve FILE --devices k`` states them
+    (identical 16 GiB devices, default link, bottleneck): ``auto``'s solve seconds in this process,
+    who proved it (``dp``, ``cpsat``, or the race's winner) and the CLI's wall time in a fresh
+    process (start-up included), the figure to put beside PipeDream's own planner script."""
+    from fxsplit.cli.solve import build_problem
+
+    names = ("vgg16", "gnmt") if quick else PIPEDREAM_GRAPHS
+    ks = (4,) if quick else (2, 4, 8)
+    cli = Path(sys.executable).with_name("fxsplit")
+    rows = []
+    for name in names:
+        path = PIPEDREAM / f"{name}.txt"
+        graph = load_pipedream(path)
+        for k in ks:
+            row = _time(build_problem(graph, devices=k), "auto")
+            race = row["race"]
+            row["proved_by"] = f"{row['solved_by']} (won the race)" if race else row["solved_by"]
+            start = time.perf_counter()
+            subprocess.run([str(cli), "solve", str(path), "--devices", str(k)], capture_output=True, check=True)
+            row["cli_wall_s"] = time.perf_counter() - start
+            rows.append(row)
+    return rows
+
+
+def _print_pipedream(rows: list[dict[str, Any]], markdown: bool) -> None:
+    cols = ("graph", "blocks", "downsets", "devices", "proved by", "status", "solve s", "CLI wall s", "bottleneck ms")
+    cells = [(r["graph"], str(r["blocks"]), str(r["downsets"]), str(r["devices"]), r["proved_by"], r["status"],
+              f"{r['seconds']:.2f}", f"{r['cli_wall_s']:.2f}", f"{r['objective_s'] * 1e3:.4f}") for r in rows]
+    if markdown:
+        print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+        for c in cells:
+            print("| " + " | ".join(c) + " |")
+        return
+    table = Table(title="PipeDream graphs: fxsplit solve FILE --devices k (auto)")
+    for col in cols:
+        table.add_column(col)
+    for c in cells:
+        table.add_row(*c)
+    Console().print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--part", choices=("gpt", "pipedream", "all"), default="all",
+                        help="gpt: synthetic GPT graphs and densenet121 with dp; pipedream: the six "
+                             "PipeDream graphs x {2, 4, 8} with auto and the CLI's wall time")
+    parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     args = parser.parse_args()
-    rows = run(args.quick)
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    rows = run(args.quick) if args.part in ("gpt", "all") else []
+    pd_rows = run_pipedream(args.quick) if args.part in ("pipedream", "all") else []
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if pd_rows:
+        _print_pipedream(pd_rows, args.markdown)
+    if not rows:
+        path = write_json(args.out, "plan_speed", {"env": environment(), "rows": rows, "pipedream": pd_rows})
+        Console().print(f"wrote {path}")
+        return
     table = Table(title="plan speed (seconds per solve, 2 CPU cores)")
     for col in ("graph", "blocks", "downsets", "devices", "solver", "status", "seconds"):
         table.add_column(col)
@@ -115,7 +177,7 @@ def main() -> None:
         table.add_row(r["graph"], str(r["blocks"]), str(r["downsets"]), str(r["devices"]), r["solver"],
                       r["status"], f"{r['seconds']:.3f}")
     Console().print(table)
-    path = write_json(args.out, "plan_speed", {"env": environment(), "rows": rows})
+    path = write_json(args.out, "plan_speed", {"env": environment(), "rows": rows, "pipedream": pd_rows})
     Console().print(f"wrote {path}")
 
 

@@ -20,8 +20,10 @@ Before any of these the memory bound of :mod:`fxsplit.solvers.relax` runs (infea
 in microseconds is reported at once, with its arithmetic). Without a limit, the estimate is
 compared with :data:`AUTO_DP_MAX_S` instead, ``dp`` gets ``max(AUTO_DP_MAX_S, 4 × estimate)`` and
 ``cpsat`` its default limit. ``InfeasibleError`` from either solver is a proof and is raised as
-is. Both solvers are exact, so the race changes how fast a proof comes, never the optimum
-(``stats["auto"]["race"]`` says who won and when).
+is. Both solvers are exact, so the race changes how fast a proof comes, never the optimal
+objective; which of several optimal splits comes back may depend on the winner (only ``dp``
+breaks bottleneck ties by the least sum of stage times). ``stats["auto"]["race"]`` says who won
+and when.
 """
 
 from __future__ import annotations
@@ -97,16 +99,20 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
 
 def _race(problem: Problem, dp_limit_s: float, cp_limit_s: float, max_downsets: int, opts: dict[str, Any],
           auto: dict[str, Any]) -> Plan:
-    """``dp`` here and ``cpsat`` in a thread; the first proof stops the other (module docstring)."""
+    """``dp`` here and ``cpsat`` in a thread; the first proof stops the other (module docstring).
+
+    CP-SAT is hinted by ``greedy`` unless ``opts`` hands it a plan (a ``dp`` hint would run the
+    DP twice). Any exception here (Ctrl-C included) stops CP-SAT before it propagates."""
     from fxsplit.solvers.cpsat import solve_cpsat
 
     start = time.perf_counter()
     stop_dp, stop_cp = Cancel(), Cancel()
+    cp_opts = {**opts, "hint": opts["hint"] if isinstance(opts.get("hint"), Plan) else "greedy"}
     box: dict[str, Any] = {}
 
     def run_cpsat() -> None:
         try:
-            plan = solve_cpsat(problem, time_limit_s=cp_limit_s, cancel=stop_cp, **{"hint": "greedy", **opts})
+            plan = solve_cpsat(problem, time_limit_s=cp_limit_s, cancel=stop_cp, **cp_opts)
             box["plan"], box["cpsat_s"] = plan, time.perf_counter() - start
             if plan.status == "optimal":
                 stop_dp.set()
@@ -119,28 +125,29 @@ def _race(problem: Problem, dp_limit_s: float, cp_limit_s: float, max_downsets: 
     thread = threading.Thread(target=run_cpsat, name="fxsplit-auto-cpsat", daemon=True)
     thread.start()
     try:
-        plan = solve_dp(problem, time_limit_s=dp_limit_s, max_downsets=max_downsets, cancel=stop_dp)
-    except DPTimeoutError as exc:  # cancelled (cpsat proved first) or out of time: cpsat's answer
+        try:
+            plan = solve_dp(problem, time_limit_s=dp_limit_s, max_downsets=max_downsets, cancel=stop_dp)
+        except DPTimeoutError as exc:  # stopped (cpsat proved first) or out of time: cpsat's answer
+            thread.join()
+            dp = "stopped" if isinstance(exc, DPCancelledError) else "timed out"
+            auto = {**auto, "dp_timed_out": dp == "timed out",
+                    "race": {"winner": "cpsat", "cpsat_s": box["cpsat_s"], "dp": dp}}
+            if "error" in box:
+                raise box["error"] from None
+            cp: Plan = box["plan"]
+            return cp.with_(stats={**cp.stats, "auto": auto})
+        dp_s = time.perf_counter() - start
+        if plan.status == "optimal":
+            stop_cp.set()
         thread.join()
-        auto = {**auto, "dp_timed_out": not isinstance(exc, DPCancelledError),
-                "race": {"winner": "cpsat", "cpsat_s": box["cpsat_s"], "dp": "stopped" if isinstance(
-                    exc, DPCancelledError) else "timed out"}}
-        if "error" in box:
-            raise box["error"] from None
-        cp: Plan = box["plan"]
-        return cp.with_(stats={**cp.stats, "auto": auto})
     except BaseException:
         stop_cp.set()
         thread.join()
         raise
-    dp_s = time.perf_counter() - start
-    if plan.status == "optimal":
-        stop_cp.set()
-    thread.join()
-    other = box.get("plan")
-    if plan.status != "optimal" and other is not None and other.objective_s < plan.objective_s:
-        best, winner = other.with_(lower_bound_s=max(other.lower_bound_s, min(plan.lower_bound_s, other.objective_s))), "cpsat"
-    else:
-        best, winner = plan, "dp"
-    race = {"winner": winner, "dp_s": dp_s, "cpsat": "stopped" if plan.status == "optimal" else "finished"}
-    return best.with_(stats={**best.stats, "auto": {**auto, "race": race}})
+    other: Plan | None = box.get("plan")
+    race = {"winner": "dp", "dp_s": dp_s, "cpsat": "stopped" if plan.status == "optimal" else "finished"}
+    if plan.status != "optimal" and other is not None and (
+            other.objective_s < plan.objective_s or (other.status == "optimal" and other.objective_s <= plan.objective_s)):
+        race["winner"] = "cpsat"  # the DP's sweep was cut short; CP-SAT's plan is better or proven
+        plan = other.with_(lower_bound_s=min(max(other.lower_bound_s, plan.lower_bound_s), other.objective_s))
+    return plan.with_(stats={**plan.stats, "auto": {**auto, "race": race}})

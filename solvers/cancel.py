@@ -2,8 +2,10 @@
 
 ``auto`` runs the DP in the calling thread and CP-SAT in a second one; whichever proves its
 answer first sets the other's :class:`Cancel`. The DP looks at the flag between blocks of
-downsets (:func:`fxsplit.solvers.dpcore.run_dp`); CP-SAT registers its ``stop_search`` with
-:meth:`Cancel.on_set`, which OR-Tools allows from another thread.
+downsets (:func:`fxsplit.solvers.dpcore.run_dp`); CP-SAT's solve is watched by
+:func:`stop_search_when`, which calls the solver's ``stop_search`` (allowed from another thread)
+once the flag is set, again until the solve returns: OR-Tools ignores a stop that comes before
+its search has started.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-__all__ = ["Cancel"]
+__all__ = ["Cancel", "stop_search_when"]
 
 
 class Cancel:
@@ -57,3 +59,28 @@ class Cancel:
                 return remove
         hook()
         return lambda: None
+
+
+def stop_search_when(cancel: Cancel, stop_search: Callable[[], None], *,
+                     every_s: float = 0.02) -> Callable[[], None]:
+    """Call ``stop_search`` once ``cancel`` is set and every ``every_s`` seconds after that, until
+    the returned function is called (when the solve has returned); a watcher thread does it."""
+    wake, done = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        wake.wait()
+        while not done.is_set():
+            stop_search()
+            done.wait(every_s)
+
+    thread = threading.Thread(target=watch, name="fxsplit-stop-search", daemon=True)
+    thread.start()
+    remove = cancel.on_set(wake.set)
+
+    def finished() -> None:
+        remove()
+        done.set()
+        wake.set()
+        thread.join()
+
+    return finished

@@ -46,7 +46,7 @@ from typing import Any
 from fxsplit.errors import InfeasibleError, SolverError
 from fxsplit.ir.plan import Plan, evaluate, trivial_lower_bound
 from fxsplit.ir.problem import Problem
-from fxsplit.solvers.cancel import Cancel
+from fxsplit.solvers.cancel import Cancel, stop_search_when
 from fxsplit.solvers.cpsat_model import CpData, build_model
 from fxsplit.solvers.diagnose import stage_count_error
 from fxsplit.solvers.estimate import estimate_dp
@@ -202,6 +202,11 @@ def _checked(problem: Problem, plan: Plan, hint: Plan | None, slack_s: float) ->
     return plan.with_(lower_bound_s=bound)  # a hint proven optimal (the DP) closes the rounding gap
 
 
+def _check_cancel(cancel: Cancel | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise SolverError("cpsat stopped before its search: another solver finished first")
+
+
 def _run(cp_model: Any, problem: Problem, data: CpData, hint_plan: Plan | None, limit_s: float,
          params: dict[str, Any], cancel: Cancel | None = None) -> tuple[Any, str, Plan | None, dict[str, Any]]:
     """One CP-SAT solve of ``data``: its status, status name, the evaluated plan (None without a
@@ -218,11 +223,11 @@ def _run(cp_model: Any, problem: Problem, data: CpData, hint_plan: Plan | None, 
         solver.log_callback = logger.info
     if cancel is not None and cancel.is_set():
         return cp_model.UNKNOWN, "UNKNOWN", None, {"cp_status": "UNKNOWN", "cancelled": True}
-    remove = cancel.on_set(solver.stop_search) if cancel is not None else (lambda: None)
+    finished = stop_search_when(cancel, solver.stop_search) if cancel is not None else (lambda: None)
     try:
         status = solver.Solve(model)
     finally:
-        remove()
+        finished()
     name = solver.StatusName(status)
     stats: dict[str, Any] = {"cp_status": name, "quantum_s": data.quantum_s,
                              "cp_wall_s": solver.WallTime(), "hinted": hint_plan is not None}
@@ -308,7 +313,9 @@ def solve_cpsat(
     if memory_bound_error(problem) is not None:  # proven in microseconds: no model to build
         raise _infeasible(problem, max(0.1, limit_s / 2), "the memory bound proved")
     hint_plan = _hint_plan(problem, hint, max(0.1, limit_s / 4))
+    _check_cancel(cancel)
     data = CpData.of(problem, time_quantum_s)
+    _check_cancel(cancel)
     params = {"num_workers": num_workers, "random_seed": seed, "log_search_progress": log_search}
     left_s = limit_s - (time.perf_counter() - start)
     status, name, solved, stats = _run(cp_model, problem, data, hint_plan, left_s, params, cancel)

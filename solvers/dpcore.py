@@ -56,7 +56,8 @@ class DPResult:
     Attributes:
         value: Best ``f[terminal][V]`` (``inf`` when no plan is feasible).
         stages: ``[(block mask, unit)]`` per stage in pipeline order (empty when infeasible).
-        next_break: Smallest stage cost above ``cap_s`` seen (``inf`` when none or no cap).
+        next_break: Smallest stage cost above ``cap_s`` seen (``inf`` when none or no cap), at
+            most ``bound_s`` when the run was narrowed by one (a breakpoint no later than the next).
     """
 
     value: float
@@ -232,8 +233,9 @@ def run_dp(
         want_break: Track :attr:`DPResult.next_break` (costs a little).
         bound_s: Consider only stages whose work alone takes at most this on the fastest device,
             seconds (stage costs only add communication and recomputation to it). The result is
-            exact whenever the optimum is at most ``bound_s`` (a feasible plan's bottleneck, or
-            ``cap_s``); it prunes the downset pairs to a window. The stages left out cost more
+            exact whenever every stage of an optimal plan costs at most ``bound_s`` (for the
+            bottleneck: a feasible plan's bottleneck; with ``cap_s``: at least ``cap_s``); it
+            prunes the downset pairs to a window. The stages left out cost more
             than ``bound_s``, so :attr:`DPResult.next_break` is then at most ``bound_s`` (a
             breakpoint at or below the true one; the makespan sweep passes ``2 × cap_s``).
         cancel: Stop (:class:`DPCancelledError`) when this flag is set, checked between blocks.

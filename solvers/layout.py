@@ -18,7 +18,7 @@ order, or fixed order with identical devices) the layout is built *from the end*
 :meth:`~fxsplit.solvers.tables.DownsetTables.flipped`) with one set of slots for every ``p``.
 
 A *move* adds one stage: from slot ``src`` to slot ``dst`` on a device of speed ``speed``, as
-stage number ``stage`` of the pipeline. Moves with equal cost parameters share a *signature* so
+stage number ``stage`` of the pipeline (counted from its end in a layout built from the end). Moves with equal cost parameters share a *signature* so
 their stage costs are computed once.
 
 References:
@@ -52,7 +52,8 @@ class Signature:
 
 @dataclass(frozen=True)
 class Move:
-    """Add one stage: slot ``src`` -> ``dst``, device class or index ``unit``, stage number ``stage``."""
+    """Add one stage: slot ``src`` -> ``dst``, device class or index ``unit``, stage number ``stage``
+    (the number of stages between it and the pipeline's end when :attr:`Layout.from_end`)."""
 
     src: int
     dst: int
@@ -223,7 +224,7 @@ def _free(problem: Problem, max_stages: int, per_p: bool, check_memory: bool) ->
 
 
 def build_layout(problem: Problem, num_blocks: int, check_memory: bool, per_p: bool = False,
-                 from_end: bool | None = None) -> Layout:
+                 from_end: bool = True) -> Layout:
     """The DP state space for ``problem``.
 
     Args:
@@ -233,14 +234,14 @@ def build_layout(problem: Problem, num_blocks: int, check_memory: bool, per_p: b
         per_p: Lay out one chain of slots per number of stages ``p`` (1F1B in-flight counts
             ``min(m, p - s)`` depend on it); otherwise in-flight counts are computed as if all
             devices were used (exact whenever they do not depend on ``p`` or memory is unchecked).
-        from_end: Build the layout from the pipeline's end instead of the per-``p`` chains
-            (``None``: whenever that is exact, see the module docstring; ``False``: never).
+        from_end: Allow the layout from the pipeline's end instead of the per-``p`` chains,
+            used whenever it is exact (see the module docstring); ``False``: never.
 
     Raises:
         SolverError: for ``device_order="free"`` with per-pair link overrides.
     """
     max_stages = min(problem.num_devices, num_blocks)
-    if from_end is not False and check_memory and _can_start_from_end(problem, per_p):
+    if from_end and check_memory and _can_start_from_end(problem, per_p):
         return _from_end(problem, max_stages)
     if problem.device_order == "fixed":
         return _fixed(problem, max_stages, per_p, check_memory)

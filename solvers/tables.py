@@ -73,16 +73,15 @@ class DownsetTables:
         inside = ~np.any(self.words[:hi] & outside, axis=1)
         return np.flatnonzero(inside)
 
-    def subsets_among(self, i: int, cands: np.ndarray) -> np.ndarray:
-        """Those of the downset indices ``cands`` that are proper subsets of ``masks[i]``,
-        ascending, ``[<= len(cands)]``."""
-        cands = np.sort(cands[cands < self.layer_start[int(self.size[i])]])
-        inside = ~np.any(self.words[cands] & ~self.words[i], axis=1)
-        return cands[inside]
-
     def restricted(self, rows: np.ndarray) -> DownsetTables:
         """The tables of a subfamily of the downsets: ``rows`` ascending, with ``0`` (the empty
-        downset) first and :attr:`full` last."""
+        downset) first and :attr:`full` last; of the graph itself (flip after restricting).
+
+        Raises:
+            ValueError: for flipped tables.
+        """
+        if self.flipped_from is not None:
+            raise ValueError("restrict the tables of the graph, then flip them")
         n = self.layer_start.shape[0] - 2
         size = self.size[rows]
         return DownsetTables(

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from strategies import problems
 
-from fxsplit.errors import InfeasibleError
+from fxsplit.errors import InfeasibleError, SolverError
 from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Problem
 from fxsplit.solvers import auto, solve, solve_dp
 from fxsplit.solvers.cancel import Cancel
@@ -109,5 +109,26 @@ def test_cancel_stops_the_dp_and_cpsat() -> None:
     stop.set()
     with pytest.raises(DPCancelledError, match="another solver finished first"):
         solve_dp(pb, cancel=stop)
-    plan = solve_cpsat(pb, cancel=stop, hint="greedy")  # stopped before its search: the hint, unproven
-    assert plan.status == "feasible" and plan.stats["cancelled"] is True
+    with pytest.raises(SolverError, match="another solver finished first"):
+        solve_cpsat(pb, cancel=stop, hint="greedy")  # stopped before its search
+
+
+def test_stop_search_is_repeated_until_the_solve_returns() -> None:
+    # OR-Tools ignores stop_search before its search starts: the watcher calls it until finished().
+    import time
+
+    from fxsplit.solvers.cancel import stop_search_when
+
+    calls: list[float] = []
+    stop = Cancel()
+    finished = stop_search_when(stop, lambda: calls.append(time.perf_counter()), every_s=0.005)
+    time.sleep(0.02)
+    assert calls == []  # not set: never called
+    stop.set()
+    deadline = time.perf_counter() + 5.0
+    while len(calls) < 2 and time.perf_counter() < deadline:
+        time.sleep(0.005)
+    finished()
+    after = len(calls)
+    time.sleep(0.02)
+    assert after >= 2 and len(calls) == after
