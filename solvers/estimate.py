@@ -27,8 +27,10 @@ __all__ = ["DPEstimate", "MAKESPAN_RUNS", "estimate_dp"]
 SECONDS_PER_SIZE = 8e-5
 SECONDS_PER_PAIR_WORD = 7.7e-9
 SECONDS_PER_PAIR_MOVE = 2.8e-9
-MAKESPAN_RUNS = 12
-"""DP runs of the exact makespan sweep, typical (GPT-2 XL: ~6x the bottleneck's time)."""
+MAKESPAN_RUNS = 4
+"""DP runs of the exact makespan sweep, typical since its capped runs are narrowed to a work
+window and need no uncapped run (Llama and T5 tiny: the bottleneck, then 1-2 capped runs;
+chains with many breakpoints take dozens of cheap ones)."""
 
 @dataclass(frozen=True)
 class DPEstimate:
