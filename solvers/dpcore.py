@@ -1,4 +1,5 @@
-"""The inner loop of the exact DP over downsets × slots, vectorised over the smaller downset.
+"""The inner loop of the exact DP over downsets × slots, vectorised over all the downsets of one
+size at a time (they never depend on each other: ``J ⊊ I`` is smaller) and every signature.
 
 Recurrence (``⊕`` is ``max`` for the bottleneck, ``+`` for a sum of stage costs)::
 
@@ -11,9 +12,10 @@ stage's memory exceeds the device's. With ``cap_s`` (used for the makespan) stag
 cap are forbidden too, and the smallest forbidden cost is reported as the next breakpoint. With
 ``kind="excess"`` the cost is the stage's memory minus the device's (infeasibility diagnosis).
 
-Complexity: ``O(P · M)`` array operations, ``P = Σ_I |{J ⊊ I}| ≤ D² / 2`` downset pairs and
-``M`` the number of moves (fixed order: ``k``; free order: slots × device classes); memory
-``O(S · D)`` for ``S`` slots.
+Complexity: ``O(P · (W + M))`` element operations in ``O(n)`` vectorised passes (chunked to
+:data:`_CHUNK_ELEMENTS`), ``P = Σ_I |{J ⊊ I}| ≤ D² / 2`` downset pairs (fewer under ``bound_s``),
+``W`` 64-bit words per downset and ``M`` the number of moves (fixed order: ``k``; free order:
+slots × device classes); memory ``O(S · D)`` for ``S`` slots.
 
 References:
     Tarnawski et al., "Efficient Algorithms for Device Placement of DNN Graph Operators",
