@@ -211,7 +211,8 @@ def _run(cp_model: Any, problem: Problem, data: CpData, hint_plan: Plan | None, 
          params: dict[str, Any], cancel: Cancel | None = None) -> tuple[Any, str, Plan | None, dict[str, Any]]:
     """One CP-SAT solve of ``data``: its status, status name, the evaluated plan (None without a
     solution; ``lower_bound_s`` the proven bound, status ``optimal`` for CP-SAT's OPTIMAL) and
-    the stats. Setting ``cancel`` stops the search (status UNKNOWN when it is set before)."""
+    the stats. Setting ``cancel`` stops the search (its watcher repeats the stop until the solve
+    returns); set before the model is built, nothing is built (status UNKNOWN)."""
     if cancel is not None and cancel.is_set():
         return cp_model.UNKNOWN, "UNKNOWN", None, {"cp_status": "UNKNOWN", "cancelled": True}
     model, var = build_model(cp_model, data, hint_plan)
@@ -221,8 +222,6 @@ def _run(cp_model: Any, problem: Problem, data: CpData, hint_plan: Plan | None, 
     solver.parameters.max_time_in_seconds = max(0.01, limit_s)
     if params.get("log_search_progress"):
         solver.log_callback = logger.info
-    if cancel is not None and cancel.is_set():
-        return cp_model.UNKNOWN, "UNKNOWN", None, {"cp_status": "UNKNOWN", "cancelled": True}
     finished = stop_search_when(cancel, solver.stop_search) if cancel is not None else (lambda: None)
     try:
         status = solver.Solve(model)

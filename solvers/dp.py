@@ -15,8 +15,9 @@ Makespan ``Σ_s t_s + (m - 1) · max_s t_s`` is not a min-max, so it is solved e
 parametric sweep over the bottleneck ``τ``: ``S(τ)`` = least sum of stage times with every stage
 ``≤ τ`` (the same DP with ``+``), evaluated at ``τ_0`` = the optimal bottleneck and then at each
 next larger stage cost (the DP reports it), until ``L + (m - 1) · τ`` reaches the best makespan
-found, ``L <= S(∞)`` the graph's work on the fastest device. Every plan ``P`` is dominated at ``τ = max(P)``, so the sweep is exact; it stops with status
-``feasible`` and a proven bound after ``max_rounds`` rounds.
+found, ``L <= S(∞)`` the graph's work on the fastest device. Every plan ``P`` is dominated at
+``τ = max(P)``, so the sweep is exact; it stops with status ``feasible`` and a proven bound after
+``max_rounds`` rounds.
 
 1F1B memory depends on the number of stages ``p`` (stage ``s`` holds ``min(m, p - s)``
 micro-batches); when memory can bind, the layout has one chain of slots per ``p``, or, when

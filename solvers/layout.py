@@ -177,23 +177,31 @@ def _can_start_from_end(problem: Problem, per_p: bool) -> bool:
             and (problem.device_order == "free" or len(device_classes(problem)) == 1))
 
 
+def _count_vectors(classes: list[tuple[int, ...]], max_stages: int) -> list[tuple[int, ...]]:
+    """Devices used per class, at most ``max_stages`` in all, by total then lexicographically."""
+    vectors = [c for c in itertools.product(*(range(len(cl) + 1) for cl in classes)) if sum(c) <= max_stages]
+    return sorted(vectors, key=lambda c: (sum(c), c))
+
+
+def _one_more(c: tuple[int, ...], classes: list[tuple[int, ...]]) -> list[tuple[int, tuple[int, ...]]]:
+    """``(class, counts)`` after one more device of each class that has one left."""
+    return [(t, c[:t] + (c[t] + 1,) + c[t + 1 :]) for t, cl in enumerate(classes) if c[t] < len(cl)]
+
+
 def _from_end(problem: Problem, max_stages: int) -> Layout:
     """Counts per class as in free order; the stage placed after ``d`` others is ``d`` stages from
-    the end and holds ``min(m, d + 1)`` micro-batches whatever the pipeline's length."""
+    the end and holds ``min(m, d + 1)`` micro-batches whatever the pipeline's length (the first
+    stage of a ``d + 1``-stage pipeline)."""
     classes, b, link = device_classes(problem), _Builder(), problem.link
-    vectors = [c for c in itertools.product(*(range(len(cl) + 1) for cl in classes)) if sum(c) <= max_stages]
-    for c in sorted(vectors, key=lambda c: (sum(c), c)):
+    for c in _count_vectors(classes, max_stages):
         d = sum(c)
         if d >= 1:
             b.terminal.append((d, b.slot_of(c, d)))
         if d == max_stages:
             continue
-        for t, cl in enumerate(classes):
-            if c[t] < len(cl):
-                nxt = c[:t] + (c[t] + 1,) + c[t + 1 :]
-                dev = problem.devices[cl[0]]
-                sig = Signature(dev.speed, float(dev.memory_bytes), problem.in_flight(0, d + 1), link, link)
-                b.add(b.slot_of(c, d), b.slot_of(nxt, d + 1), t, d, sig)
+        for t, nxt in _one_more(c, classes):
+            sig = _sig(problem, classes[t][0], 0, d + 1, True, link, link)
+            b.add(b.slot_of(c, d), b.slot_of(nxt, d + 1), t, d, sig)
     return b.build(tuple(classes), from_end=True)
 
 
@@ -205,18 +213,15 @@ def _free(problem: Problem, max_stages: int, per_p: bool, check_memory: bool) ->
             "device s) or one link for all pairs"
         )
     classes, b, link = device_classes(problem), _Builder(), problem.link
-    vectors = [c for c in itertools.product(*(range(len(cl) + 1) for cl in classes)) if sum(c) <= max_stages]
-    vectors.sort(key=lambda c: (sum(c), c))
+    vectors = _count_vectors(classes, max_stages)
     for p in _targets(problem, max_stages, per_p):
         top = p if p is not None else max_stages
         for c in vectors:
             if sum(c) >= top:
                 continue
-            for t, cl in enumerate(classes):
-                if c[t] < len(cl):
-                    nxt = c[:t] + (c[t] + 1,) + c[t + 1 :]
-                    sig = _sig(problem, cl[0], sum(c), p, check_memory, link, link)
-                    b.add(b.slot_of((p, c), sum(c)), b.slot_of((p, nxt), sum(nxt)), t, sum(c), sig)
+            for t, nxt in _one_more(c, classes):
+                sig = _sig(problem, classes[t][0], sum(c), p, check_memory, link, link)
+                b.add(b.slot_of((p, c), sum(c)), b.slot_of((p, nxt), sum(nxt)), t, sum(c), sig)
         want = p if p is not None else (None if problem.allow_idle_devices else problem.num_devices)
         b.terminal.extend((sum(c), b.slot_of((p, c), sum(c))) for c in vectors
                           if sum(c) >= 1 and sum(c) <= top and (want is None or sum(c) == want))

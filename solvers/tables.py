@@ -110,13 +110,10 @@ class DownsetTables:
         n = self.layer_start.shape[0] - 2
         full = self.masks[-1]
         size = n - self.size[::-1]
-        valid = np.zeros(self.words.shape[1], dtype=np.uint64)
-        for b in range(n):
-            valid[b // 64] |= np.uint64(1) << np.uint64(b % 64)
         return DownsetTables(
             masks=[full ^ m for m in reversed(self.masks)],
             size=size,
-            words=~self.words[::-1] & valid,
+            words=~self.words[::-1] & self.words[-1],  # the last downset holds every block
             layer_start=np.searchsorted(size, np.arange(n + 2), side="left"),
             work_s=self.work_s[-1] - self.work_s[::-1],
             fwd_s=self.fwd_s[-1] - self.fwd_s[::-1],
