@@ -125,6 +125,21 @@ def _solve(problem: Problem, solver: str, options: CompileOptions, m: int, kind:
     return solvers.solve(per_microbatch(problem, m, kind), solver, time_limit_s=options.time_limit_s)
 
 
+def _explore_plan(problem: Problem, solver: str, options: CompileOptions, m: int, kind: str) -> Plan:
+    """The split the schedule search simulates its candidates on.
+
+    For an exact ``solver``, the DP over the prefixes of the block order
+    (``solve_dp(states="chain")``, milliseconds, measured within 2 % of the optimum on Hugging
+    Face tiny models, bench/README.md *Solvers at scale*); the exact solver when no such split
+    fits. The winner is then solved exactly. A heuristic ``solver`` is used as is."""
+    if not solvers.is_exact(solver):
+        return _solve(problem, solver, options, m, kind)
+    try:
+        return solvers.solve(per_microbatch(problem, m, kind), "dp", states="chain", time_limit_s=options.time_limit_s)
+    except InfeasibleError:
+        return _solve(problem, solver, options, m, kind)
+
+
 def looped_problem(problem: Problem, options: CompileOptions) -> Problem | None:
     """``problem`` with ``options.stages_per_device`` stages on each device (looped schedules),
     or None when that cannot help: one device, or fewer blocks than stages."""
@@ -148,9 +163,11 @@ def plan_pipeline(
     ``problem`` holds whole-batch costs. With both ``microbatches`` and ``schedule`` fixed the
     solver runs once on per-micro-batch costs. Otherwise a first plan per placement (one stage
     per device under 1F1B; ``options.stages_per_device`` stages per device in looping placement
-    under interleaved 1F1B, when the graph has the blocks) is handed to
+    under interleaved 1F1B, when the graph has the blocks; from :func:`_explore_plan`, a fast
+    split along the block order when ``solver`` is exact) is handed to
     :func:`fxsplit.schedule.explore`, which simulates every candidate schedule and micro-batch
-    count that fits memory; the split is then solved again for the winner.
+    count that fits memory; the split is then solved by ``solver`` for the winner (once: the
+    first plan is reused only when ``solver`` is a heuristic and the winner is what it solved).
 
     Args:
         schedules: The kinds ``schedule="auto"`` chooses from (the distributed runtime passes
@@ -171,14 +188,16 @@ def plan_pipeline(
                           f"and needs at least 2 devices and that many stages' worth of blocks; the graph has "
                           f"{len(problem.graph)} blocks for {problem.num_devices} devices. Use schedule='1f1b'")
     first: dict[str, tuple[Problem, Plan]] = {}  # the first plan of each placement, by its kind
+    fixed = schedule != "auto" and isinstance(microbatches, int)  # one solve, by the solver
+    first_plan = _solve if fixed else _explore_plan
     if flat_kinds:
         kind0 = "1f1b" if "1f1b" in flat_kinds else flat_kinds[0]
-        first[kind0] = (problem, _solve(problem, solver, options, m0, kind0))
+        first[kind0] = (problem, first_plan(problem, solver, options, m0, kind0))
     if looped is not None:
-        plan = _first_looped(looped, solver, options, m0, looped_kinds[0], required=not flat_kinds)
+        plan = _first_looped(looped, first_plan, solver, options, m0, looped_kinds[0], required=not flat_kinds)
         if plan is not None:
             first[looped_kinds[0]] = (looped, plan)
-    if schedule != "auto" and isinstance(microbatches, int):
+    if fixed:
         (kind0, (pb0, plan0)), = first.items()
         make(kind0, plan0.num_stages, m0, num_ranks=plan0.num_ranks)  # ScheduleError when it cannot run m0
         return PlanChoice(plan0, pb0.with_(microbatches=m0, schedule=kind0), kind0, m0,
@@ -191,15 +210,17 @@ def plan_pipeline(
                      looped=placement.get(True))
     m, kind = choice.microbatches, choice.kind
     pb = looped if kind in LOOPED_SCHEDULES and looped is not None else problem  # the winner's placement
-    plan = first[kind][1] if (kind in first and m == m0) else _solve(pb, solver, options, m, kind)
+    reuse = kind in first and m == m0 and not solvers.is_exact(solver)
+    plan = first[kind][1] if reuse else _solve(pb, solver, options, m, kind)
     return PlanChoice(plan, pb.with_(microbatches=m, schedule=kind), kind, m, choice.reason, choice.format_table())
 
 
-def _first_looped(problem: Problem, solver: str, options: CompileOptions, m: int, kind: str, *, required: bool) -> Plan | None:
-    """The looping placement at ``m`` micro-batches; None when none fits and another placement
-    is tried too (``required=False``)."""
+def _first_looped(problem: Problem, first_plan: Callable[..., Plan], solver: str, options: CompileOptions, m: int,
+                  kind: str, *, required: bool) -> Plan | None:
+    """The looping placement at ``m`` micro-batches (from ``first_plan``); None when none fits
+    and another placement is tried too (``required=False``)."""
     try:
-        return _solve(problem, solver, options, m, kind)
+        return first_plan(problem, solver, options, m, kind)
     except InfeasibleError as exc:
         if required:
             raise

@@ -36,10 +36,11 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Literal
 
 import numpy as np
 
-from fxsplit.errors import InfeasibleError, InternalError
+from fxsplit.errors import ConfigError, InfeasibleError, InternalError
 from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, members
 from fxsplit.ir.plan import Plan, evaluate
 from fxsplit.ir.problem import Problem
@@ -48,9 +49,13 @@ from fxsplit.solvers.diagnose import infeasible_error, stage_count_error
 from fxsplit.solvers.dpcore import DPResult, DPTimeoutError, run_dp
 from fxsplit.solvers.layout import Layout, build_layout
 from fxsplit.solvers.relax import memory_bound_error
-from fxsplit.solvers.tables import DownsetTables, build_tables
+from fxsplit.solvers.tables import DownsetTables, build_tables, chain_masks, is_chain_order
 
-__all__ = ["solve_dp"]
+__all__ = ["DP_STATES", "DPStates", "solve_dp"]
+
+DPStates = Literal["downsets", "chain"]
+DP_STATES: tuple[DPStates, ...] = ("downsets", "chain")
+"""What the DP's states are: every downset (exact), or the prefixes of the block order."""
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +119,7 @@ def _chain_bound(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, 
     if tb.num <= 2 * (n + 1):
         return math.inf
     row = {mask: r for r, mask in enumerate(tb.masks)}
-    rows = np.array(sorted(row[(1 << t) - 1] for t in range(n + 1)), dtype=np.int64)
+    rows = np.array(sorted(row[mask] for mask in chain_masks(n)), dtype=np.int64)
     return run_dp(tb.restricted(rows), lay, comm_factor=comm, deadline=deadline, cancel=cancel).value
 
 
@@ -185,6 +190,7 @@ def solve_dp(
     tie_break: bool = True,
     max_rounds: int = 200,
     cancel: Cancel | None = None,
+    states: DPStates = "downsets",
 ) -> Plan:
     """Optimal contiguous split by dynamic programming over the downsets of the graph.
 
@@ -197,10 +203,16 @@ def solve_dp(
             plan found with status ``feasible`` and a proven lower bound.
         cancel: Stop with :class:`~fxsplit.solvers.dpcore.DPCancelledError` when this flag is set
             (``auto``'s race).
+        states: ``"downsets"`` (all of them: exact) or ``"chain"``: only the ``n + 1`` prefixes
+            of the blocks' topological order (PipeDream's DP on a chain, Narayanan et al. SOSP
+            2019 §3.1), in ``O(n² · M)``, no enumeration. A state reduction, so a heuristic: on a
+            graph that is not a chain its plan is ``feasible`` with the trivial lower bound
+            (``optimal`` only where it meets that bound); on a chain it is the exact DP.
 
     Returns:
         The plan, built by :func:`evaluate`, status ``optimal`` (or ``feasible`` when the makespan
-        sweep was cut short), ``lower_bound_s`` = the proven optimum or bound.
+        sweep was cut short or the states were reduced), ``lower_bound_s`` = the proven optimum
+        or bound.
 
     Raises:
         InfeasibleError: when no split fits in memory (stage, device, overflow, least memory and
@@ -221,12 +233,20 @@ def solve_dp(
     problem.check()
     if not problem.allow_idle_devices and len(problem.graph) < problem.num_devices:
         raise stage_count_error(problem)
-    tb = build_tables(problem, max_downsets)
+    if states not in DP_STATES:
+        raise ConfigError(f"solve_dp(states={states!r}): use one of {', '.join(DP_STATES)}")
+    reduced = states == "chain" and not is_chain_order(problem)
+    tb = build_tables(problem, max_downsets, masks=chain_masks(len(problem.graph)) if states == "chain" else None)
     lay = _layout(problem, tb)
     comm = 2.0 if problem.training else 1.0
     res = run_dp(tb, lay, comm_factor=comm, deadline=deadline, cancel=cancel,
                  bound_s=_chain_bound(problem, tb, lay, comm, deadline, cancel))
     if not res.stages:
+        if reduced:
+            raise InfeasibleError(
+                f"no split of graph {problem.graph.name!r} along its block order fits in memory "
+                f"(solve_dp(states='chain') is a heuristic; use states='downsets' or solver='auto' "
+                "for the exact answer and its diagnosis)")
         raise _infeasible(problem, tb, comm, deadline, cancel)
     bound, rounds = res.value, 0
     if problem.objective == "makespan":
@@ -235,8 +255,8 @@ def solve_dp(
         res = run_dp(tb, lay, comm_factor=comm, combine="sum", cap_s=res.value, deadline=deadline,
                      want_break=False, bound_s=res.value, cancel=cancel)
     stages, devices = _to_lists(res, lay)
-    stats = {"downsets": tb.num, "slots": lay.num_slots, "moves": len(lay.moves), "rounds": rounds}
-    plan = evaluate(problem, stages, devices, solver="dp", lower_bound_s=bound, stats=stats)
+    stats = {"downsets": tb.num, "slots": lay.num_slots, "moves": len(lay.moves), "rounds": rounds, "states": states}
+    plan = evaluate(problem, stages, devices, solver="dp", lower_bound_s=None if reduced else bound, stats=stats)
     status = "optimal" if plan.gap <= 1e-9 else "feasible"
     if status == "optimal":  # the DP's value and evaluate() differ only by summation order
         plan = plan.with_(lower_bound_s=plan.objective_s)

@@ -30,6 +30,7 @@ __all__ = [
     "SolverRegistry",
     "available_solvers",
     "get_solver",
+    "is_exact",
     "register_solver",
     "solve",
     "solve_auto",
@@ -144,6 +145,17 @@ def register_solver(solver: Solver) -> Solver:
 def get_solver(name: str) -> Solver:
     """The solver called ``name`` in the default registry."""
     return REGISTRY.get(name)
+
+
+def is_exact(name: str) -> bool:
+    """Whether the solver called ``name`` proves optimality (registered as a
+    :class:`FunctionSolver` with ``exact=True``; any other :class:`Solver` counts as a heuristic).
+
+    Raises:
+        SolverError: for an unknown name.
+    """
+    chosen = get_solver(name)
+    return isinstance(chosen, FunctionSolver) and chosen.exact
 
 
 def available_solvers() -> list[str]:

@@ -19,7 +19,7 @@ import numpy as np
 from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, enumerate_downsets
 from fxsplit.ir.problem import Problem
 
-__all__ = ["DownsetTables", "build_tables"]
+__all__ = ["DownsetTables", "build_tables", "chain_masks", "is_chain_order"]
 
 _CHUNK_ROWS = 1024
 
@@ -153,19 +153,35 @@ def _cut_bytes(problem: Problem, member: np.ndarray) -> np.ndarray:
     return out
 
 
-def build_tables(problem: Problem, max_downsets: int | None = DEFAULT_MAX_DOWNSETS) -> DownsetTables:
+def chain_masks(n: int) -> list[int]:
+    """The ``n + 1`` prefixes of the blocks' topological order, as downset bitmasks (size order)."""
+    return [(1 << t) - 1 for t in range(n + 1)]
+
+
+def is_chain_order(problem: Problem) -> bool:
+    """Whether the prefixes of the block order are *all* the downsets: block ``i - 1`` feeds
+    block ``i`` for every ``i`` (a path between them could only pass blocks ordered between)."""
+    linked = {(e.src, e.dst) for e in problem.graph.edges}
+    return all((i - 1, i) in linked for i in range(1, len(problem.graph)))
+
+
+def build_tables(problem: Problem, max_downsets: int | None = DEFAULT_MAX_DOWNSETS,
+                 masks: list[int] | None = None) -> DownsetTables:
     """Enumerate the downsets of ``problem.graph`` and their prefix sums.
 
     Args:
         problem: The problem (its ``training`` flag and memory factors shape the sums).
         max_downsets: Budget passed to :func:`enumerate_downsets`.
+        masks: Tables of these downsets only (sorted by size, ``0`` first and the full set last,
+            e.g. :func:`chain_masks`) instead of all of them.
 
     Raises:
         DownsetBudgetError: when the graph has more than ``max_downsets`` downsets.
     """
     g = problem.graph
     n = len(g)
-    masks = enumerate_downsets(g, max_count=max_downsets)
+    if masks is None:
+        masks = enumerate_downsets(g, max_count=max_downsets)
     member, words = _membership(masks, n)
     size = member.sum(axis=1)
     layer_start = np.searchsorted(size, np.arange(n + 2), side="left")

@@ -7,6 +7,7 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import condensed_graphs
 
 from fxsplit.errors import ConfigError, InfeasibleError
 from fxsplit.ir import CondensedGraph, DeviceSpec, GiB, LinkSpec, Problem
@@ -149,3 +150,21 @@ def test_the_front_is_exactly_the_undominated_fitting_candidates(points):
     assert all(c.fits and not dominated(c) for c in front)
     assert all(dominated(c) or any(f.step_time_s <= c.step_time_s and max(f.memory_bytes) <= max(c.memory_bytes)
                                    for f in front) for c in fitting)
+
+
+
+@settings(max_examples=25, deadline=None)
+@given(condensed_graphs(min_blocks=4, max_blocks=9), st.sampled_from([2, 3]), st.sampled_from([4, 8]))
+def test_the_searched_plan_is_the_exact_optimum_of_the_schedule_it_picked(graph, k, batch):
+    # The search explores on fast splits along the block order; the winner is then solved
+    # exactly: its plan equals the DP's optimum for that schedule and micro-batch count.
+    from fxsplit.compiler import per_microbatch, plan_pipeline
+    from fxsplit.options import CompileOptions
+    from fxsplit.solvers import solve
+
+    pb = Problem(graph, tuple(DeviceSpec(f"d{i}") for i in range(k)),
+                 link=LinkSpec(bytes_per_s=2**20, latency_s=0.01), objective="makespan")
+    choice = plan_pipeline(pb, batch, "auto", "auto", "dp", CompileOptions())
+    best = solve(per_microbatch(choice.problem, choice.microbatches, choice.schedule), "dp")
+    assert choice.plan.status == "optimal"
+    assert choice.plan.objective_s == pytest.approx(best.objective_s, rel=1e-9)

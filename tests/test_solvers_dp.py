@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from strategies import MiB, problems
 
-from fxsplit.errors import InfeasibleError, SolverError
+from fxsplit.errors import ConfigError, InfeasibleError, SolverError
 from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, LinkSpec, Problem, evaluate
 from fxsplit.ir.downsets import count_downsets, members
 from fxsplit.solvers import solve, solve_dp
@@ -19,11 +19,13 @@ from fxsplit.solvers import solve, solve_dp
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def brute_force(problem: Problem) -> float:
-    """Least objective over every chain of downsets and every device assignment (math.inf if none)."""
+def brute_force(problem: Problem, prefixes_only: bool = False) -> float:
+    """Least objective over every chain of downsets and every device assignment (math.inf if none);
+    ``prefixes_only``: of the prefixes of the block order only."""
     g, k = problem.graph, problem.num_devices
     n, full = len(g), (1 << len(g)) - 1
-    downs = [m for m in range(full + 1) if g.is_downset(set(members(m)))]
+    downs = ([(1 << t) - 1 for t in range(n + 1)] if prefixes_only
+             else [m for m in range(full + 1) if g.is_downset(set(members(m)))])
     best = math.inf
 
     def consider(chain: list[int]) -> None:
@@ -270,3 +272,52 @@ def test_layout_from_the_end_keeps_one_slot_per_stage_count() -> None:
     assert end.from_end and (end.num_slots, len(end.moves)) == (65, 64)
     assert (chains.num_slots, len(chains.moves)) == (2081, 2080)
     assert [end.sigs[end.moves[d].sig].flight for d in range(10)] == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8]
+
+
+@SETTINGS
+@given(problems(max_blocks=8, max_devices=4, heterogeneous=True, device_order=None, objective=None,
+                memory_mib=(8, 64)))
+def test_chain_states_equal_brute_force_over_prefixes_and_claim_optimal_only_when_proven(problem: Problem) -> None:
+    # states="chain": the DP over the prefixes of the block order is exact on those splits, never
+    # below the true optimum, and "optimal" only where it is (a chain, or the trivial bound met).
+    from fxsplit.solvers.tables import is_chain_order
+
+    on_prefixes, exact = brute_force(problem, prefixes_only=True), brute_force(problem)
+    if math.isinf(on_prefixes):
+        with pytest.raises(InfeasibleError, match="states='downsets'" if math.isfinite(exact) else None):
+            solve(problem, "dp", states="chain")
+        return
+    plan = solve(problem, "dp", states="chain")
+    assert plan.objective_s == pytest.approx(on_prefixes, rel=1e-9, abs=1e-12)
+    assert plan.objective_s >= exact - 1e-9 * max(1.0, exact)
+    assert plan.lower_bound_s <= exact + 1e-9 * max(1.0, exact)
+    if plan.status == "optimal":
+        assert plan.objective_s == pytest.approx(exact, rel=1e-9, abs=1e-12)
+    if is_chain_order(problem):
+        assert plan.status == "optimal" and plan.stats["states"] == "chain"
+
+
+def test_chain_states_miss_a_split_off_the_block_order_and_say_so() -> None:
+    # A diamond 0 -> {1, 2} -> 3 whose only fitting split, {0, 2} | {1, 3}, is no prefix of 0 1 2 3.
+    pb = _diamond_problem()
+    with pytest.raises(InfeasibleError, match="heuristic"):
+        solve(pb, "dp", states="chain")
+    assert [st.blocks for st in solve(pb, "dp").stages] == [(0, 2), (1, 3)]
+    with pytest.raises(ConfigError, match="states='all'.*downsets, chain"):
+        solve(pb, "dp", states="all")
+
+
+def _diamond_problem() -> Problem:
+    params = [3, 3, 1, 1]
+    blocks = tuple(Block(i, f"b{i}", (f"n{i}",), fwd_s=1.0, param_bytes=params[i] * MiB) for i in range(4))
+    edges = tuple(Edge(a, b, 0) for a, b in ((0, 1), (0, 2), (1, 3), (2, 3)))
+    devices = tuple(DeviceSpec(f"d{i}", memory_bytes=4 * MiB) for i in range(2))
+    return Problem(CondensedGraph(blocks, edges), devices, training=False)
+
+
+def test_schedule_search_falls_back_to_the_exact_solver_when_no_prefix_split_fits() -> None:
+    from fxsplit.compiler import plan_pipeline
+    from fxsplit.options import CompileOptions
+
+    choice = plan_pipeline(_diamond_problem(), 1, "auto", "auto", "dp", CompileOptions())
+    assert [st.blocks for st in choice.plan.stages] == [(0, 2), (1, 3)] and choice.plan.status == "optimal"
