@@ -6,7 +6,11 @@ Graphs: a GPT-style transformer at operator granularity, as a chain (ops in sequ
 densenet121 with 8 devices well under 1 s; cpsat proves optimality on a 200-block DAG with 8
 devices within 30 s on 2 cores.
 
-Run: ``python bench/plan_speed.py [--quick] [--out bench/results]``.
+Parts (``--part``): ``gpt`` (the graphs above), ``pipedream`` (PipeDream's six graphs x {2, 4, 8}
+with ``auto`` and the CLI's wall time), ``compile`` (``fxsplit.compile``'s planning of Hugging Face
+tiny models, the schedule search on exact vs block-order splits, alternated), ``all``.
+
+Run: ``python bench/plan_speed.py [--quick] [--part PART] [--markdown] [--out bench/results]``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from rich.table import Table
 from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, LinkSpec, Problem
 from fxsplit.ir.downsets import count_downsets
 from fxsplit.ir.formats import load_pipedream
+from fxsplit.schedule import plan_step_s
 from fxsplit.solvers import solve
 
 # (name, relative forward time, parallel group) of one transformer layer's operators
@@ -138,12 +143,90 @@ def _print_pipedream(rows: list[dict[str, Any]], markdown: bool) -> None:
     cols = ("graph", "blocks", "downsets", "devices", "proved by", "status", "solve s", "CLI wall s", "bottleneck ms")
     cells = [(r["graph"], str(r["blocks"]), str(r["downsets"]), str(r["devices"]), r["proved_by"], r["status"],
               f"{r['seconds']:.2f}", f"{r['cli_wall_s']:.2f}", f"{r['objective_s'] * 1e3:.4f}") for r in rows]
+    _print_rows("PipeDream graphs: fxsplit solve FILE --devices k (auto)", cols, cells, markdown)
+
+
+HF_TINY = ("bert", "gpt2", "llama", "t5", "vit")
+
+
+def run_compile(quick: bool, repeats: int = 3) -> list[dict[str, Any]]:
+    """The planning step of ``fxsplit.compile`` (:func:`fxsplit.compiler.plan_pipeline`: schedule,
+    micro-batch count and split; ``solver="auto"``, makespan) for Hugging Face tiny models on 4
+    CPU devices, batch 8, the problem ``fxsplit.compile`` builds (profiled costs). Two variants
+    alternated in one run: the schedule search on every placement's exact optimum (``exact``, as
+    before issue 14's item 5) and on splits along the block order (``chain``,
+    ``solve_dp(states="chain")``, the default); both then solve the winner exactly. Seconds: the
+    median of ``repeats`` alternated runs."""
+    import statistics
+
+    from fxsplit import compiler
+    from fxsplit.models.hf import hf
+    from fxsplit.options import CompileOptions
+
+    variants = {"exact": compiler._solve, "chain": compiler._explore_plan}
+    rows = []
+    for name in ("bert",) if quick else HF_TINY:
+        problem = _compile_problem(hf(name, batch_size=8))
+        graph = problem.graph
+        seconds: dict[str, list[float]] = {v: [] for v in variants}
+        picked: dict[str, Any] = {}
+        for _ in range(1 if quick else repeats):
+            for variant, first_plan in variants.items():
+                compiler._explore_plan = first_plan  # type: ignore[assignment]
+                try:
+                    start = time.perf_counter()
+                    choice = compiler.plan_pipeline(problem, 8, "auto", "auto", "auto", CompileOptions())
+                    seconds[variant].append(time.perf_counter() - start)
+                finally:
+                    compiler._explore_plan = variants["chain"]  # type: ignore[assignment]
+                picked[variant] = choice
+        row = {"model": name, "blocks": len(graph), "downsets": count_downsets(graph, limit=10**6)}
+        for variant in variants:
+            c = picked[variant]
+            row[variant] = {"seconds": statistics.median(seconds[variant]), "schedule": f"{c.schedule} m={c.microbatches}",
+                            "status": c.plan.status, "objective_s": c.plan.objective_s, "step_s": plan_step_s(c.plan)}
+        rows.append(row)
+    return rows
+
+
+def _compile_problem(case: Any) -> Problem:
+    """The problem ``fxsplit.compile(model, 4, ...)`` plans (its profiled costs), caught on its way
+    to :func:`fxsplit.compiler.plan_pipeline`."""
+    import fxsplit
+    from fxsplit import compiler
+
+    box: dict[str, Problem] = {}
+    real = compiler.plan_pipeline
+
+    def spy(problem: Problem, *args: Any, **kwargs: Any) -> Any:
+        box["problem"] = problem
+        return real(problem, *args, **kwargs)
+
+    compiler.plan_pipeline = spy  # type: ignore[assignment]
+    try:
+        fxsplit.compile(case.model, 4, case.example_inputs, case.example_kwargs)
+    finally:
+        compiler.plan_pipeline = real  # type: ignore[assignment]
+    return box["problem"]
+
+
+def _print_compile(rows: list[dict[str, Any]], markdown: bool) -> None:
+    cols = ("model", "blocks", "downsets", "exact-split search s", "chain-split search s", "picked (exact / chain)",
+            "status", "predicted step ms (exact / chain)")
+    cells = [(r["model"], str(r["blocks"]), str(r["downsets"]), f"{r['exact']['seconds']:.2f}",
+              f"{r['chain']['seconds']:.2f}", f"{r['exact']['schedule']} / {r['chain']['schedule']}",
+              f"{r['exact']['status']} / {r['chain']['status']}",
+              f"{r['exact']['step_s'] * 1e3:.3f} / {r['chain']['step_s'] * 1e3:.3f}") for r in rows]
+    _print_rows("compile planning, HF tiny models, 4 CPU devices (auto)", cols, cells, markdown)
+
+
+def _print_rows(title: str, cols: tuple[str, ...], cells: list[tuple[str, ...]], markdown: bool) -> None:
     if markdown:
         print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
         for c in cells:
             print("| " + " | ".join(c) + " |")
         return
-    table = Table(title="PipeDream graphs: fxsplit solve FILE --devices k (auto)")
+    table = Table(title=title)
     for col in cols:
         table.add_column(col)
     for c in cells:
@@ -155,19 +238,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--part", choices=("gpt", "pipedream", "all"), default="all",
+    parser.add_argument("--part", choices=("gpt", "pipedream", "compile", "all"), default="all",
                         help="gpt: synthetic GPT graphs and densenet121 with dp; pipedream: the six "
-                             "PipeDream graphs x {2, 4, 8} with auto and the CLI's wall time")
+                             "PipeDream graphs x {2, 4, 8} with auto and the CLI's wall time; compile: "
+                             "compile's planning of Hugging Face tiny models")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     args = parser.parse_args()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     rows = run(args.quick) if args.part in ("gpt", "all") else []
     pd_rows = run_pipedream(args.quick) if args.part in ("pipedream", "all") else []
+    compile_rows = run_compile(args.quick) if args.part in ("compile", "all") else []
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if pd_rows:
         _print_pipedream(pd_rows, args.markdown)
+    if compile_rows:
+        _print_compile(compile_rows, args.markdown)
     if not rows:
-        path = write_json(args.out, "plan_speed", {"env": environment(), "rows": rows, "pipedream": pd_rows})
+        path = write_json(args.out, "plan_speed", {"env": environment(), "rows": rows, "pipedream": pd_rows,
+                                                   "compile": compile_rows})
         Console().print(f"wrote {path}")
         return
     table = Table(title="plan speed (seconds per solve, 2 CPU cores)")
@@ -177,7 +265,8 @@ def main() -> None:
         table.add_row(r["graph"], str(r["blocks"]), str(r["downsets"]), str(r["devices"]), r["solver"],
                       r["status"], f"{r['seconds']:.3f}")
     Console().print(table)
-    path = write_json(args.out, "plan_speed", {"env": environment(), "rows": rows, "pipedream": pd_rows})
+    path = write_json(args.out, "plan_speed", {"env": environment(), "rows": rows, "pipedream": pd_rows,
+                                               "compile": compile_rows})
     Console().print(f"wrote {path}")
 
 

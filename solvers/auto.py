@@ -17,13 +17,15 @@ Policy of :func:`solve_auto` with a time limit ``T``:
 4. after a ``dp`` time-out in 1., ``cpsat`` with the time left, hinted by ``greedy``.
 
 Before any of these the memory bound of :mod:`fxsplit.solvers.relax` runs (infeasibility proven
-in microseconds is reported at once, with its arithmetic). Without a limit, the estimate is
-compared with :data:`AUTO_DP_MAX_S` instead, ``dp`` gets ``max(AUTO_DP_MAX_S, 4 × estimate)`` and
-``cpsat`` its default limit. ``InfeasibleError`` from either solver is a proof and is raised as
-is. Both solvers are exact, so the race changes how fast a proof comes, never the optimal
-objective; which of several optimal splits comes back may depend on the winner (only ``dp``
-breaks bottleneck ties by the least sum of stage times). ``stats["auto"]["race"]`` says who won
-and when.
+in microseconds is reported at once, with its arithmetic), and one micro-batch's makespan is
+checked against the whole graph on a fastest device
+(:func:`fxsplit.solvers.dp.one_stage_optimum`, optimal without a search where it fits).
+Without a limit, the estimate is compared with :data:`AUTO_DP_MAX_S` instead, ``dp`` gets
+``max(AUTO_DP_MAX_S, 4 × estimate)`` and ``cpsat`` its default limit. ``InfeasibleError`` from
+either solver is a proof and is raised as is. Both solvers are exact, so the race changes how
+fast a proof comes, never the optimal objective; which of several optimal splits comes back may
+depend on the winner (only ``dp`` breaks bottleneck ties by the least sum of stage times).
+``stats["auto"]["race"]`` says who won and when.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS
 from fxsplit.ir.plan import Plan
 from fxsplit.ir.problem import Problem
 from fxsplit.solvers.cancel import Cancel
-from fxsplit.solvers.dp import solve_dp
+from fxsplit.solvers.dp import one_stage_optimum, solve_dp
 from fxsplit.solvers.dpcore import DPCancelledError, DPTimeoutError
 from fxsplit.solvers.estimate import estimate_dp
 from fxsplit.solvers.relax import memory_bound_error
@@ -73,6 +75,8 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
     err = memory_bound_error(problem)
     if err is not None:
         raise err
+    if (one := one_stage_optimum(problem)) is not None:  # proven without a search
+        return one
     est = estimate_dp(problem, max_downsets)
     budget = AUTO_DP_MAX_S if time_limit_s is None else AUTO_DP_SHARE * time_limit_s
     dp_limit = (max(AUTO_DP_MAX_S, 4 * est.seconds) if time_limit_s is None

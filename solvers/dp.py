@@ -42,7 +42,7 @@ import numpy as np
 
 from fxsplit.errors import ConfigError, InfeasibleError, InternalError
 from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, members
-from fxsplit.ir.plan import Plan, evaluate
+from fxsplit.ir.plan import Plan, evaluate, trivial_lower_bound
 from fxsplit.ir.problem import Problem
 from fxsplit.solvers.cancel import Cancel
 from fxsplit.solvers.diagnose import infeasible_error, stage_count_error
@@ -51,7 +51,7 @@ from fxsplit.solvers.layout import Layout, build_layout
 from fxsplit.solvers.relax import memory_bound_error
 from fxsplit.solvers.tables import DownsetTables, build_tables, chain_masks, is_chain_order
 
-__all__ = ["DP_STATES", "DPStates", "solve_dp"]
+__all__ = ["DP_STATES", "DPStates", "one_stage_optimum", "solve_dp"]
 
 DPStates = Literal["downsets", "chain"]
 DP_STATES: tuple[DPStates, ...] = ("downsets", "chain")
@@ -182,6 +182,29 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
     return sweep.best[1], min(sweep.best[0], floor + m1 * tau), sweep.runs
 
 
+def one_stage_optimum(problem: Problem) -> Plan | None:
+    """The whole graph as one stage on a fastest device, when that is proven optimal without a
+    search: the makespan of one micro-batch is the sum of the stage times, at least the graph's
+    work on the fastest device (:func:`~fxsplit.ir.plan.trivial_lower_bound`), which one stage
+    meets (no communication). ``None`` when the objective or ``microbatches`` differ, the device
+    order fixes stage 0 on a slower device, or the stage does not fit that device's memory."""
+    if problem.objective != "makespan" or problem.microbatches != 1 or not problem.graph.blocks:
+        return None
+    if problem.stages_per_device > 1 or (not problem.allow_idle_devices and problem.num_devices > 1):
+        return None
+    fastest = max(d.speed for d in problem.devices)
+    candidates = [0] if problem.device_order == "fixed" else range(problem.num_devices)
+    bound = trivial_lower_bound(problem)
+    for d in candidates:
+        if problem.devices[d].speed != fastest:
+            continue
+        plan = evaluate(problem, [list(range(len(problem.graph)))], [d], solver="dp", lower_bound_s=bound,
+                        stats={"one_stage": True})
+        if plan.stages[0].memory_bytes <= problem.devices[d].memory_bytes and plan.gap <= 1e-12:
+            return plan.with_(status="optimal", lower_bound_s=plan.objective_s)
+    return None
+
+
 def solve_dp(
     problem: Problem,
     *,
@@ -235,6 +258,8 @@ def solve_dp(
         raise stage_count_error(problem)
     if states not in DP_STATES:
         raise ConfigError(f"solve_dp(states={states!r}): use one of {', '.join(DP_STATES)}")
+    if (one := one_stage_optimum(problem)) is not None:
+        return one.with_(solve_time_s=time.perf_counter() - start)
     reduced = states == "chain" and not is_chain_order(problem)
     tb = build_tables(problem, max_downsets, masks=chain_masks(len(problem.graph)) if states == "chain" else None)
     lay = _layout(problem, tb)

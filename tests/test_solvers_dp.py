@@ -321,3 +321,35 @@ def test_schedule_search_falls_back_to_the_exact_solver_when_no_prefix_split_fit
 
     choice = plan_pipeline(_diamond_problem(), 1, "auto", "auto", "dp", CompileOptions())
     assert [st.blocks for st in choice.plan.stages] == [(0, 2), (1, 3)] and choice.plan.status == "optimal"
+
+
+@SETTINGS
+@given(problems(max_blocks=7, max_devices=3, heterogeneous=True, device_order=None, objective="makespan",
+                memory_mib=(8, 64)))
+def test_one_stage_shortcut_is_the_optimum_of_one_microbatch(problem: Problem) -> None:
+    # One micro-batch: the makespan is the sum of stage times, so one stage on a fastest device
+    # (no communication) is optimal where it fits; the shortcut must agree with brute force.
+    from fxsplit.solvers.dp import one_stage_optimum
+
+    problem = problem.with_(microbatches=1)
+    one = one_stage_optimum(problem)
+    if one is not None:
+        assert one.status == "optimal" and one.num_stages == 1
+        assert one.objective_s == pytest.approx(brute_force(problem), rel=1e-9, abs=1e-12)
+        assert solve(problem, "auto").objective_s == pytest.approx(one.objective_s, rel=1e-9)
+
+
+def test_one_stage_shortcut_applies_only_where_it_is_proven() -> None:
+    from fxsplit.solvers.dp import one_stage_optimum
+
+    g = CondensedGraph.chain([1.0, 2.0, 3.0])
+    slow_first = (DeviceSpec("slow", speed=1.0), DeviceSpec("fast", speed=2.0))
+    pb = Problem(g, slow_first, objective="makespan", microbatches=1, link=LinkSpec(1e9, 0.1))
+    assert one_stage_optimum(pb) is None  # fixed order: stage 0 runs on the slower device
+    free = one_stage_optimum(pb.with_(device_order="free"))
+    assert free is not None and free.stages[0].device == 1 and free.objective_s == pytest.approx(6.0 / 2.0)  # 6 s of work at 2x
+    assert one_stage_optimum(pb.with_(device_order="free", microbatches=2)) is None
+    assert one_stage_optimum(pb.with_(device_order="free", objective="bottleneck")) is None
+    tight = tuple(replace(d, memory_bytes=1) for d in slow_first)
+    big = CondensedGraph(tuple(replace(b, param_bytes=MiB) for b in g.blocks), g.edges)
+    assert one_stage_optimum(pb.with_(graph=big, devices=tight, device_order="free")) is None
