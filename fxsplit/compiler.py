@@ -32,6 +32,7 @@ from fxsplit.runtime import Pipeline, StateMap
 from fxsplit.runtime.links import pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
 from fxsplit.schedule import explore, make, plan_step_s
+from fxsplit.solvers.tables import is_chain_order
 
 __all__ = ["compile_pipeline", "example_batch_size", "plan_pipeline", "assemble", "assemble_choice", "PlanChoice", "CompileContext",
            "CompileReport"]
@@ -137,6 +138,8 @@ def _explore_plan(problem: Problem, solver: str, options: CompileOptions, m: int
     try:
         return solvers.solve(per_microbatch(problem, m, kind), "dp", states="chain", time_limit_s=options.time_limit_s)
     except InfeasibleError:
+        if is_chain_order(problem):  # the prefixes are all the downsets: a proof
+            raise
         return _solve(problem, solver, options, m, kind)
 
 
@@ -167,7 +170,8 @@ def plan_pipeline(
     split along the block order when ``solver`` is exact) is handed to
     :func:`fxsplit.schedule.explore`, which simulates every candidate schedule and micro-batch
     count that fits memory; the split is then solved by ``solver`` for the winner (once: the
-    first plan is reused only when ``solver`` is a heuristic and the winner is what it solved).
+    first plan is reused when the winner is what it solved and it is optimal or ``solver`` is a
+    heuristic). The reason and the table of candidates are those of the first plans' splits.
 
     Args:
         schedules: The kinds ``schedule="auto"`` chooses from (the distributed runtime passes
@@ -210,7 +214,7 @@ def plan_pipeline(
                      looped=placement.get(True))
     m, kind = choice.microbatches, choice.kind
     pb = looped if kind in LOOPED_SCHEDULES and looped is not None else problem  # the winner's placement
-    reuse = kind in first and m == m0 and not solvers.is_exact(solver)
+    reuse = kind in first and m == m0 and (first[kind][1].status == "optimal" or not solvers.is_exact(solver))
     plan = first[kind][1] if reuse else _solve(pb, solver, options, m, kind)
     return PlanChoice(plan, pb.with_(microbatches=m, schedule=kind), kind, m, choice.reason, choice.format_table())
 

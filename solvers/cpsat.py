@@ -10,7 +10,8 @@ device classes of equal speed and memory in ``"free"`` order):
 * ``cross[u, s]`` producer ``u``'s output crosses boundary ``s`` (``>= a[u, s] - a[v, s]`` with
   ``a[b, s] = Σ_{s' <= s} x[b, s']``);
 * ``load[s] >= Σ_b time(b, t)·x[b, s] + k·(comm[s - 1] + comm[s])`` if ``use[s, t]``;
-  memory ``Σ_b (static_b + act_b·flight)·x[b, s] + flight·in[s] + out[s] <= cap_t``;
+  memory ``Σ_b (static_b + act_b·flight)·x[b, s] + flight·in[s] + out[s] <= cap_t`` (without
+  ``in``/``out`` when ``transfer_memory`` is False);
 * objective: ``max_s load[s]`` (bottleneck) or ``Σ_s load[s] + (m - 1)·max_s load[s]`` (makespan).
 
 Times are integers in units of ``time_quantum_s``, rounded down, so ``best_objective_bound ×

@@ -82,7 +82,8 @@ class CpData:
             link = problem.link_between(s, s + 1) if problem.device_order == "fixed" else problem.link
             comm.append((int(link.latency_s / q), 1.0 / (link.bytes_per_s * q)))
         worst_flight = problem.in_flight(0, k)
-        whole = sum(static) + (sum(act) + 2 * sum(sz for es in producers.values() for _, sz in es)) * worst_flight
+        sent = sum(sz for es in producers.values() for _, sz in es) if problem.transfer_memory else 0
+        whole = sum(static) + (sum(act) + 2 * sent) * worst_flight
         check = whole > min(d.memory_bytes for d in problem.devices)
         per_q = check and problem.in_flight_depends_on_stage_count
         counts = ([k] if not problem.allow_idle_devices else list(range(1, S + 1))) if per_q else [0]
@@ -236,7 +237,8 @@ def add_loads(m: Any, d: CpData, v: CpVars) -> None:
 
 def add_memory(m: Any, d: CpData, v: CpVars) -> None:
     """Stage memory fits its device: state + (activations + inputs) × in-flight + outputs, or
-    when it recomputes, state + inputs × in-flight + activations + outputs."""
+    when it recomputes, state + inputs × in-flight + activations + outputs (inputs and outputs
+    only with :attr:`~fxsplit.ir.Problem.transfer_memory`)."""
     if not d.check_memory:
         return
     n, S = len(d.static_bytes), d.num_stages
@@ -255,8 +257,9 @@ def add_memory(m: Any, d: CpData, v: CpVars) -> None:
             f, again = flight[s], _recomputes(m, d, v, s)
             static = sum(d.static_bytes[b] * v.x[b, s] for b in range(n))
             act = sum(d.act_bytes[b] * v.x[b, s] for b in range(n))
-            keep = Problem.stage_memory_bytes(static, act, in_b, out_b, f, False)
-            saved = Problem.stage_memory_bytes(static, act, in_b, out_b, f, True)
+            transfers = d.problem.transfer_memory
+            keep = Problem.stage_memory_bytes(static, act, in_b, out_b, f, False, transfers=transfers)
+            saved = Problem.stage_memory_bytes(static, act, in_b, out_b, f, True, transfers=transfers)
             for t in d.allowed[s]:
                 cap = d.problem.devices[d.unit_devices[t][0]].memory_bytes
                 lits = [v.use[s, t]] + ([v.pipe[q]] if q in v.pipe else [])

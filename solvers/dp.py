@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 def _memory_can_bind(problem: Problem, tb: DownsetTables) -> bool:
     """False when even the whole graph on one stage with the most micro-batches in flight fits."""
     flight = problem.in_flight(0, problem.num_devices)
-    cut = float(tb.cut_bytes.max())
+    cut = float(tb.cut_bytes.max()) if problem.transfer_memory else 0.0
     worst = tb.static_bytes[tb.full] + (tb.act_bytes[tb.full] + cut) * flight + cut
     return bool(worst >= min(d.memory_bytes for d in problem.devices) + 1)
 
@@ -259,7 +259,7 @@ def solve_dp(
     if states not in DP_STATES:
         raise ConfigError(f"solve_dp(states={states!r}): use one of {', '.join(DP_STATES)}")
     if (one := one_stage_optimum(problem)) is not None:
-        return one.with_(solve_time_s=time.perf_counter() - start)
+        return one.with_(stats={**one.stats, "states": states}, solve_time_s=time.perf_counter() - start)
     reduced = states == "chain" and not is_chain_order(problem)
     tb = build_tables(problem, max_downsets, masks=chain_masks(len(problem.graph)) if states == "chain" else None)
     lay = _layout(problem, tb)

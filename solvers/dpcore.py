@@ -109,11 +109,12 @@ def _stage_costs(tb: DownsetTables, i: np.ndarray, js: np.ndarray, sigs: _Sigs, 
     mem, again = None, np.zeros((1, len(js)), dtype=bool)
     if need or mode == "all":
         static, act = tb.static_bytes[i] - tb.static_bytes[js], tb.act_bytes[i] - tb.act_bytes[js]
-        keep = Problem.stage_memory_bytes(static, act, cut_in, cut_out, sigs.flight, False)
+        keep = Problem.stage_memory_bytes(static, act, cut_in, cut_out, sigs.flight, False, transfers=tb.transfer_memory)
         if mode == "none":
             mem = keep
         else:
-            saved = Problem.stage_memory_bytes(static, act, cut_in, cut_out, sigs.flight, True)
+            saved = Problem.stage_memory_bytes(static, act, cut_in, cut_out, sigs.flight, True,
+                                               transfers=tb.transfer_memory)
             again = (np.ones(keep.shape, dtype=bool) if mode == "all"
                      else (keep > sigs.cap_bytes) & (saved < keep))
             mem = np.where(again, saved, keep)

@@ -92,13 +92,23 @@ def memory_bound(problem: Problem, extra_devices: int = 0, extra_bytes: int = 0)
     p = k if not problem.allow_idle_devices else min(k, max(1, len(g)))
     caps = caps[:p]  # the p largest: exact in free order, a relaxation in fixed order
     # a stage that recomputes holds its activations for one micro-batch (its inputs only add)
-    flights = [1 if problem.may_recompute() else problem.in_flight(s, p) for s in range(p)]
+    flights = [1 if problem.may_recompute() else _least_flight(problem, s, p) for s in range(p)]
     state = [problem.static_bytes(b) for b in g.blocks]
     acts = [b.activation_bytes for b in g.blocks]
     block = next((b for b in range(len(g)) if state[b] + acts[b] * min(flights) > max(caps)), None)
     spent, left = _least_memory(sum(acts), caps, flights)
     return MemoryBound(p, tuple(flights), int(sum(state)), sum(acts), sum(caps),
                        float(spent + Fraction(sum(state))), block, float(left))
+
+
+def _least_flight(problem: Problem, s: int, p: int) -> int:
+    """In-flight micro-batches of stage ``s`` of ``p`` in the relaxation: the problem's count,
+    except under zero-bubble with idle devices allowed, where a plan of ``q < p`` stages holds
+    ``min(m, q)`` on each, at least 1F1B's ``min(m, q - s)``, which the ``p``-stage 1F1B counts
+    cover; ``min(m, p)`` everywhere would overstate a plan of fewer stages."""
+    if problem.schedule == "zero-bubble" and problem.allow_idle_devices and problem.training:
+        return min(problem.microbatches, p - s)
+    return problem.in_flight(s, p)
 
 
 def _least_devices(problem: Problem) -> int | None:

@@ -41,6 +41,8 @@ class DownsetTables:
         cut_bytes: ``[D]`` bytes per micro-batch leaving the downset.
         flipped_from: For the tables of the reversed graph (:meth:`flipped`), the tables they
             came from; ``None`` for the graph itself.
+        transfer_memory: The problem's :attr:`~fxsplit.ir.Problem.transfer_memory` (whether
+            ``cut_bytes`` count in stage memory, or as time only).
     """
 
     masks: list[int]
@@ -54,6 +56,7 @@ class DownsetTables:
     act_bytes: np.ndarray
     cut_bytes: np.ndarray
     flipped_from: DownsetTables | None = None
+    transfer_memory: bool = True
 
     @property
     def num(self) -> int:
@@ -89,7 +92,7 @@ class DownsetTables:
             layer_start=np.searchsorted(size, np.arange(n + 2), side="left"),
             work_s=self.work_s[rows], fwd_s=self.fwd_s[rows], recompute=self.recompute,
             static_bytes=self.static_bytes[rows], act_bytes=self.act_bytes[rows],
-            cut_bytes=self.cut_bytes[rows],
+            cut_bytes=self.cut_bytes[rows], transfer_memory=self.transfer_memory,
         )
 
     @property
@@ -122,6 +125,7 @@ class DownsetTables:
             act_bytes=self.act_bytes[-1] - self.act_bytes[::-1],
             cut_bytes=self.cut_bytes[::-1].copy(),
             flipped_from=self,
+            transfer_memory=self.transfer_memory,
         )
 
 
@@ -201,4 +205,5 @@ def build_tables(problem: Problem, max_downsets: int | None = DEFAULT_MAX_DOWNSE
         static_bytes=mf @ static,
         act_bytes=mf @ act,
         cut_bytes=_cut_bytes(problem, member),
+        transfer_memory=problem.transfer_memory,
     )

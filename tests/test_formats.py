@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fxsplit.errors import ConfigError
+from fxsplit.errors import ConfigError, InfeasibleError
 from fxsplit.ir import CondensedGraph, DeviceSpec, LinkSpec, Problem
 from fxsplit.ir.formats import load_graph_or_problem, load_pipedream, load_tarnawski
 
@@ -106,6 +106,31 @@ def test_tarnawski_backward_only_classes_keep_dp_cpps_order(tmp_path: Path) -> N
         assert plan.status == "optimal" and plan.bottleneck_s == pytest.approx(4.0), (solver, plan)
         stage_of = {names[b]: s for s, st in enumerate(plan.stages) for b in st.blocks}
         assert stage_of["n20"] <= stage_of["n1"]
+
+
+def test_tarnawski_memory_is_node_sizes_and_edges_are_time(tmp_path: Path) -> None:
+    """Issue 14 (b): edge costs became bytes counted as stage memory (1e9 bytes here against
+    25), so the instance was declared infeasible where dp.cpp splits it 2 | 2 with load 3 (two
+    nodes of latency 1 and the boundary's cost 1 on each side)."""
+    from fxsplit import solvers
+
+    data = {
+        "maxSizePerFPGA": 25.0, "maxFPGAs": 2, "maxCPUs": 0,
+        "nodes": [{"id": i, "fpgaLatency": 1.0, "size": 10, "isBackwardNode": 0} for i in range(4)],
+        "edges": [{"sourceId": i, "destId": i + 1, "cost": 1.0} for i in range(3)],
+    }
+    path = tmp_path / "chain.json"
+    path.write_text(json.dumps(data))
+    pb = load_tarnawski(path)
+    assert not pb.transfer_memory and Problem.from_json(pb.to_json()) == pb
+    with pytest.raises(ConfigError, match="transfer_memory='false' must be true or false"):
+        pb.with_(transfer_memory="false").check()
+    for solver in ("dp", "cpsat"):
+        plan = solvers.solve(pb.with_(objective="bottleneck"), solver)
+        assert plan.status == "optimal" and plan.bottleneck_s == pytest.approx(3.0), solver
+        assert [st.memory_bytes for st in plan.stages] == [20, 20]
+    with pytest.raises(InfeasibleError):  # what the reader did: the 1e9 bytes held as memory
+        solvers.solve(pb.with_(objective="bottleneck", transfer_memory=True), "dp")
 
 
 def test_tarnawski_cycles_made_by_mirrored_edges_are_merged(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
-from strategies import problems
+from strategies import MiB, problems
 
 from fxsplit.errors import InfeasibleError, SolverError
 from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, GiB, LinkSpec, Problem
@@ -203,3 +203,23 @@ def test_the_all_in_flight_hint_is_a_plan_between_the_two_optima(problem: Proble
         return
     assert hint is not None and not hint.validate(problem)
     assert exact is not None and exact * (1 - 1e-9) <= hint.objective_s <= relaxed * (1 + 1e-9)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_blocks=7, max_devices=3, device_order=None, objective=None, memory_mib=(4, 24)))
+def test_cpsat_equals_dp_with_memory_of_node_sizes_only(problem: Problem) -> None:
+    # transfer_memory=False (Tarnawski's model): received inputs and output buffers leave memory
+    test_cpsat_equals_dp.hypothesis.inner_test(problem.with_(transfer_memory=False))
+
+
+def test_memory_bound_does_not_refuse_a_zero_bubble_plan_of_fewer_stages() -> None:
+    """Regression: the memory bound charged every stage zero-bubble's ``min(m, p)`` for the most
+    stages ``p``, so where only one stage fits (one micro-batch in flight) ``cpsat`` and ``auto``
+    reported a proven infeasibility that the DP's plan refutes."""
+    blocks = (Block(0, "b0", fwd_s=1.0, bwd_s=1.0), Block(1, "b1", fwd_s=1.0, bwd_s=1.0, activation_bytes=8 * MiB))
+    devices = tuple(DeviceSpec(f"d{i}", memory_bytes=14 * MiB) for i in range(2))
+    pb = Problem(CondensedGraph(blocks, (Edge(0, 1, 0),)), devices, microbatches=2, schedule="zero-bubble")
+    assert memory_bound_error(pb) is None
+    for solver in ("dp", "cpsat", "auto"):
+        plan = solve(pb, solver)
+        assert plan.status == "optimal" and plan.num_stages == 1, solver

@@ -7,7 +7,7 @@ import math
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from strategies import MiB, problems
 
@@ -277,6 +277,7 @@ def test_layout_from_the_end_keeps_one_slot_per_stage_count() -> None:
 @SETTINGS
 @given(problems(max_blocks=8, max_devices=4, heterogeneous=True, device_order=None, objective=None,
                 memory_mib=(8, 64)))
+@example(Problem(CondensedGraph.chain([1.0, 2.0]), (DeviceSpec("a"),), objective="makespan", microbatches=1))
 def test_chain_states_equal_brute_force_over_prefixes_and_claim_optimal_only_when_proven(problem: Problem) -> None:
     # states="chain": the DP over the prefixes of the block order is exact on those splits, never
     # below the true optimum, and "optimal" only where it is (a chain, or the trivial bound met).
@@ -353,3 +354,11 @@ def test_one_stage_shortcut_applies_only_where_it_is_proven() -> None:
     tight = tuple(replace(d, memory_bytes=1) for d in slow_first)
     big = CondensedGraph(tuple(replace(b, param_bytes=MiB) for b in g.blocks), g.edges)
     assert one_stage_optimum(pb.with_(graph=big, devices=tight, device_order="free")) is None
+
+
+@SETTINGS
+@given(problems(max_blocks=8, max_devices=3, objective=None, memory_mib=(4, 24)))
+def test_dp_equals_brute_force_with_memory_of_node_sizes_only(problem: Problem) -> None:
+    # transfer_memory=False (Tarnawski's model): the DP's memory rows leave out the cut bytes
+    # exactly where evaluate() does, so the optimum still equals brute force
+    _check_against_brute(problem.with_(transfer_memory=False))

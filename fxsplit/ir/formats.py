@@ -206,7 +206,13 @@ def load_tarnawski(
     with backward nodes only (``AccumulateGrad``) is ordered as ``dp.cpp`` orders it: each
     backward edge ``u -> v`` touching it adds the precedence ``block(v) -> block(u)``, and blocks
     on a cycle are merged.
-    ``maxCPUs``/``cpuLatency`` are ignored. ``training`` is True when any node is a backward node.
+    Memory is counted as ``dp.cpp`` counts it, node sizes only (``transfer_memory=False``): the
+    edge costs are time, never bytes held. ``maxCPUs``/``cpuLatency`` are ignored. ``training``
+    is True when any node is a backward node.
+
+    Communication differs from ``dp.cpp`` in one way: a tensor that skips stages is relayed
+    through the stages between (each pays it, as fxsplit's runtime sends it), where ``dp.cpp``
+    charges only the sending and the receiving device.
 
     Args:
         path: The JSON file.
@@ -246,7 +252,7 @@ def load_tarnawski(
         DeviceSpec(f"acc{i}", memory_bytes=cap, kind="acc") for i in range(int(data["maxFPGAs"]))
     )
     return Problem(graph=graph, devices=devices, link=link, training=bool(backward),
-                   optimizer_state_factor=0.0, grad_factor=0.0).check()
+                   optimizer_state_factor=0.0, grad_factor=0.0, transfer_memory=False).check()
 
 
 def _read_text(path: Path) -> str:

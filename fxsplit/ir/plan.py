@@ -285,8 +285,8 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
             comm += problem.link_between(d, devices[s + 1]).transfer_s(out_bytes)
         flight = problem.in_flight(s, p)
         static, act = sum(problem.static_bytes(b) for b in bl), sum(b.activation_bytes for b in bl)
-        keep = problem.stage_memory_bytes(static, act, in_bytes, out_bytes, flight, False)
-        again = problem.stage_memory_bytes(static, act, in_bytes, out_bytes, flight, True)
+        keep = problem.stage_memory_bytes(static, act, in_bytes, out_bytes, flight, False, transfers=problem.transfer_memory)
+        again = problem.stage_memory_bytes(static, act, in_bytes, out_bytes, flight, True, transfers=problem.transfer_memory)
         recompute = problem.recomputes(keep, again, problem.devices[d].memory_bytes // sharing[d])
         # a recomputing stage runs its whole backward in I (one recompute; fxsplit.runtime.split_backward)
         weight = sum(b.bwd_weight_s for b in bl) / speed if problem.training and not recompute else 0.0

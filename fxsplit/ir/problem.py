@@ -12,7 +12,8 @@ JSON schema (``Problem.to_json``)::
      "optimizer_state_factor": float, "grad_factor": float,
      "device_order": "fixed" | "free", "allow_idle_devices": bool,
      "stages_per_device": int,                        # > 1 only for the interleaved ones
-     "recompute": "none" | "auto" | "all"}            # activation recomputation per stage
+     "recompute": "none" | "auto" | "all",            # activation recomputation per stage
+     "transfer_memory": bool}                          # received inputs and output buffers in memory
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ class Problem:
             stage keeps only its inputs per in-flight micro-batch, holds its activations for one
             micro-batch while it recomputes them, and pays one more forward in its backward
             (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016; GPipe §2.3).
+        transfer_memory: Count a stage's received inputs (per in-flight micro-batch) and its
+            output buffer in its memory, as a running pipeline holds them. False counts
+            parameters, optimizer state, buffers and activations only: the model of Tarnawski
+            et al. (NeurIPS 2020), whose ``dp.cpp`` counts node sizes only and charges edges as
+            time (:func:`fxsplit.ir.formats.load_tarnawski`).
 
     Raises:
         ConfigError: from :meth:`check` for bad values, naming the field and the fix.
@@ -92,6 +98,7 @@ class Problem:
     allow_idle_devices: bool = True
     stages_per_device: int = 1
     recompute: RecomputeName = "none"
+    transfer_memory: bool = True
 
     @property
     def num_devices(self) -> int:
@@ -137,11 +144,14 @@ class Problem:
 
     @staticmethod
     def stage_memory_bytes(static_bytes: Any, act_bytes: Any, in_bytes: Any, out_bytes: Any, flight: Any,
-                           recompute: bool) -> Any:
+                           recompute: bool, *, transfers: bool = True) -> Any:
         """Peak memory of a stage (numbers or NumPy arrays of them, ``flight`` too), bytes: its state, what each of
         ``flight`` in-flight micro-batches keeps (activations and received inputs; only the inputs
         when it recomputes, plus one micro-batch's activations while recomputing) and its output
-        buffer."""
+        buffer. ``transfers=False`` (:attr:`transfer_memory`) leaves the inputs and the output
+        buffer out."""
+        if not transfers:
+            in_bytes = out_bytes = 0
         if recompute:
             return static_bytes + in_bytes * flight + act_bytes + out_bytes
         return static_bytes + (act_bytes + in_bytes) * flight + out_bytes
@@ -178,6 +188,8 @@ class Problem:
             raise ConfigError(f"recompute={self.recompute!r}; choose one of {RECOMPUTE}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"objective={self.objective!r}; choose one of {OBJECTIVES}")
+        if not isinstance(self.transfer_memory, bool):
+            raise ConfigError(f"transfer_memory={self.transfer_memory!r} must be true or false (a JSON boolean)")
         if self.device_order not in ("fixed", "free"):
             raise ConfigError(f"device_order={self.device_order!r}; choose 'fixed' or 'free'")
         for i, j, spec in self.links:
@@ -209,6 +221,7 @@ class Problem:
             "allow_idle_devices": self.allow_idle_devices,
             "stages_per_device": self.stages_per_device,
             "recompute": self.recompute,
+            "transfer_memory": self.transfer_memory,
         }
 
     @classmethod

@@ -269,8 +269,9 @@ def _try(problem: Problem, stages: Sequence[Sequence[int]], devs: list[int], kin
     graph = problem.graph.scaled(fraction)
     pb = problem.with_(graph=graph, microbatches=m, schedule=kind)
     plan = evaluate(pb, stages, devs)
-    acts = [st.in_bytes + (0 if st.recompute else sum(graph.blocks[b].activation_bytes for b in blocks))
-            for blocks, st in zip(stages, plan.stages, strict=True)]  # kept per micro-batch in flight
+    received = [st.in_bytes if problem.transfer_memory else 0 for st in plan.stages]
+    acts = [r + (0 if st.recompute else sum(graph.blocks[b].activation_bytes for b in blocks))
+            for blocks, st, r in zip(stages, plan.stages, received, strict=True)]  # kept per micro-batch in flight
     timeline = simulate_plan(plan, kind, m, activation_bytes=acts, training=problem.training)
     # the cost model's in-flight count replaced by the schedule's own (exact for looped ones)
     flight = [pb.in_flight(s, len(stages)) for s in range(len(stages))]
