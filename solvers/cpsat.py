@@ -49,7 +49,7 @@ from fxsplit.ir.plan import Plan, evaluate, trivial_lower_bound
 from fxsplit.ir.problem import Problem
 from fxsplit.solvers.cancel import Cancel, stop_search_when
 from fxsplit.solvers.cpsat_model import CpData, build_model
-from fxsplit.solvers.diagnose import stage_count_error
+from fxsplit.solvers.diagnose import require_one_stage_per_device, stage_count_error
 from fxsplit.solvers.estimate import estimate_dp
 from fxsplit.solvers.relax import memory_bound_error
 
@@ -302,11 +302,13 @@ def solve_cpsat(
             when its estimate fits the time left, else with the memory bound's numbers.
         SolverError: when the limit passes with no plan and no proof (the message says so and
             what to try), or for free order with per-pair links.
+        ConfigError: for ``stages_per_device > 1`` (use :func:`fxsplit.solvers.solve`).
     """
     from ortools.sat.python import cp_model
 
     start = time.perf_counter()
     problem.check()
+    require_one_stage_per_device(problem, "solve_cpsat")
     if not problem.allow_idle_devices and len(problem.graph) < problem.num_devices:
         raise stage_count_error(problem)
     limit_s = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s

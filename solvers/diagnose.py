@@ -13,14 +13,14 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from fxsplit.errors import InfeasibleError, SolverError
+from fxsplit.errors import ConfigError, InfeasibleError, SolverError
 from fxsplit.ir.devices import DeviceSpec
 from fxsplit.ir.plan import evaluate
 from fxsplit.ir.problem import Problem
 from fxsplit.ir.units import format_bytes
 from fxsplit.solvers.dpcore import DPResult
 
-__all__ = ["fmt_bytes", "infeasible_error", "stage_count_error"]
+__all__ = ["fmt_bytes", "infeasible_error", "require_one_stage_per_device", "stage_count_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,3 +131,12 @@ def infeasible_error(
     )
     logger.info("infeasible: %s", err)
     return err
+
+
+def require_one_stage_per_device(problem: Problem, name: str) -> None:
+    """Refuse a looped problem: the solvers run one stage per device; ``fxsplit.solvers.solve``
+    solves ``stages_per_device > 1`` as a pipeline of chunks (:mod:`fxsplit.solvers.looped`)."""
+    if problem.stages_per_device > 1:
+        raise ConfigError(f"{name} plans one stage per device, and this problem has stages_per_device="
+                          f"{problem.stages_per_device}; use fxsplit.solvers.solve(problem, ...), which solves it "
+                          "as a pipeline of chunks (fxsplit.solvers.looped)")

@@ -45,7 +45,11 @@ from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, members
 from fxsplit.ir.plan import Plan, evaluate, trivial_lower_bound
 from fxsplit.ir.problem import Problem
 from fxsplit.solvers.cancel import Cancel
-from fxsplit.solvers.diagnose import infeasible_error, stage_count_error
+from fxsplit.solvers.diagnose import (
+    infeasible_error,
+    require_one_stage_per_device,
+    stage_count_error,
+)
 from fxsplit.solvers.dpcore import DPResult, DPTimeoutError, run_dp
 from fxsplit.solvers.layout import Layout, build_layout
 from fxsplit.solvers.relax import memory_bound_error
@@ -240,6 +244,8 @@ def solve_dp(
     Raises:
         InfeasibleError: when no split fits in memory (stage, device, overflow, least memory and
             least number of devices), or too few blocks for ``allow_idle_devices=False``.
+        ConfigError: for a bad ``states``, or ``stages_per_device > 1`` (use
+            :func:`fxsplit.solvers.solve`).
         DownsetBudgetError: when the graph has more than ``max_downsets`` downsets.
         DPTimeoutError: (a :class:`SolverError`) when ``time_limit_s`` passes before the DP
             finishes.
@@ -256,6 +262,7 @@ def solve_dp(
     problem.check()
     if not problem.allow_idle_devices and len(problem.graph) < problem.num_devices:
         raise stage_count_error(problem)
+    require_one_stage_per_device(problem, "solve_dp")
     if states not in DP_STATES:
         raise ConfigError(f"solve_dp(states={states!r}): use one of {', '.join(DP_STATES)}")
     if (one := one_stage_optimum(problem)) is not None:

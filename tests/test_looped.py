@@ -172,3 +172,19 @@ def test_the_winning_looped_schedule_runs_on_the_looping_placement():
     assert choice.schedule == "interleaved-zero-bubble"  # the weight halves fill interleaved 1F1B's bubble
     assert choice.plan.num_stages == 6 and choice.plan.num_ranks == 3
     assert choice.plan.schedule == "interleaved-zero-bubble"
+
+
+def test_the_exact_solvers_refuse_a_looped_problem_called_directly() -> None:
+    """Regression: ``solve_cpsat`` on a problem with ``stages_per_device=2`` (not through
+    ``fxsplit.solvers.solve``) returned an "optimal" plan of another problem."""
+    from fxsplit.errors import ConfigError
+    from fxsplit.solvers import solve
+    from fxsplit.solvers.cpsat import solve_cpsat
+    from fxsplit.solvers.dp import solve_dp
+
+    pb = Problem(CondensedGraph.chain([1.0] * 8), (DeviceSpec("a"), DeviceSpec("b")), schedule="interleaved-1f1b",
+                 stages_per_device=2, microbatches=4)
+    for direct in (solve_dp, solve_cpsat):
+        with pytest.raises(ConfigError, match="stages_per_device=2; use fxsplit.solvers.solve"):
+            direct(pb)
+    assert solve(pb, "dp").num_stages == 4 and solve(pb, "cpsat").num_stages == 4
