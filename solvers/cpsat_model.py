@@ -82,8 +82,9 @@ class CpData:
             link = problem.link_between(s, s + 1) if problem.device_order == "fixed" else problem.link
             comm.append((int(link.latency_s / q), 1.0 / (link.bytes_per_s * q)))
         worst_flight = problem.in_flight(0, k)
-        sent = sum(sz for es in producers.values() for _, sz in es) if problem.transfer_memory else 0
-        whole = sum(static) + (sum(act) + 2 * sent) * worst_flight
+        sent = sum(sz for es in producers.values() for _, sz in es)  # every edge in and out of one stage
+        whole = problem.stage_memory_bytes(sum(static), sum(act), 2 * sent, 0, worst_flight, False,
+                                           transfers=problem.transfer_memory)
         check = whole > min(d.memory_bytes for d in problem.devices)
         per_q = check and problem.in_flight_depends_on_stage_count
         counts = ([k] if not problem.allow_idle_devices else list(range(1, S + 1))) if per_q else [0]

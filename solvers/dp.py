@@ -67,8 +67,9 @@ logger = logging.getLogger(__name__)
 def _memory_can_bind(problem: Problem, tb: DownsetTables) -> bool:
     """False when even the whole graph on one stage with the most micro-batches in flight fits."""
     flight = problem.in_flight(0, problem.num_devices)
-    cut = float(tb.cut_bytes.max()) if problem.transfer_memory else 0.0
-    worst = tb.static_bytes[tb.full] + (tb.act_bytes[tb.full] + cut) * flight + cut
+    cut = float(tb.cut_bytes.max())
+    worst = problem.stage_memory_bytes(tb.static_bytes[tb.full], tb.act_bytes[tb.full], cut, cut, flight, False,
+                                       transfers=problem.transfer_memory)
     return bool(worst >= min(d.memory_bytes for d in problem.devices) + 1)
 
 

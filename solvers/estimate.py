@@ -58,9 +58,11 @@ def _memory_may_bind(problem: Problem) -> bool:
     largest: dict[int, int] = {}
     for e in g.edges:
         largest[e.src] = max(largest.get(e.src, 0), e.size_bytes)
-    cut = sum(largest.values()) if problem.transfer_memory else 0
-    worst = sum(problem.static_bytes(b) for b in g.blocks) \
-        + (sum(b.activation_bytes for b in g.blocks) + cut) * problem.in_flight(0, problem.num_devices) + cut
+    cut = sum(largest.values())
+    worst = problem.stage_memory_bytes(sum(problem.static_bytes(b) for b in g.blocks),
+                                       sum(b.activation_bytes for b in g.blocks), cut, cut,
+                                       problem.in_flight(0, problem.num_devices), False,
+                                       transfers=problem.transfer_memory)
     return worst >= min(d.memory_bytes for d in problem.devices) + 1
 
 
