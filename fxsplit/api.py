@@ -105,11 +105,18 @@ def analyze(
     verify: bool = False,
     name: str = "model",
 ) -> Inspection:
-    """Capture ``model`` and run the front-end passes; see :func:`inspect`."""
+    """Capture ``model`` and run the front-end passes; see :func:`inspect`.
+
+    The profiled cost model times micro-batches smaller than the example batch, so it captures
+    with a symbolic batch as :func:`compile` does (an export specialised to the example batch
+    cannot run them: a batch size baked into an ``expand`` fails); the others keep capture's
+    concrete shapes.
+    """
     _check_writable(dump_dir)
-    options = CompileOptions(capture_method=method, dynamic_batch=False, max_downsets=max_downsets)
+    profiled = cost_model == "profiled"
+    options = CompileOptions(capture_method=method, dynamic_batch=profiled, max_downsets=max_downsets)
     ins = front_end(model, example_inputs, dict(example_kwargs or {}), reference=device or measure_cpu_spec(),
-                    cost_model=cost_model, options=options, name=name, force_shapes=False,
+                    cost_model=cost_model, options=options, name=name, force_shapes=profiled,
                     measure_device="cpu", verify=verify, dump_dir=dump_dir)
     if dump_dir is not None:  # (checked writable before any work)
         from fxsplit.viz import write_dot
@@ -132,7 +139,7 @@ def inspect(
         example_inputs: Positional inputs (required for a module; a spec brings its own).
         example_kwargs: Keyword inputs.
         options: ``method``, ``device`` (a :class:`DeviceSpec`, default: this CPU measured),
-            ``cost_model`` (``"analytic"`` | ``"measured"``), ``dump_dir``, ``max_downsets``,
+            ``cost_model`` (``"analytic"`` | ``"measured"`` | ``"profiled"``), ``dump_dir``, ``max_downsets``,
             ``verify``, and for a spec ``size``.
 
     Returns:

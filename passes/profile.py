@@ -270,7 +270,8 @@ def profile_node_times(
         (backward likewise) and ``source="profiled"``.
 
     Raises:
-        ConfigError: for a size outside ``1..B``.
+        ConfigError: for a size outside ``1..B``, or when the graph cannot run a micro-batch
+            smaller than ``B`` (a capture specialised to the example batch).
     """
     batch = next((int(x.shape[0]) for x, b in zip(flat_inputs, batched, strict=True) if b), None)
     if batch is None or any(not 1 <= s <= batch for s in sizes):
@@ -280,8 +281,17 @@ def profile_node_times(
     digest = graph_digest(gm, flat_inputs)
     runs = []
     for i, size in enumerate(sizes):
-        runs.append(_timed_at(gm, _slice_batch(flat_inputs, batched, size), names, f"{size}|{digest}", device,
-                              store, warmup, repeats))
+        try:
+            runs.append(_timed_at(gm, _slice_batch(flat_inputs, batched, size), names, f"{size}|{digest}", device,
+                                  store, warmup, repeats))
+        except RuntimeError as exc:
+            if size == batch:
+                raise
+            raise ConfigError(
+                f"the profiled cost model could not run the graph on a micro-batch of {size} of the {batch} "
+                f"samples ({type(exc).__name__}: {str(exc).splitlines()[0]}): the capture is specialised to the "
+                f"example batch; capture with a symbolic batch (dynamic_batch=True, as fxsplit.compile does) or "
+                f"use cost_model='measured'") from exc
         if progress is not None:
             progress(i + 1, len(sizes))
     fits = {}

@@ -220,6 +220,39 @@ def test_profile_refuses_sizes_beyond_the_batch() -> None:
         profile_node_times(_annotated(model, x), (x,), (True,), (16,))
 
 
+class _BakedBatch(nn.Module):
+    """Adds a buffer expanded to the batch, as BERT's token-type ids are: an export specialised to
+    the example batch bakes the batch size into the ``expand``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("bias_row", torch.zeros(1, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.bias_row.expand(x.shape[0], -1)
+
+
+def test_inspect_with_profiled_costs_runs_micro_batches_of_a_model_that_bakes_the_batch() -> None:
+    """Regression: ``fxsplit.inspect(..., cost_model="profiled")`` captured at the example batch
+    only and failed (PassError) timing smaller micro-batches; it now captures with a symbolic
+    batch as compile does and times them."""
+    torch.manual_seed(0)
+    ins = fxsplit.inspect(_BakedBatch(), (torch.randn(8, 16),), cost_model="profiled")
+    costs = [n.meta["fxsplit.cost"] for n in ins.captured.gm.graph.nodes if "fxsplit.cost" in n.meta]
+    assert any(c.source == "profiled" for c in costs)
+
+
+def test_profile_of_a_graph_specialised_to_the_batch_says_how_to_capture() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    cap = capture(_BakedBatch(), (x,), method="export", dynamic_batch=False)
+    PropagateShapes((x,))(cap.gm)
+    AnnotateCosts(DeviceSpec("ref"))(cap.gm)
+    with pytest.raises(ConfigError, match=r"micro-batch of 2 of the 8 samples.*dynamic_batch=True"):
+        profile_node_times(cap.gm, (x,), (True,), (2, 8), warmup=1, repeats=1)
+
+
 def test_cache_hit_times_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """A second profile of the same graph reads every time from the cache file; a graph of other
     shapes misses it."""
