@@ -43,6 +43,7 @@ from fxsplit.solvers.cancel import Cancel
 from fxsplit.solvers.dp import one_stage_optimum, solve_dp
 from fxsplit.solvers.dpcore import DPCancelledError, DPTimeoutError
 from fxsplit.solvers.estimate import estimate_dp
+from fxsplit.solvers.reduce import solve_reduced
 from fxsplit.solvers.relax import memory_bound_error
 
 __all__ = ["AUTO_DP_MAX_S", "AUTO_DP_SHARE", "AUTO_DP_TIME_SHARE", "AUTO_RACE_FROM_S", "solve_auto"]
@@ -77,6 +78,11 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
         raise err
     if (one := one_stage_optimum(problem)) is not None:  # proven without a search
         return one
+    if not isinstance(opts.get("hint"), Plan):  # a plan hint names the original blocks
+        left = None if time_limit_s is None else max(0.01, time_limit_s - (time.perf_counter() - start))
+        lifted = solve_reduced(problem, lambda pb: solve_auto(pb, time_limit_s=left, max_downsets=max_downsets, **opts))
+        if lifted is not None:
+            return lifted.with_(solve_time_s=time.perf_counter() - start)
     est = estimate_dp(problem, max_downsets)
     budget = AUTO_DP_MAX_S if time_limit_s is None else AUTO_DP_SHARE * time_limit_s
     dp_limit = (max(AUTO_DP_MAX_S, 4 * est.seconds) if time_limit_s is None

@@ -1,0 +1,138 @@
+"""Exact reduction: free boundary blocks placed before the search never change the optimum."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import MiB, problems
+from test_solvers_dp import brute_force
+
+import fxsplit.solvers.reduce as reduce_mod
+from fxsplit.errors import InfeasibleError
+from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, LinkSpec, Problem
+from fxsplit.ir.downsets import count_downsets
+from fxsplit.ir.formats import load_pipedream
+from fxsplit.solvers import solve
+from fxsplit.solvers.reduce import FIRST, LAST, fold_free_blocks
+
+PIPEDREAM = Path(__file__).parent / "data" / "pipedream"
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def problems_with_free_ends(draw: st.DrawFn) -> Problem:
+    """Random problems whose sources and sinks are often free (no time), some also holding no
+    memory and sending no bytes, so every fold rule fires; some keep a backward time (not free:
+    they must stay where the search puts them)."""
+    pb = draw(problems(max_blocks=8, max_devices=4, heterogeneous=True, device_order=None, objective=None,
+                       memory_mib=(4, 40)))
+    g = pb.graph
+    ends = [b.id for b in g.blocks if not g.predecessors(b.id) or not g.successors(b.id)]
+    free = draw(st.sets(st.sampled_from(ends))) if ends else set()
+    blocks, no_bytes = list(g.blocks), set()
+    for b in free:
+        blocks[b] = replace(blocks[b], fwd_s=0.0, bwd_s=draw(st.sampled_from([0.0, 0.0, 3.0])))
+        if draw(st.booleans()):
+            blocks[b] = replace(blocks[b], param_bytes=0, activation_bytes=0)
+            if draw(st.booleans()):
+                no_bytes.add(b)
+    edges = tuple(replace(e, size_bytes=0) if {e.src, e.dst} & no_bytes else e for e in g.edges)
+    return pb.with_(graph=CondensedGraph(tuple(blocks), edges, name=g.name),
+                    allow_idle_devices=draw(st.sampled_from([True, True, False])))
+
+
+@SETTINGS
+@given(problems_with_free_ends())
+def test_dp_with_free_blocks_folded_equals_brute_force_over_the_original(problem: Problem) -> None:
+    expected = brute_force(problem)
+    if math.isinf(expected):
+        with pytest.raises(InfeasibleError):
+            solve(problem, "dp")
+        return
+    plan = solve(problem, "dp")
+    assert not plan.validate(problem)
+    assert plan.objective_s == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    if plan.status == "optimal":
+        assert plan.lower_bound_s == pytest.approx(plan.objective_s, rel=1e-9)
+
+
+@SETTINGS
+@given(problems_with_free_ends())
+def test_reduction_places_every_block_and_keeps_the_optimum(problem: Problem) -> None:
+    red = fold_free_blocks(problem)
+    if red is None:
+        return
+    n = len(problem.graph)
+    assert len(red.place) == n and red.folded == n - len(red.problem.graph) > 0
+    assert all(p in (FIRST, LAST) or 0 <= p < len(red.problem.graph) for p in red.place)
+    assert problem.allow_idle_devices  # every device must get a stage: never reduced
+    assert not red.problem.graph.validate()
+    folded = [b for b in range(n) if red.place[b] in (FIRST, LAST)
+              or red.problem.graph.blocks[red.place[b]].name != problem.graph.blocks[b].name]
+    assert all(problem.graph.blocks[b].time_s == 0 for b in folded)  # only free blocks move
+    assert sum(b.time_s for b in red.problem.graph.blocks) == pytest.approx(problem.graph.total_time_s)
+    try:
+        direct = solve(red.problem, "dp")
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solve(problem, "dp")
+        return
+    lifted = red.lift(problem, direct)
+    assert not lifted.validate(problem)
+    assert lifted.objective_s == pytest.approx(direct.objective_s, rel=1e-9, abs=1e-12)
+
+
+def test_a_free_sink_that_holds_memory_folds_only_where_memory_cannot_bind() -> None:
+    """A free sink keeping activations moves memory to its producer's stage: folded when the whole
+    graph fits every device, left to the search when memory may bind."""
+    blocks = (Block(0, "a", fwd_s=1.0, param_bytes=4 * MiB), Block(1, "b", fwd_s=1.0, param_bytes=4 * MiB),
+              Block(2, "getitem", activation_bytes=8 * MiB))
+    g = CondensedGraph(blocks, (Edge(0, 1, MiB), Edge(0, 2, MiB)))
+    roomy = Problem(g, (DeviceSpec("d0", memory_bytes=10**9), DeviceSpec("d1", memory_bytes=10**9)))
+    tight = roomy.with_(devices=(DeviceSpec("d0", memory_bytes=20 * MiB), DeviceSpec("d1", memory_bytes=20 * MiB)))
+    red = fold_free_blocks(roomy)
+    assert red is not None and red.place == (0, 1, 0)
+    assert fold_free_blocks(tight) is None
+    no_memory = tight.with_(graph=replace(g, blocks=(*blocks[:2], replace(blocks[2], activation_bytes=0))))
+    assert fold_free_blocks(no_memory) is not None
+
+
+def test_free_ends_sending_nothing_go_to_the_first_and_last_stage() -> None:
+    """An input feeding two blocks and an unused output of two: no bytes, no time, no memory."""
+    blocks = (Block(0, "input"), Block(1, "x", fwd_s=1.0), Block(2, "y", fwd_s=1.0), Block(3, "unused"))
+    g = CondensedGraph(blocks, (Edge(0, 1), Edge(0, 2), Edge(1, 3), Edge(2, 3)))
+    pb = Problem(g, (DeviceSpec("d0"), DeviceSpec("d1")), link=LinkSpec(bytes_per_s=1.0))
+    red = fold_free_blocks(pb)
+    assert red is not None and red.place == (FIRST, 0, 1, LAST)
+    plan = solve(pb, "dp")
+    assert plan.status == "optimal" and plan.bottleneck_s == pytest.approx(1.0)
+    assert 0 in plan.stages[0].blocks and 3 in plan.stages[-1].blocks
+    assert plan.stats["folded_blocks"] == 2
+
+
+def test_every_device_busy_is_never_reduced() -> None:
+    blocks = (Block(0, "x", fwd_s=1.0), Block(1, "unused"))
+    pb = Problem(CondensedGraph(blocks, (Edge(0, 1),)), (DeviceSpec("d0"), DeviceSpec("d1")),
+                 allow_idle_devices=False)
+    assert fold_free_blocks(pb) is None
+    assert [list(s.blocks) for s in solve(pb, "dp").stages] == [[0], [1]]
+
+
+def test_gnmt_downsets_shrink_and_the_optimum_is_the_unreduced_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PipeDream's GNMT graph: 4 inputs and 9 unused LSTM outputs multiply the downsets by 164."""
+    g = load_pipedream(PIPEDREAM / "gnmt.txt")
+    pb = Problem(g, tuple(DeviceSpec(f"d{i}", memory_bytes=2**34) for i in range(4)), microbatches=4)
+    red = fold_free_blocks(pb)
+    assert red is not None
+    assert (count_downsets(g), count_downsets(red.problem.graph)) == (7874, 48)
+    fast = solve(pb, "auto")
+    monkeypatch.setattr(reduce_mod, "fold_free_blocks", lambda problem: None)
+    slow = solve(pb, "dp")
+    assert fast.status == slow.status == "optimal"
+    assert fast.objective_s == pytest.approx(slow.objective_s, rel=1e-12)
+    assert "folded_blocks" not in slow.stats and fast.stats["folded_blocks"] == 16
