@@ -9,7 +9,12 @@ import pytest
 
 from fxsplit.errors import ConfigError, InfeasibleError
 from fxsplit.ir import CondensedGraph, DeviceSpec, LinkSpec, Problem
-from fxsplit.ir.formats import load_graph_or_problem, load_pipedream, load_tarnawski
+from fxsplit.ir.formats import (
+    load_graph_or_problem,
+    load_pipedream,
+    load_tarnawski,
+    tarnawski_plan_faults,
+)
 
 PIPEDREAM = Path(__file__).resolve().parent / "data" / "pipedream"  # PipeDream's profiles (MIT, see LICENSE.txt there)
 
@@ -106,6 +111,29 @@ def test_tarnawski_backward_only_classes_keep_dp_cpps_order(tmp_path: Path) -> N
         assert plan.status == "optimal" and plan.bottleneck_s == pytest.approx(4.0), (solver, plan)
         stage_of = {names[b]: s for s, st in enumerate(plan.stages) for b in st.blocks}
         assert stage_of["n20"] <= stage_of["n1"]
+
+
+def test_tarnawski_plans_are_rechecked_on_the_files_own_nodes_and_edges(tmp_path: Path) -> None:
+    """Issue 14 (item 4): a plan is re-validated against the input's node-level precedence, never
+    the block graph the solvers saw; the CLI refuses to print one that breaks it."""
+    from fxsplit import solvers
+    from fxsplit.cli.solve import _recheck_tarnawski
+    from fxsplit.errors import InternalError
+    from fxsplit.ir import evaluate
+
+    path = _orphan_instance(tmp_path)
+    pb = load_tarnawski(path, link=LinkSpec(bytes_per_s=1.0)).with_(objective="bottleneck")
+    assert tarnawski_plan_faults(path, pb, solvers.solve(pb, "dp")) == []
+    ids = {b.name: b.id for b in pb.graph.blocks}
+    backwards = evaluate(pb, [[ids["n2"]], [ids["n1"], ids["n20"]]])  # B before A: node 1 -> 2 broken
+    faults = tarnawski_plan_faults(path, pb, backwards)
+    assert faults == ["node 1 (stage 1) must not come after node 2 (stage 0)"]
+    orphan_late = evaluate(pb, [[ids["n1"], ids["n2"]], [ids["n20"]]])  # O after A: its mirrored edge broken
+    assert tarnawski_plan_faults(path, pb, orphan_late) == ["node 20 (stage 1) must not come after node 11 (stage 0)"]
+    missing = evaluate(pb, [[ids["n1"], ids["n2"]]])
+    assert tarnawski_plan_faults(path, pb, missing) == ["node 20 (block 'n20') is in no stage"]
+    with pytest.raises(InternalError, match=r"breaks 1 precedence\(s\) of .*node 1 \(stage 1\)"):
+        _recheck_tarnawski(path, pb, backwards)
 
 
 def test_tarnawski_memory_is_node_sizes_and_edges_are_time(tmp_path: Path) -> None:

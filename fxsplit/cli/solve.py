@@ -20,9 +20,9 @@ from rich.console import Console
 
 from fxsplit.cli import exit_with_error
 from fxsplit.cli.helptext import OBJECTIVE_HELP, PROBLEM_SCHEDULE_HELP, SOLVER_HELP
-from fxsplit.errors import ConfigError, FxsplitError, InfeasibleError
+from fxsplit.errors import ConfigError, FxsplitError, InfeasibleError, InternalError
 from fxsplit.ir.devices import DeviceSpec, GiB, LinkSpec
-from fxsplit.ir.formats import load_graph_or_problem
+from fxsplit.ir.formats import detect_format, load_graph_or_problem, tarnawski_plan_faults
 from fxsplit.ir.graph import CondensedGraph
 from fxsplit.ir.plan import Plan
 from fxsplit.ir.problem import Problem
@@ -110,6 +110,20 @@ def build_problem(loaded: CondensedGraph | Problem, *, devices: int | None = Non
     return problem.check()
 
 
+def _recheck_tarnawski(path: Path, problem: Problem, plan: Plan) -> None:
+    """Re-validate a plan of a Tarnawski instance on the file's own nodes and edges (the solvers
+    saw colour classes, merged cycles and folded blocks): a broken precedence is a bug, never a
+    plan to print.
+
+    Raises:
+        InternalError: naming the first broken precedences.
+    """
+    faults = tarnawski_plan_faults(path, problem, plan)
+    if faults:
+        raise InternalError(f"the plan breaks {len(faults)} precedence(s) of {path}: {'; '.join(faults[:5])} "
+                            "(a bug in fxsplit's Tarnawski reader or solvers; please report it with the file)")
+
+
 def plan_json(plan: Plan, problem: Problem) -> dict[str, Any]:
     """The ``--json`` document: the plan's fields, each stage with ``nodes`` and ``device_name``."""
     return plan.to_dict(problem)
@@ -143,6 +157,8 @@ def solve_command(
         )
         with err.status(f"solving {problem.graph.name} with {solver}…"):
             plan = solve(problem, solver, time_limit_s=time_limit)
+        if (format if format != "auto" else detect_format(graph)) == "tarnawski":
+            _recheck_tarnawski(graph, problem, plan)
     except InfeasibleError as exc:
         exit_with_error(err, exc, 2, "infeasible")
     except FxsplitError as exc:  # bad input (ConfigError): exit 2, as for a usage error; else 1

@@ -22,14 +22,18 @@ import json
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, LinkSpec
 from fxsplit.ir.graph import Block, CondensedGraph, Edge
 from fxsplit.ir.problem import Problem
 
-__all__ = ["FORMATS", "load_pipedream", "load_tarnawski", "load_graph_or_problem", "topological_graph"]
+if TYPE_CHECKING:
+    from fxsplit.ir.plan import Plan
+
+__all__ = ["FORMATS", "detect_format", "load_pipedream", "load_tarnawski", "load_graph_or_problem", "tarnawski_plan_faults",
+           "topological_graph"]
 
 FORMATS = ("auto", "fxsplit", "pipedream", "tarnawski")
 
@@ -165,10 +169,11 @@ def _tarnawski_blocks(nodes: list[dict[str, Any]], time_unit_s: float) -> tuple[
 
 
 def _fuse_cycles(blocks: dict[str, dict[str, Any]], edges: list[tuple[str, str, int]]
-                 ) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str, int]]]:
+                 ) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str, int]], dict[str, str]]:
     """Merge the blocks of every cycle into one block (sums of times and sizes), as dp.cpp fuses
     the strongly connected components of its contracted forward graph: the mirrored edges of
-    backward-only classes can close cycles with the forward edges."""
+    backward-only classes can close cycles with the forward edges. Also returns the renaming
+    (merged block -> the block it joined)."""
     import networkx as nx
 
     g = nx.DiGraph()
@@ -176,7 +181,7 @@ def _fuse_cycles(blocks: dict[str, dict[str, Any]], edges: list[tuple[str, str, 
     g.add_edges_from((u, v) for u, v, _ in edges)
     groups = [c for c in nx.strongly_connected_components(g) if len(c) > 1]
     if not groups:
-        return blocks, edges
+        return blocks, edges, {}
     order = list(blocks)
     rename: dict[str, str] = {}
     merged = dict(blocks)
@@ -190,7 +195,7 @@ def _fuse_cycles(blocks: dict[str, dict[str, Any]], edges: list[tuple[str, str, 
         for m in members[1:]:
             del merged[m]
         rename.update(dict.fromkeys(members, head))
-    return merged, [(rename.get(u, u), rename.get(v, v), size) for u, v, size in edges]
+    return merged, [(rename.get(u, u), rename.get(v, v), size) for u, v, size in edges], rename
 
 
 def load_tarnawski(
@@ -232,27 +237,71 @@ def load_tarnawski(
             raise ConfigError(f"{path}: Tarnawski JSON needs field {key!r}; found {sorted(data)}")
     link = link or LinkSpec(bytes_per_s=1e9, latency_s=0.0)
     blocks, block_of = _tarnawski_blocks(data["nodes"], time_unit_s)
-    backward = {int(n["id"]) for n in data["nodes"] if n.get("isBackwardNode")}
-    orphans = set(blocks) - {block_of[int(n["id"])] for n in data["nodes"] if not n.get("isBackwardNode")}
-    edges = []
-    for e in data["edges"]:
-        u, v = int(e["sourceId"]), int(e["destId"])
-        if block_of[u] == block_of[v]:
-            continue
-        if u in backward and v in backward and (block_of[u] in orphans or block_of[v] in orphans):
-            # a class with backward nodes only (AccumulateGrad) is ordered as dp.cpp orders it:
-            # by the mirror of its backward edges, v's forward before u's (no cost: precedence)
-            edges.append((block_of[v], block_of[u], 0))
-        elif u not in backward and v not in backward:
-            edges.append((block_of[u], block_of[v], int(round(float(e["cost"]) * time_unit_s * link.bytes_per_s))))
-    blocks, edges = _fuse_cycles(blocks, edges)
+    edges = [(block_of[u], block_of[v], int(round(cost * time_unit_s * link.bytes_per_s)))
+             for u, v, cost in _tarnawski_precedence(data, block_of)]
+    blocks, edges, _ = _fuse_cycles(blocks, edges)
     graph = topological_graph(name or path.stem, blocks, edges)
     cap = int(data["maxSizePerFPGA"])
     devices = tuple(
         DeviceSpec(f"acc{i}", memory_bytes=cap, kind="acc") for i in range(int(data["maxFPGAs"]))
     )
-    return Problem(graph=graph, devices=devices, link=link, training=bool(backward),
+    training = any(n.get("isBackwardNode") for n in data["nodes"])
+    return Problem(graph=graph, devices=devices, link=link, training=training,
                    optimizer_state_factor=0.0, grad_factor=0.0, transfer_memory=False).check()
+
+
+def _tarnawski_precedence(data: dict[str, Any], block_of: dict[int, str]) -> list[tuple[int, int, float]]:
+    """The node-level precedence of a Tarnawski instance, as ``dp.cpp`` keeps it: ``(before,
+    after, cost)`` for every edge between forward nodes of different classes (``after``'s stage
+    is not earlier; ``cost`` the edge's), and, for a class with backward nodes only
+    (``AccumulateGrad``), the mirror of each backward edge touching it, ``v``'s forward before
+    ``u``'s (cost 0: precedence only)."""
+    backward = {int(n["id"]) for n in data["nodes"] if n.get("isBackwardNode")}
+    orphans = set(block_of.values()) - {block_of[int(n["id"])] for n in data["nodes"] if not n.get("isBackwardNode")}
+    out = []
+    for e in data["edges"]:
+        u, v = int(e["sourceId"]), int(e["destId"])
+        if block_of[u] == block_of[v]:
+            continue
+        if u in backward and v in backward and (block_of[u] in orphans or block_of[v] in orphans):
+            out.append((v, u, 0.0))
+        elif u not in backward and v not in backward:
+            out.append((u, v, float(e["cost"])))
+    return out
+
+
+def tarnawski_plan_faults(path: str | Path, problem: Problem, plan: Plan) -> list[str]:
+    """Every precedence of the Tarnawski instance at ``path`` that ``plan`` breaks, checked on the
+    file's own nodes and edges (never on the block graph the solvers saw), and every node the plan
+    does not place. Empty for a valid plan.
+
+    Args:
+        path: The instance (``load_tarnawski``'s input).
+        problem: The problem ``load_tarnawski(path)`` made (its block names map nodes to stages).
+        plan: A plan of ``problem``.
+
+    Raises:
+        ConfigError: for a malformed file (as :func:`load_tarnawski`).
+    """
+    path = Path(path)
+    data = _read_json(path)
+    blocks, block_of = _tarnawski_blocks(data["nodes"], 1.0)
+    edges = [(block_of[u], block_of[v], 0) for u, v, _ in _tarnawski_precedence(data, block_of)]
+    _, _, rename = _fuse_cycles(blocks, edges)
+    stage_of_block = {problem.graph.blocks[b].name: s for s, st in enumerate(plan.stages) for b in st.blocks}
+    faults: list[str] = []
+    stage: dict[int, int] = {}
+    for node in data["nodes"]:
+        nid = int(node["id"])
+        name = rename.get(block_of[nid], block_of[nid])
+        if name not in stage_of_block:
+            faults.append(f"node {nid} (block {name!r}) is in no stage")
+        else:
+            stage[nid] = stage_of_block[name]
+    for u, v, _ in _tarnawski_precedence(data, block_of):
+        if u in stage and v in stage and stage[u] > stage[v]:
+            faults.append(f"node {u} (stage {stage[u]}) must not come after node {v} (stage {stage[v]})")
+    return faults
 
 
 def _read_text(path: Path) -> str:
@@ -273,7 +322,8 @@ def _read_json(path: Path) -> Any:
                           "(truncated or edited?)") from exc
 
 
-def _detect(path: Path) -> str:
+def detect_format(path: Path) -> str:
+    """``"tarnawski"``, ``"fxsplit"`` or ``"pipedream"``: what :func:`load_graph_or_problem` reads ``path`` as."""
     stripped = _read_text(path).lstrip()
     if not stripped.startswith(("{", "[")):
         return "pipedream"
@@ -303,7 +353,7 @@ def load_graph_or_problem(path: str | Path, format: str = "auto") -> CondensedGr
         raise ConfigError(f"unknown graph format {format!r}; choose one of {FORMATS}")
     if not path.is_file():
         raise ConfigError(f"graph file {str(path)!r} does not exist")
-    fmt = _detect(path) if format == "auto" else format
+    fmt = detect_format(path) if format == "auto" else format
     try:
         if fmt == "pipedream":
             return load_pipedream(path)
