@@ -89,7 +89,7 @@ def _time(problem: Problem, solver: str, **opts: Any) -> dict[str, Any]:
             "solver": solver, "solved_by": plan.solver, "race": plan.stats.get("auto", {}).get("race"),
             "status": plan.status, "objective_s": plan.objective_s,
             "lower_bound_s": plan.lower_bound_s, "seconds": time.perf_counter() - start,
-            "downsets": count_downsets(problem.graph, limit=10**6)}
+            "downsets": count_downsets(problem.graph, limit=10**6), "folded": plan.stats.get("folded_blocks", 0)}
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
@@ -140,8 +140,10 @@ def run_pipedream(quick: bool) -> list[dict[str, Any]]:
 
 
 def _print_pipedream(rows: list[dict[str, Any]], markdown: bool) -> None:
-    cols = ("graph", "blocks", "downsets", "devices", "proved by", "status", "solve s", "CLI wall s", "bottleneck ms")
-    cells = [(r["graph"], str(r["blocks"]), str(r["downsets"]), str(r["devices"]), r["proved_by"], r["status"],
+    cols = ("graph", "blocks", "downsets", "folded blocks", "devices", "proved by", "status", "solve s", "CLI wall s",
+            "bottleneck ms")
+    cells = [(r["graph"], str(r["blocks"]), str(r["downsets"]), str(r["folded"]), str(r["devices"]), r["proved_by"],
+              r["status"],
               f"{r['seconds']:.2f}", f"{r['cli_wall_s']:.2f}", f"{r['objective_s'] * 1e3:.4f}") for r in rows]
     _print_rows("PipeDream graphs: fxsplit solve FILE --devices k (auto)", cols, cells, markdown)
 
