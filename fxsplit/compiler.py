@@ -152,6 +152,13 @@ def looped_problem(problem: Problem, options: CompileOptions) -> Problem | None:
     return problem.with_(stages_per_device=v)
 
 
+def say_phase(options: CompileOptions, text: str) -> None:
+    """Log what compile does now and hand it to ``options.phase`` (the CLI's spinner)."""
+    log.info("%s", text)
+    if options.phase is not None:
+        options.phase(text)
+
+
 def evaluate_fixed(problem: Problem, stages: Sequence[Sequence[int]], devices: Sequence[int], m: int, kind: str) -> Plan:
     """Cost a hand-made split at ``m`` micro-batches (benches compare it with the solvers')."""
     return evaluate(per_microbatch(problem, m, kind), stages, devices, solver="manual")
@@ -191,6 +198,9 @@ def plan_pipeline(
         raise ConfigError(f"schedule {schedule!r} runs {options.stages_per_device} stages per device "
                           f"and needs at least 2 devices and that many stages' worth of blocks; the graph has "
                           f"{len(problem.graph)} blocks for {problem.num_devices} devices. Use schedule='1f1b'")
+    say_phase(options, f"planning {len(problem.graph)} blocks on {problem.num_devices} devices: "
+                       + ("solving the split" if schedule != "auto" and isinstance(microbatches, int)
+                          else f"searching {', '.join(kinds)} and micro-batch counts"))
     first: dict[str, tuple[Problem, Plan]] = {}  # the first plan of each placement, by its kind
     fixed = schedule != "auto" and isinstance(microbatches, int)  # one solve, by the solver
     first_plan = _solve if fixed else _explore_plan
@@ -215,6 +225,8 @@ def plan_pipeline(
     m, kind = choice.microbatches, choice.kind
     pb = looped if kind in LOOPED_SCHEDULES and looped is not None else problem  # the winner's placement
     reuse = kind in first and m == m0 and (first[kind][1].status == "optimal" or not solvers.is_exact(solver))
+    if not reuse:
+        say_phase(options, f"planning: the {solver} split for {kind} with {m} micro-batch{'es' if m != 1 else ''}")
     plan = first[kind][1] if reuse else _solve(pb, solver, options, m, kind)
     return PlanChoice(plan, pb.with_(microbatches=m, schedule=kind), kind, m, choice.reason, choice.format_table())
 
@@ -271,6 +283,7 @@ def compile_pipeline(
     batch = example_batch_size(args, kwargs, options.batch_dim)
     check_microbatches(microbatches, batch)  # before any work
     reference = options.reference or specs[0]
+    say_phase(options, f"capturing {type(model).__name__}")
     captured = capture_with(model, args, kwargs, options)
     # before the passes: the profiled cost model times micro-batches, which such a model may not run
     mixing = _not_per_sample(captured, args, kwargs, once_per_step=options.deferred_batch_norm)
@@ -288,6 +301,7 @@ def compile_pipeline(
             f"{type(model).__name__} is not per-sample, and with microbatches={microbatches} the pipeline computes "
             f"something else than the model: {'; '.join(map(str, mixing))}. Use microbatches=1 (or 'auto'), or make "
             f"those ops per-sample{hint}", NotPerSampleWarning, stacklevel=3)
+    say_phase(options, f"annotating {cost_model} costs on {reference.name} and condensing")
     condensed = front_end(model, args, kwargs, reference=reference, cost_model=cost_model, options=options,
                           microbatches=microbatches, captured=captured).condensed
     t1 = time.perf_counter()
@@ -299,6 +313,7 @@ def compile_pipeline(
     ).check()
     choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
     t2 = time.perf_counter()
+    say_phase(options, f"building {choice.plan.num_stages} stage(s) ({choice.schedule}, {choice.microbatches} micro-batch(es))")
     context = CompileContext(model, captured, problem, tuple(specs), batch, microbatches, schedule, solver, options)
     report = CompileReport(
         reason=choice.reason, candidates=choice.candidates, capture_method=captured.method,

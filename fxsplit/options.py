@@ -76,6 +76,9 @@ class CompileOptions:
             ``~/.cache/fxsplit/profiles``); ``False`` times every node afresh and keeps nothing.
         progress: ``progress(done, total)`` called after each micro-batch size the profiled
             cost model times (the CLI draws a progress bar with it).
+        phase: ``phase(text)`` called as compile moves on (capturing, annotating costs, the
+            schedule search, the exact split of the winner, building the stages), so a long
+            compile can say what it waits on (the CLI shows it beside its spinner).
         batch_dim: The batch dimension of the first input (``compile(batch_dim=...)``).
         stages_per_device: Stages each device runs under a looped schedule
             (``schedule="interleaved-1f1b"``, which ``"auto"`` also tries): ``v >= 2`` model
@@ -105,6 +108,7 @@ class CompileOptions:
     deferred_batch_norm: bool = True
     profile_cache_dir: str | Path | bool | None = None
     progress: Callable[[int, int], None] | None = None
+    phase: Callable[[str], None] | None = None
     batch_dim: int = 0
     stages_per_device: int = 2
     recompute: RecomputeName = "auto"

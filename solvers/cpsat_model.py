@@ -149,7 +149,13 @@ def add_precedence(m: Any, d: CpData, v: CpVars) -> None:
 
 
 def add_units(m: Any, d: CpData, v: CpVars) -> None:
-    """A non-empty stage runs on one allowed unit; a unit runs at most as many stages as it has."""
+    """A non-empty stage runs on one allowed unit; a unit runs at most as many stages as it has.
+
+    Symmetry breaking for identical devices: with free device order a unit is a class of
+    interchangeable devices (same speed and memory, :func:`~fxsplit.solvers.layout.device_classes`)
+    and the model picks a class per stage and counts, never a device, so the ``k!`` relabellings of
+    identical devices are one solution; stages are used in order (:func:`add_assignment`). With
+    fixed order stage ``s`` is device ``s``: nothing to permute."""
     for s, units in enumerate(d.allowed):
         for t in units:
             v.use[s, t] = m.NewBoolVar(f"use[{s},{t}]")

@@ -299,6 +299,22 @@ def test_compile_with_the_profiled_model_plans_on_micro_batch_costs(tmp_path, mo
     assert out.shape == (8, 4)
 
 
+def test_compile_says_each_phase_it_waits_on(tmp_path) -> None:
+    """Issue 14 (item 5): ``CompileOptions(phase=...)`` hears capture, costs, the schedule search,
+    the exact split of the winner and the build, in that order (the CLI shows them)."""
+    model, x = _mlp()
+    seen: list[str] = []
+    fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=2, schedule="auto",
+                    options=CompileOptions(profile_cache_dir=tmp_path, phase=seen.append))
+    assert seen[0] == "capturing Sequential" and seen[1].startswith("annotating profiled costs on ")
+    assert seen[2].startswith("planning 3 blocks on 2 devices: searching gpipe, 1f1b")
+    assert seen[-1].startswith("building ") and "2 micro-batch(es)" in seen[-1]
+    fixed: list[str] = []
+    fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=2, schedule="gpipe",
+                    options=CompileOptions(profile_cache_dir=tmp_path, phase=fixed.append))
+    assert fixed[2] == "planning 3 blocks on 2 devices: solving the split"
+
+
 @settings(deadline=None, max_examples=5)
 @given(m=st.sampled_from([1, 2, 4]))
 def test_profiled_costs_scale_to_the_fit_at_each_micro_batch(m: int) -> None:

@@ -223,3 +223,17 @@ def test_memory_bound_does_not_refuse_a_zero_bubble_plan_of_fewer_stages() -> No
     for solver in ("dp", "cpsat", "auto"):
         plan = solve(pb, solver)
         assert plan.status == "optimal" and plan.num_stages == 1, solver
+
+
+def test_identical_devices_are_one_unit_so_their_permutations_are_one_solution() -> None:
+    """Issue 14 (item 1), symmetry breaking: 8 identical devices in free order are one CP-SAT unit
+    with a count, two kinds two units; the model never tells identical devices apart."""
+    from fxsplit.solvers.cpsat_model import CpData
+
+    g = CondensedGraph.chain([1.0] * 12)
+    same = Problem(g, tuple(DeviceSpec(f"d{i}") for i in range(8)), device_order="free")
+    assert CpData.of(same).unit_devices == (tuple(range(8)),)
+    mixed = same.with_(devices=tuple(DeviceSpec(f"d{i}", speed=2.0 if i % 2 else 1.0) for i in range(8)))
+    assert CpData.of(mixed).unit_devices == ((0, 2, 4, 6), (1, 3, 5, 7))
+    plan = solve(same, "cpsat")
+    assert plan.status == "optimal" and plan.bottleneck_s == pytest.approx(2.0)

@@ -146,7 +146,8 @@ def register(app: typer.Typer) -> None:
                 pipe = fxsplit.compile(
                     case.model, parse_devices(devices), case.example_inputs,
                     microbatches=m, schedule=schedule, solver=solver, objective=objective, cost_model=cost_model,
-                    options=CompileOptions(progress=profiled, recompute=recompute_name, autocast=autocast),
+                    options=CompileOptions(progress=profiled, recompute=recompute_name, autocast=autocast,
+                                           phase=lambda text: bar.update(task, description=text)),
                 )
             if calibrate > 0:
                 inputs, target = case.make_batch(batch_size, 999)
