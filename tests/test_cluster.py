@@ -106,3 +106,21 @@ def test_a_memory_size_written_as_a_float_is_a_whole_number_of_bytes() -> None:
     assert c.devices[0].memory_bytes == 2_000_000_000 and isinstance(c.devices[0].memory_bytes, int)
     pb = Problem(CondensedGraph.chain([1.0] * 4), c.relative_to(c.devices[0])).check()
     assert solve(pb, "cpsat", time_limit_s=10).status == "optimal"
+
+
+def test_a_yaml_cluster_file_is_the_json_one(tmp_path: Path) -> None:
+    """Issue 13 (item 4): YAML with the same keys gives the same cluster; a YAML list is refused."""
+    import yaml
+
+    data = json.loads(FILE.read_text())
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert load_cluster(path) == load_cluster(FILE)
+    bad = tmp_path / "bad.yml"
+    bad.write_text("- a100\n- a100\n")
+    with pytest.raises(ConfigError, match="holds a list; it needs a mapping"):
+        load_cluster(bad)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("nodes: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_cluster(broken)

@@ -68,7 +68,7 @@ def plan_command(
     as_json: Annotated[Path | None, typer.Option("--json", help="write the plan as JSON here")] = None,
     recompute: Annotated[str, typer.Option(help=RECOMPUTE_HELP)] = "auto",
     explore: Annotated[bool, typer.Option("--explore", help="print every schedule, micro-batch count and recomputation tried, with the step-time / peak-memory front")] = False,
-    cluster: Annotated[Path | None, typer.Option(help="a cluster file (JSON: device kinds, nodes, links; see fxsplit.ir.cluster); replaces --devices and --device")] = None,
+    cluster: Annotated[Path | None, typer.Option(help="a cluster file (JSON, or YAML for .yaml/.yml: device kinds, nodes, links; see fxsplit.ir.cluster); replaces --devices and --device")] = None,
 ) -> None:
     """Plan MODEL over DEVICES devices; print the stages and optionally draw them."""
     from fxsplit.api import CompileOptions, _check_compile_args, analyze

@@ -1,5 +1,5 @@
-"""Clusters as data: device kinds, nodes and links in a JSON file, for plans of machines one
-does not have (torch-free).
+"""Clusters as data: device kinds, nodes and links in a JSON or YAML file, for plans of machines
+one does not have (torch-free).
 
 BaPipe (Zhao et al., 2021) explores pipelines for GPU clusters and for simulated FPGA clusters
 from the devices' compute, memory and bandwidth; a cluster file gives fxsplit the same inputs::
@@ -155,14 +155,31 @@ def cluster_from_dict(data: dict[str, Any], path: str = "<dict>") -> Cluster:
 
 
 def load_cluster(path: str | Path) -> Cluster:
-    """Read a cluster file (JSON, see the module docstring).
+    """Read a cluster file: JSON, or YAML for a ``.yaml`` / ``.yml`` name (the same keys; see the
+    module docstring).
 
     Raises:
         ConfigError: when the file cannot be read or parsed, or describes no valid cluster
             (:func:`cluster_from_dict`).
     """
+    path = Path(path)
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        text = path.read_text()
+    except OSError as exc:
         raise ConfigError(f"cannot read cluster file {path}: {exc}") from exc
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"cannot read cluster file {path}: not valid YAML: {exc}") from exc
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"cannot read cluster file {path}: {exc} (a .yaml or .yml name reads YAML)") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"cluster file {path} holds a {type(data).__name__}; it needs a mapping with "
+                          "'device_kinds', 'nodes' and 'links' (see fxsplit.ir.cluster)")
     return cluster_from_dict(data, str(path))
