@@ -79,8 +79,9 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
     if (one := one_stage_optimum(problem)) is not None:  # proven without a search
         return one
     if not isinstance(opts.get("hint"), Plan):  # a plan hint names the original blocks
-        left = None if time_limit_s is None else max(0.01, time_limit_s - (time.perf_counter() - start))
-        lifted = solve_reduced(problem, lambda pb: solve_auto(pb, time_limit_s=left, max_downsets=max_downsets, **opts))
+        lifted = solve_reduced(problem, lambda pb: solve_auto(
+            pb, time_limit_s=None if time_limit_s is None else max(0.01, time_limit_s - (time.perf_counter() - start)),
+            max_downsets=max_downsets, **opts))
         if lifted is not None:
             return lifted.with_(solve_time_s=time.perf_counter() - start)
     est = estimate_dp(problem, max_downsets)

@@ -239,7 +239,8 @@ def solve_dp(
             (``optimal`` only where it meets that bound); on a chain it is the exact DP.
 
     Free boundary blocks (no compute: PipeDream's ``Input`` sources, unused outputs) are placed
-    before the search where their placement provably cannot matter
+    before the search where their placement provably cannot matter (free device order, or
+    identical devices on one link)
     (:func:`fxsplit.solvers.reduce.fold_free_blocks`; GNMT's 7,874 downsets become 48), and the
     plan is re-costed on ``problem``; ``stats["folded_blocks"]`` counts them.
 
@@ -274,10 +275,9 @@ def solve_dp(
         raise ConfigError(f"solve_dp(states={states!r}): use one of {', '.join(DP_STATES)}")
     if (one := one_stage_optimum(problem)) is not None:
         return one.with_(stats={**one.stats, "states": states}, solve_time_s=time.perf_counter() - start)
-    left = None if deadline is None else max(0.0, deadline - time.perf_counter())
     lifted = solve_reduced(problem, lambda pb: solve_dp(
-        pb, time_limit_s=left, max_downsets=max_downsets, tie_break=tie_break, max_rounds=max_rounds,
-        cancel=cancel, states=states))
+        pb, time_limit_s=None if deadline is None else max(0.0, deadline - time.perf_counter()),
+        max_downsets=max_downsets, tie_break=tie_break, max_rounds=max_rounds, cancel=cancel, states=states))
     if lifted is not None:
         return lifted.with_(solve_time_s=time.perf_counter() - start)
     reduced = states == "chain" and not is_chain_order(problem)

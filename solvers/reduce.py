@@ -14,9 +14,12 @@ worse than any other, so it can be decided before the search:
 
 "Never worse" holds for time (stage compute is unchanged, boundary traffic only shrinks) and for
 memory when the block holds none, or when memory cannot bind at all (the whole graph with every
-edge sent and received fits the smallest device with the most micro-batches in flight). It does
-*not* hold when every device must get a stage (``allow_idle_devices=False``: a free block may be
-the only thing a stage can hold), so such problems are left alone. The same idea is
+edge sent and received fits the smallest device with the most micro-batches in flight), *provided
+a stage of free blocks only is of no use*. It can be of use, so such problems are left alone, when
+every device must get a stage (``allow_idle_devices=False``), and when the pipeline's positions
+differ (``device_order="fixed"`` with devices of different speed or memory, or per-pair links):
+there a stage holding only a free block is a spacer that lets the real stages skip a slow or
+small device or a slow link (found by review: a slow first device, [F] | [A] beats [F, A]). The same idea is
 ``dp.cpp``'s "trivial node optimizations" (Tarnawski et al., NeurIPS 2020) and PipeDream's
 optimizer, which drops ``Input`` sources and unused ``__getitem__`` sinks before building its
 antichain DAG (Narayanan et al., SOSP 2019).
@@ -31,6 +34,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from fxsplit.errors import InfeasibleError
 from fxsplit.ir.graph import Block, CondensedGraph, Edge
 from fxsplit.ir.plan import Plan, evaluate
 from fxsplit.ir.problem import Problem
@@ -93,6 +97,15 @@ def _holds_memory(problem: Problem, b: Block) -> bool:
     return problem.static_bytes(b) > 0 or b.activation_bytes > 0
 
 
+def _positions_alike(problem: Problem) -> bool:
+    """Whether no pipeline position is better than another for a stage: the solver picks the
+    devices (free order), or every device has the same speed and memory and every link is the
+    default one (fixed order)."""
+    if problem.device_order == "free":
+        return True
+    return not problem.links and len({(d.speed, d.memory_bytes) for d in problem.devices}) == 1
+
+
 def _memory_cannot_bind(problem: Problem) -> bool:
     """The whole graph on one stage, every edge received and sent, the most micro-batches in
     flight, recomputing nothing, fits the smallest device."""
@@ -117,7 +130,7 @@ def fold_free_blocks(problem: Problem) -> Reduction | None:
     """
     g = problem.graph
     n = len(g)
-    if not problem.allow_idle_devices or n < 2:
+    if not problem.allow_idle_devices or n < 2 or not _positions_alike(problem):
         return None
     loose_memory = _memory_cannot_bind(problem)
     owner = list(range(n))  # union-find: a folded block points at the block it joined
@@ -129,7 +142,7 @@ def fold_free_blocks(problem: Problem) -> Reduction | None:
         return b
 
     removed: dict[int, int] = {}
-    members: dict[int, list[int]] = {b: [b] for b in range(n)}
+    members: dict[int, list[int]] = {b: [b] for b in range(n)}  # live groups by representative
 
     def group_free(r: int) -> bool:
         return all(_is_free_time(g.blocks[m]) for m in members[r]) and (
@@ -148,7 +161,7 @@ def fold_free_blocks(problem: Problem) -> Reduction | None:
             if r in removed or find(r) != r or not group_free(r):
                 continue
             ins, outs = outside(r, g.predecessors), outside(r, g.successors)
-            if len({find(b) for b in range(n) if b not in removed}) <= 1:
+            if len(members) <= 1:
                 break
             if not ins and not outs:
                 continue  # an isolated free block: leave it to the solver
@@ -187,8 +200,14 @@ def _merged(i: int, parts: list[Block]) -> Block:
 
 
 def solve_reduced(problem: Problem, solve: Callable[[Problem], Plan]) -> Plan | None:
-    """``solve`` on the reduced problem, lifted back; ``None`` when nothing folds."""
+    """``solve`` on the reduced problem, lifted back; ``None`` when nothing folds, or when the
+    reduced problem is infeasible (so that the caller's own search diagnoses ``problem``, naming
+    its blocks rather than the merged ones)."""
     reduction = fold_free_blocks(problem)
     if reduction is None:
         return None
-    return reduction.lift(problem, solve(reduction.problem))
+    try:
+        return reduction.lift(problem, solve(reduction.problem))
+    except InfeasibleError:
+        logger.info("reduce: the reduced problem is infeasible; diagnosing the original")
+        return None
