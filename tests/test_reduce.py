@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import MiB, problems
-from test_solvers_dp import brute_force
+from test_solvers_dp import _check_against_brute, brute_force
 
 import fxsplit.solvers.reduce as reduce_mod
 from fxsplit.errors import InfeasibleError
@@ -58,16 +57,7 @@ def problems_with_free_ends(draw: st.DrawFn) -> Problem:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems_with_free_ends())
 def test_dp_with_free_blocks_folded_equals_brute_force_over_the_original(problem: Problem) -> None:
-    expected = brute_force(problem)
-    if math.isinf(expected):
-        with pytest.raises(InfeasibleError):
-            solve(problem, "dp")
-        return
-    plan = solve(problem, "dp")
-    assert not plan.validate(problem)
-    assert plan.objective_s == pytest.approx(expected, rel=1e-9, abs=1e-12)
-    if plan.status == "optimal":
-        assert plan.lower_bound_s == pytest.approx(plan.objective_s, rel=1e-9)
+    _check_against_brute(problem)
 
 
 @SETTINGS
