@@ -286,8 +286,8 @@ def tarnawski_plan_faults(path: str | Path, problem: Problem, plan: Plan) -> lis
     path = Path(path)
     data = _read_json(path)
     blocks, block_of = _tarnawski_blocks(data["nodes"], 1.0)
-    edges = [(block_of[u], block_of[v], 0) for u, v, _ in _tarnawski_precedence(data, block_of)]
-    _, _, rename = _fuse_cycles(blocks, edges)
+    precedence = _tarnawski_precedence(data, block_of)
+    _, _, rename = _fuse_cycles(blocks, [(block_of[u], block_of[v], 0) for u, v, _ in precedence])
     stage_of_block = {problem.graph.blocks[b].name: s for s, st in enumerate(plan.stages) for b in st.blocks}
     faults: list[str] = []
     stage: dict[int, int] = {}
@@ -298,7 +298,7 @@ def tarnawski_plan_faults(path: str | Path, problem: Problem, plan: Plan) -> lis
             faults.append(f"node {nid} (block {name!r}) is in no stage")
         else:
             stage[nid] = stage_of_block[name]
-    for u, v, _ in _tarnawski_precedence(data, block_of):
+    for u, v, _ in precedence:
         if u in stage and v in stage and stage[u] > stage[v]:
             faults.append(f"node {u} (stage {stage[u]}) must not come after node {v} (stage {stage[v]})")
     return faults
