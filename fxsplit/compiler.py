@@ -6,6 +6,7 @@ runtime). Called by :func:`fxsplit.api.compile` after the arguments are checked.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -25,6 +26,7 @@ from fxsplit.errors import ConfigError, InfeasibleError, NotPerSampleWarning
 from fxsplit.frontend import capture_with, front_end
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
 from fxsplit.ir.problem import AUTO_SCHEDULES, LOOPED_SCHEDULES, ObjectiveName
+from fxsplit.ir.units import format_seconds
 from fxsplit.options import CompileOptions, autocast_dtype
 from fxsplit.passes.batch_layout import primary_input
 from fxsplit.passes.capture import Captured, capture
@@ -106,6 +108,68 @@ class PlanChoice:
     microbatches: int
     reason: str
     candidates: str = ""
+    autocast: str | None = None
+
+
+#: What ``CompileOptions(autocast="auto")`` chooses between: the model's own dtypes, and bf16
+#: autocast (mixed precision that needs no loss scaling).
+AUTO_PRECISIONS: tuple[str | None, ...] = (None, "bf16")
+
+
+def precision_label(autocast: str | None) -> str:
+    """``"autocast bf16"``, or ``"own dtypes"`` without mixed precision."""
+    return f"autocast {autocast}" if autocast else "own dtypes"
+
+
+def plan_precisions(
+    annotate: Callable[[str | None], Problem], batch: int, microbatches: int | str, schedule: str, solver: str,
+    options: CompileOptions, schedules: Sequence[str] = AUTO_SCHEDULES,
+) -> tuple[Problem, PlanChoice]:
+    """:func:`plan_pipeline` for each precision ``options.autocast`` allows, keeping the fastest.
+
+    ``options.autocast="auto"`` tries :data:`AUTO_PRECISIONS` (BaPipe's joint exploration, with
+    precision as one more knob: bf16 halves activation and boundary bytes and runs at the
+    device's low-precision roof, ``DeviceSpec.peak_flops_for``); any other value plans once.
+
+    Args:
+        annotate: ``annotate(autocast) -> Problem``: the whole-batch problem with costs
+            annotated under that precision (``None``: the model's own dtypes).
+        batch, microbatches, schedule, solver, options, schedules: as :func:`plan_pipeline`.
+
+    Returns:
+        ``(problem, choice)`` of the winner: the smallest predicted step (simulated), ties to the
+        earlier precision (the model's own dtypes first). ``choice.autocast`` names it; with
+        several precisions its ``reason`` starts with the comparison and ``candidates`` holds
+        every precision's table.
+
+    Raises:
+        InfeasibleError: when no precision has a plan that fits (the message names each).
+    """
+    precisions = AUTO_PRECISIONS if options.autocast == "auto" else (options.autocast,)
+    tried: list[tuple[str | None, Problem, PlanChoice]] = []
+    failures: list[str] = []
+    for autocast in precisions:
+        problem = annotate(autocast)
+        try:
+            choice = plan_pipeline(problem, batch, microbatches, schedule, solver,
+                                   dataclasses.replace(options, autocast=autocast), schedules)
+        except InfeasibleError as exc:
+            if len(precisions) == 1:
+                raise
+            failures.append(f"{precision_label(autocast)}: {exc}")
+            continue
+        tried.append((autocast, problem, dataclasses.replace(choice, autocast=autocast)))
+    if not tried:
+        raise InfeasibleError("no precision has a plan that fits; " + " | ".join(failures))
+    autocast, problem, best = min(tried, key=lambda t: plan_step_s(t[2].plan))
+    if len(precisions) == 1:
+        return problem, best
+    steps = ", ".join(f"{precision_label(a)} {format_seconds(plan_step_s(c.plan), significant=3)}"
+                      for a, _, c in tried)
+    reason = (f"{precision_label(autocast)}, the fastest precision per step ({steps}"
+              + "".join(f"; {f}" for f in failures) + f"); {best.reason}")
+    tables = "".join(f"{precision_label(a)}:\n{c.candidates}" for a, _, c in tried)
+    return problem, dataclasses.replace(best, reason=reason, candidates=tables)
 
 
 def check_microbatches(microbatches: int | str, batch: int) -> None:
@@ -301,23 +365,38 @@ def compile_pipeline(
             f"{type(model).__name__} is not per-sample, and with microbatches={microbatches} the pipeline computes "
             f"something else than the model: {'; '.join(map(str, mixing))}. Use microbatches=1 (or 'auto'), or make "
             f"those ops per-sample{hint}", NotPerSampleWarning, stacklevel=3)
-    say_phase(options, f"annotating {cost_model} costs on {reference.name} and condensing")
-    condensed = front_end(model, args, kwargs, reference=reference, cost_model=cost_model, options=options,
-                          microbatches=microbatches, captured=captured).condensed
-    t1 = time.perf_counter()
     link, links = _links(specs, options, cost_model)
-    problem = Problem(
-        condensed.graph, tuple(specs), link=link, links=links, objective=objective,
-        training=options.training, schedule="1f1b", allow_idle_devices=options.allow_idle_devices,
-        recompute=options.recompute,
-    ).check()
-    choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
-    t2 = time.perf_counter()
+    annotated: dict[str, Any] = {"s": 0.0}  # the precision whose costs and blocks captured.gm's nodes carry now
+
+    def annotate(autocast: str | None) -> Problem:
+        start = time.perf_counter()
+        say_phase(options, f"annotating {cost_model} costs on {reference.name}"
+                           f"{' under ' + precision_label(autocast) if autocast else ''} and condensing")
+        annotated["autocast"] = autocast
+        annotated["condensed"] = front_end(
+            model, args, kwargs, reference=reference, cost_model=cost_model,
+            options=dataclasses.replace(options, autocast=autocast), microbatches=microbatches,
+            captured=captured).condensed
+        annotated["s"] += time.perf_counter() - start
+        return Problem(
+            annotated["condensed"].graph, tuple(specs), link=link, links=links, objective=objective,
+            training=options.training, schedule="1f1b", allow_idle_devices=options.allow_idle_devices,
+            recompute=options.recompute,
+        ).check()
+
+    t1 = time.perf_counter()
+    problem, choice = plan_precisions(annotate, batch, microbatches, schedule, solver, options)
+    plan_s = time.perf_counter() - t1 - annotated["s"]  # annotation counts as front end, not planning
+    if annotated["autocast"] != choice.autocast:  # the winner's blocks on the nodes codegen splits
+        annotate(choice.autocast)
+    front_end_s = t1 - t0 + annotated["s"]
+    options = dataclasses.replace(options, autocast=choice.autocast)
+    condensed = annotated["condensed"]
     say_phase(options, f"building {choice.plan.num_stages} stage(s) ({choice.schedule}, {choice.microbatches} micro-batch(es))")
     context = CompileContext(model, captured, problem, tuple(specs), batch, microbatches, schedule, solver, options)
     report = CompileReport(
         reason=choice.reason, candidates=choice.candidates, capture_method=captured.method,
-        num_blocks=condensed.num_blocks, num_downsets=condensed.num_downsets, front_end_s=t1 - t0, plan_s=t2 - t1,
+        num_blocks=condensed.num_blocks, num_downsets=condensed.num_downsets, front_end_s=front_end_s, plan_s=plan_s,
         codegen_s=0.0, devices=tuple(s.name for s in specs), predicted_step_s=plan_step_s(choice.plan),
         not_per_sample=tuple(str(m) for m in mixing),
     )

@@ -189,7 +189,10 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         solver: The solver rank 0 runs.
         timeout_s: Seconds a rank waits for a peer before raising ``ExecutionError``.
         watchdog: End a process stuck past ``timeout_s`` + 5 s where no timeout reaches.
-        options: :class:`~fxsplit.api.CompileOptions` (capture method, downset budget).
+        options: :class:`~fxsplit.api.CompileOptions` (capture method, downset budget, mixed
+            precision: with ``autocast="fp16"`` train with
+            ``pipe.train_step(..., grad_scaler=pipe.grad_scaler())``, see
+            :meth:`DistributedPipeline.train_step`).
         cost_model: How rank 0 costs the plan: ``"auto"`` (profiled when the example inputs are
             real and the model fits rank 0's device, else analytic), ``"profiled"`` (rank 0
             materialises the graph on its device with stand-in weights and times every node at
@@ -220,9 +223,6 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         raise ConfigError(f"cost_model={cost_model!r}; choose 'auto', 'profiled' or 'analytic'")
     options = with_batch_dim(options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0), batch_dim)
     autocast_dtype(options.autocast)  # an unknown name fails here, on every rank, before any work
-    if options.autocast == "fp16":
-        raise ConfigError("autocast='fp16' needs loss scaling, which fxsplit.distributed does not do yet (each rank "
-                          "would skip or take its optimizer step on its own overflow check): use autocast='bf16'")
     rank, world, device = init_process_group(backend, timeout_s)
     asked = microbatches if microbatches is not None else ("auto" if schedule == "auto" else world)
     _check_args(schedule, asked, world, None)

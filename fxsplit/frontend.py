@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from fxsplit.errors import InternalError
@@ -147,7 +148,10 @@ def front_end(
         force_shapes=force_shapes, timed_inputs=timed, measure_device=measure_device or reference.torch_device,
         measure_scale=scale, profile=profile,
     ), verify=verify, dump_dir=dump_dir)
-    with precision(reference.torch_device, autocast_dtype(options.autocast)):  # dtypes, bytes, timings as they run
+    # dtypes, bytes, timings as they run: timed costs under autocast where they are timed; analytic
+    # ones where the example tensors are (a preset's "cuda" is not here; meta runs as a CPU)
+    where = measure_device or reference.torch_device if cost_model != "analytic" else _tensor_device_type(flat)
+    with precision(where, autocast_dtype(options.autocast)):
         pm.run(captured.gm)
     cache = profile["profile_cache"] if profile is not None else None
     if cache is not None:
@@ -161,6 +165,12 @@ def front_end(
     if not isinstance(condensed, Condensed):
         raise InternalError(f"the front end's last pass made {type(condensed).__name__}, not Condensed (a bug in fxsplit)")
     return Inspection(captured, condensed, reference, tuple(pm.records), name, tuple(flat))
+
+
+def _tensor_device_type(flat: Sequence[Any]) -> str:
+    """The device type of the first tensor in ``flat`` (``"cpu"`` for meta or none)."""
+    kind = next((x.device.type for x in flat if isinstance(x, torch.Tensor)), "cpu")
+    return "cpu" if kind == "meta" else kind
 
 
 def with_batch_dim(options: CompileOptions, batch_dim: int | None) -> CompileOptions:

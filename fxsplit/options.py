@@ -29,6 +29,9 @@ def autocast_dtype(name: str | None) -> Any:
     """
     if name is None:
         return None
+    if name == "auto":
+        raise ConfigError("autocast='auto' (plan each precision, keep the fastest) is decided by fxsplit.compile's "
+                          "planning; a stage runs one precision: pass 'bf16', 'fp16' or None here")
     if name not in AUTOCAST_DTYPES:
         raise ConfigError(f"autocast={name!r} is unknown; choose one of {sorted(AUTOCAST_DTYPES)} "
                           "or None (the model's own dtypes)")
@@ -91,8 +94,11 @@ class CompileOptions:
             state stay fp32), and annotates the costs under it (activation and boundary bytes
             in the dtypes autocast gives; measured and profiled times of the autocast kernels);
             ``None`` (default) runs in the model's own dtypes. With ``"fp16"`` pass a
-            ``torch.amp.GradScaler`` to ``train_step(grad_scaler=...)`` (local pipeline only;
-            ``fxsplit.distributed`` takes ``"bf16"``).
+            ``torch.amp.GradScaler`` to ``train_step(grad_scaler=...)``; across processes
+            (``fxsplit.distributed``) pass ``pipe.grad_scaler()``, a ``ShardedGradScaler`` whose
+            overflow check is reduced over the ranks. ``"auto"`` (:func:`fxsplit.compile` only)
+            plans both the model's own dtypes and ``"bf16"`` and runs the faster
+            (``pipe.report.reason`` says which, with both predicted steps).
     """
 
     capture_method: str = "auto"

@@ -25,7 +25,13 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxsplit.passes.shapes import fake_mode_of, fake_state
+from fxsplit.passes.shapes import (
+    MetaDevicesMoved,
+    autocast_run_device,
+    fake_like,
+    fake_mode_of,
+    fake_state,
+)
 
 __all__ = ["autograd_saved_bytes"]
 
@@ -36,13 +42,14 @@ def _key(t: torch.Tensor) -> int:
     return int(StorageWeakRef(t.untyped_storage()).cdata)
 
 
-class _Producers(torch.fx.Interpreter):
+class _Producers(MetaDevicesMoved):
     """Runs the graph, noting which node first produced each storage."""
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device | None = None) -> None:
         # every value stays alive until the run ends: a freed storage's address (its key) could
         # be reused by a later one and be charged to the wrong node
         super().__init__(gm, garbage_collect_values=False)
+        self.device = device  # meta graphs under CPU autocast run as on this device
         self.producer: dict[int, str] = {}
         self.nbytes: dict[int, Any] = {}
         self.constants: set[int] = set()  # storages of what get_attr reads: state, never charged
@@ -80,7 +87,8 @@ def autograd_saved_bytes(gm: torch.fx.GraphModule) -> dict[str, Any] | None:
     held: list[torch.Tensor] = []  # alive until the end, for the same reason
     state = {_key(t) for t in [*gm.parameters(), *gm.buffers()]}
 
-    interp = _Producers(gm)
+    device = autocast_run_device(gm, [v for v in vals if isinstance(v, torch.Tensor)])
+    interp = _Producers(gm, device)
     inside: dict[int, tuple[str, Any]] = {}  # saved storages no node handed on: the node then running
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -92,11 +100,10 @@ def autograd_saved_bytes(gm: torch.fx.GraphModule) -> dict[str, Any] | None:
         return t
 
     try:
-        with fake_state(gm, mode), mode, torch.enable_grad():
+        with fake_state(gm, mode, device), mode, torch.enable_grad():
             state |= {_key(t) for t in [*gm.parameters(), *gm.buffers()]}  # the fakes standing for the state
             # clones: an in-place op on an input must not touch the placeholders' "val"
-            inputs = [(v if getattr(v, "fake_mode", None) is mode else mode.from_tensor(v)).detach().clone()
-                      if isinstance(v, torch.Tensor) else v for v in vals]
+            inputs = [fake_like(v, mode, device).detach().clone() if isinstance(v, torch.Tensor) else v for v in vals]
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 interp.run(*inputs)
     except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: keep the caller's estimate

@@ -11,8 +11,10 @@ Analytic model (default), per node, on a :class:`~fxsplit.ir.DeviceSpec` ``d``:
   for elementwise ops, 0 when nothing upstream needs a gradient.
 * bytes moved: tensor operands plus results (0 for views); time is the roofline plus the
   device's per-operator overhead ``o`` (kernel launch, dispatch):
-  ``fwd_s = max(flops / d.peak_flops, bytes / d.memory_bandwidth_bytes_per_s) + o`` and
-  ``bwd_s = max(bwd_flops / peak, 2 · bytes / bandwidth) + 2·o``. The overhead is the fixed
+  ``fwd_s = max(flops / peak, bytes / d.memory_bandwidth_bytes_per_s) + o`` and
+  ``bwd_s = max(bwd_flops / peak, 2 · bytes / bandwidth) + 2·o``, where ``peak`` is the
+  device's roof for the dtype the node computes in (``d.peak_flops_for``: fp32 math on a GPU
+  preset runs at its fp32 rate, bf16/fp16 at its tensor-core rate). The overhead is the fixed
   part of the time (``fwd_fixed_s = o``, ``bwd_fixed_s = 2·o``): a micro-batch of any size pays
   it whole.
 * memory: ``param_bytes``/``buffer_bytes`` of the state the node reads (a tensor read by
@@ -55,7 +57,13 @@ from fxsplit.passes.autograd_memory import autograd_saved_bytes
 from fxsplit.passes.manager import PassResult, carries_value, getattr_path, require_meta
 from fxsplit.passes.measure import measure_node_times, median_time_s
 from fxsplit.passes.profile import profile_node_times
-from fxsplit.passes.shapes import fake_mode_of, fake_state
+from fxsplit.passes.shapes import (
+    MetaDevicesMoved,
+    autocast_run_device,
+    fake_like,
+    fake_mode_of,
+    fake_state,
+)
 
 __all__ = ["NodeCost", "AnnotateCosts", "annotate_costs", "measure_cpu_spec", "COST_MODELS", "node_cost", "weight_share",
            "cost_nodes"]
@@ -192,11 +200,12 @@ def _trainable_names(gm: torch.fx.GraphModule) -> set[str]:
     return {n for n, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
-class _FlopInterpreter(torch.fx.Interpreter):
+class _FlopInterpreter(MetaDevicesMoved):
     """Runs the graph on fake tensors and counts each node's FLOPs with ``FlopCounterMode``."""
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device | None = None) -> None:
         super().__init__(gm)
+        self.device = device  # meta graphs under CPU autocast run as on this device
         self.flops: dict[str, float] = {}
         self.counted: dict[str, bool] = {}
 
@@ -235,16 +244,13 @@ def _operand_vals(node: torch.fx.Node) -> list[torch.Tensor]:
 
 def _count_flops(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Node]) -> tuple[dict[str, float], dict[str, bool]]:
     mode = fake_mode_of(gm) or FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = [p.meta["val"] for p in placeholders]
-    inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) and not _is_fake(x, mode) else x for x in inputs]
-    interp = _FlopInterpreter(gm)
-    with fake_state(gm, mode), mode:
+    vals = [p.meta["val"] for p in placeholders]
+    device = autocast_run_device(gm, vals)
+    inputs = [fake_like(x, mode, device) if isinstance(x, torch.Tensor) else x for x in vals]
+    interp = _FlopInterpreter(gm, device)
+    with fake_state(gm, mode, device), mode:
         interp.run(*inputs)
     return interp.flops, interp.counted
-
-
-def _is_fake(t: torch.Tensor, mode: FakeTensorMode) -> bool:
-    return getattr(t, "fake_mode", None) is mode
 
 
 def _needs_grad(gm: torch.fx.GraphModule, trainable: set[str]) -> set[str]:
@@ -279,6 +285,15 @@ def weight_share(gm: torch.fx.GraphModule, node: torch.fx.Node, needs: set[str],
     return 0.5 if others else 1.0
 
 
+def _math_dtype(node: torch.fx.Node, val: Any) -> str:
+    """The dtype a node computes in, for its compute roof: its first floating result's (a
+    matmul under autocast: bfloat16), else its first floating operand's, else ``"float32"``."""
+    for t in [*_tensors(val), *_operand_vals(node)]:
+        if t.dtype.is_floating_point:
+            return str(t.dtype).removeprefix("torch.")
+    return "float32"
+
+
 def node_cost(
     node: torch.fx.Node, flops: float, counted: bool, needs_grad: bool, state: tuple[int, int], device: DeviceSpec,
     read_bytes: int | None = None, weight_part: float = 0.0,
@@ -302,10 +317,11 @@ def node_cost(
         state_read = sum(state) if read_bytes is None else read_bytes
         moved = out_bytes + sum(t.numel() * t.element_size() for t in _operand_vals(node)) + state_read
     bwd_flops = (2.0 if counted else 1.0) * flops if needs_grad else 0.0
+    peak = device.peak_flops_for(_math_dtype(node, val))
     # torch.sym_max: the max of floats, or a formula of the batch when shapes are symbolic
-    fwd_s = torch.sym_max(flops / device.peak_flops, moved / device.memory_bandwidth_bytes_per_s) + device.op_overhead_s
+    fwd_s = torch.sym_max(flops / peak, moved / device.memory_bandwidth_bytes_per_s) + device.op_overhead_s
     bwd_s = (
-        torch.sym_max(bwd_flops / device.peak_flops, 2 * moved / device.memory_bandwidth_bytes_per_s)
+        torch.sym_max(bwd_flops / peak, 2 * moved / device.memory_bandwidth_bytes_per_s)
         + 2 * device.op_overhead_s
         if needs_grad
         else 0.0
@@ -452,7 +468,8 @@ def cuda_spec(dev: torch.device) -> DeviceSpec:
 
 
 def measure_cpu_spec(name: str = "cpu", *, size: int = 512) -> DeviceSpec:
-    """A :class:`DeviceSpec` for this CPU, measured now: fp32 matmul FLOP/s, copy bandwidth and
+    """A :class:`DeviceSpec` for this CPU, measured now: bf16 matmul FLOP/s (``peak_flops``, the
+    roof of autocast's math) and fp32 matmul FLOP/s (``fp32_peak_flops``), copy bandwidth and
     the per-operator overhead (a tiny op with autograd recording, see :func:`_op_overhead_s`).
 
     Args:
@@ -463,7 +480,9 @@ def measure_cpu_spec(name: str = "cpu", *, size: int = 512) -> DeviceSpec:
         The spec; ``memory_bytes`` is the machine's physical memory.
     """
     a = torch.randn(size, size)
-    peak = 2 * size**3 / median_time_s(lambda: a @ a)
+    fp32_peak = 2 * size**3 / median_time_s(lambda: a @ a)
+    h = a.to(torch.bfloat16)
+    peak = 2 * size**3 / median_time_s(lambda: h @ h)
     src = torch.empty(8 * 1024 * 1024)
     dst = torch.empty_like(src)
     bw = 2 * src.numel() * 4 / median_time_s(lambda: dst.copy_(src))
@@ -474,5 +493,5 @@ def measure_cpu_spec(name: str = "cpu", *, size: int = 512) -> DeviceSpec:
         mem = 16 * GiB
     return DeviceSpec(
         name, peak_flops=peak, memory_bandwidth_bytes_per_s=bw, memory_bytes=int(mem), kind="cpu",
-        torch_device="cpu", op_overhead_s=overhead,
+        torch_device="cpu", op_overhead_s=overhead, fp32_peak_flops=fp32_peak,
     )

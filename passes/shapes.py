@@ -58,7 +58,17 @@ def fake_state(gm: torch.nn.Module, mode: FakeTensorMode, device: torch.device |
 _IMMUTABLE_LEAVES = (torch.device, torch.dtype, torch.layout, torch.memory_format, str, type(None))
 
 
-class _ShapeProp(FakeTensorProp):
+class MetaDevicesMoved(torch.fx.Interpreter):
+    """Interpreter mixin: ops that name the meta device run on ``self.device`` instead (None:
+    as captured); see :func:`autocast_run_device`."""
+
+    device: torch.device | None = None
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return super().call_function(target, *meta_devices_moved(self.device, args, kwargs))
+
+
+class _ShapeProp(MetaDevicesMoved, FakeTensorProp):
     """``FakeTensorProp`` that also records immutable non-tensor results.
 
     torch's ``FakeTensorProp`` writes ``"val"`` only for tensors and numbers, so a symbolically
@@ -66,6 +76,11 @@ class _ShapeProp(FakeTensorProp):
     without ``"val"`` and every later pass would stop on it. Such results are immutable, so they
     are stored as they are.
     """
+
+    def __init__(self, module: torch.fx.GraphModule, mode: FakeTensorMode | None = None,
+                 device: torch.device | None = None) -> None:
+        super().__init__(module, mode)
+        self.device = device  # where meta devices named in the graph's ops run instead (None: as captured)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         result = super().run_node(n)
@@ -101,10 +116,42 @@ class PropagateShapes:
             log.info("propagate_shapes: every node already has 'val' (from export)")
             return PassResult(gm, modified=False)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in self.example_inputs]
-        with fake_state(gm, mode), mode:
-            _ShapeProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+        # a meta model under CPU autocast runs as on a CPU: autocast does not act on meta tensors
+        device = autocast_run_device(gm, self.example_inputs)
+        fake_inputs = [fake_like(x, mode, device) if isinstance(x, torch.Tensor) else x for x in self.example_inputs]
+        with fake_state(gm, mode, device), mode:
+            _ShapeProp(gm, mode, device).propagate_dont_convert_inputs(*fake_inputs)
         return PassResult(gm, modified=True)
+
+
+
+def autocast_run_device(gm: torch.nn.Module, inputs: Sequence[Any]) -> torch.device | None:
+    """Where a fake run of ``gm`` must place meta state and inputs for ``torch.autocast`` to act:
+    ``cpu`` when CPU autocast is on and the state or an input is on the meta device (autocast
+    does not act on meta tensors); else None (run where they are)."""
+    if not torch.is_autocast_enabled("cpu"):
+        return None
+    tensors = [*gm.parameters(), *gm.buffers(), *(x for x in inputs if isinstance(x, torch.Tensor))]
+    return torch.device("cpu") if any(t.is_meta for t in tensors) else None
+
+
+def fake_like(x: torch.Tensor, mode: FakeTensorMode, device: torch.device | None = None) -> torch.Tensor:
+    """A fake of ``x`` in ``mode`` (``x`` itself when it is one), on ``device`` when given and
+    ``x`` is on meta (shape and dtype kept: a meta model's inputs run as on a CPU)."""
+    if device is not None and x.is_meta:
+        with mode:
+            return torch.empty(tuple(x.shape), dtype=x.dtype, device=device, requires_grad=x.requires_grad)
+    return x if getattr(x, "fake_mode", None) is mode else mode.from_tensor(x)
+
+
+def meta_devices_moved(device: torch.device | None, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """``(args, kwargs)`` of an op with every meta ``torch.device`` replaced by ``device`` (None:
+    unchanged): ops that name their device (``arange(device=meta)``, export's tensor-metadata
+    asserts) on a meta graph run as on ``device``."""
+    if device is None:
+        return args, kwargs
+    moved = pytree.tree_map_only(torch.device, lambda d: device if d.type == "meta" else d, (args, kwargs))
+    return moved[0], moved[1]
 
 
 def propagate_shapes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, force: bool = False) -> PassResult:

@@ -636,3 +636,105 @@ def autocast_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, st
         out[tag] = {"checked": checked, "wire": wire}
         pipe.close()
     return out
+
+
+def _fp16_reference(case: Any, inputs: Any, target: Any, init_scale: float) -> dict[str, Any]:
+    """One SGD step of the unsplit model under fp16 autocast with a plain ``torch.amp.GradScaler``:
+    the loss, the scaled and the unscaled gradients (every name, tied ones too), the state after
+    the step and the scale after ``update``."""
+    model = copy.deepcopy(case.model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = case.loss_fn(model(*inputs), target)
+    scaler.scale(loss).backward()
+    named = list(model.named_parameters(remove_duplicate=False))
+    scaled = {n: p.grad.clone() for n, p in named if p.grad is not None}
+    scaler.unscale_(opt)
+    grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
+    scaler.step(opt)
+    scaler.update()
+    return {"loss": float(loss), "scaled": scaled, "grads": grads, "state": model.state_dict(),
+            "scale": scaler.get_scale()}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None:
+    """``got`` equals ``want`` to ``rel`` of ``want``'s largest magnitude."""
+    torch.testing.assert_close(got, want, rtol=0, atol=rel * (float(want.abs().max()) or 1.0),
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _fp16_pipe(name: str, batch: int, schedule: str, m: int) -> Any:
+    case = _case(name, batch)
+    return fxd.compile(_model_fn(name, batch), case.example_inputs, schedule=schedule, microbatches=m,
+                       state_dict=case.model.state_dict(), timeout_s=30, cost_model="analytic",
+                       options=CompileOptions(link=LinkSpec(), autocast="fp16", allow_idle_devices=False))
+
+
+def fp16_scaling(rank: int, world: int, out_dir: str, runs: list[tuple[str, str, int, float]], batch: int) -> dict[str, Any]:
+    """Issue 13 item 2: fp16 autocast with loss scaling across processes.
+
+    For each ``(model, schedule, m, rel)``: one step with ``pipe.grad_scaler()`` equals the
+    unsplit model's under the same autocast and a ``torch.amp.GradScaler`` of the same scale (the
+    loss unscaled, every gradient scaled after backward and unscaled after ``unscale_``, the
+    state after ``scaler.step``, the scale after ``update``), to ``rel`` of the largest magnitude.
+    Then ``"overflow"``: an inf put into one gradient on rank 0 only makes every rank skip the
+    step and halve its scale; the next step, clean, is taken everywhere; and a plain
+    ``torch.amp.GradScaler`` is refused on every rank before any communication."""
+    out: dict[str, Any] = {}
+    for name, schedule, m, rel in runs:
+        tag = f"{name}/{schedule}/m={m}/fp16"
+        case = _case(name, batch)
+        inputs, target = case.make_batch(batch, 11)
+        ref = _fp16_reference(case, inputs, target, 2.0**10)
+        pipe = _fp16_pipe(name, batch, schedule, m)
+        scaler = pipe.grad_scaler(init_scale=2.0**10)
+        opt = torch.optim.SGD(list(pipe.parameters()) or [{"params": []}], lr=0.1)
+        loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True, grad_scaler=scaler)
+        torch.testing.assert_close(float(loss), ref["loss"], rtol=0, atol=rel * abs(ref["loss"]))
+        checked = []
+        for pname, p in pipe.named_parameters():
+            _close(p.grad, ref["scaled"][pname], rel, f"{tag}: scaled gradient of {pname}")
+            checked.append(pname)
+        scaler.unscale_(opt)
+        for pname, p in pipe.named_parameters():
+            _close(p.grad, ref["grads"][pname], rel, f"{tag}: unscaled gradient of {pname}")
+        scaler.step(opt)
+        scaler.update()
+        for key, value in pipe.state_dict().items():
+            _close(value, ref["state"][key], rel, f"{tag}: {key} after the step")
+        out[tag] = {"checked": checked, "loss": float(loss), "scale": scaler.get_scale(), "ref_scale": ref["scale"]}
+        pipe.close()
+    out["overflow"] = _fp16_overflow(rank, batch)
+    return out
+
+
+def _fp16_overflow(rank: int, batch: int) -> dict[str, Any]:
+    """See :func:`fp16_scaling`: the overflow on rank 0 alone, the clean step after it, the
+    refusal of a plain GradScaler."""
+    from fxsplit.errors import ConfigError
+
+    case = _case("mlp", batch)
+    inputs, target = case.make_batch(batch, 12)
+    pipe = _fp16_pipe("mlp", batch, "1f1b", 2)
+    scaler = pipe.grad_scaler(init_scale=2.0**10)
+    opt = torch.optim.SGD(list(pipe.parameters()), lr=0.1)
+    out: dict[str, Any] = {"changed": [], "scale": []}
+    for step in range(2):
+        before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+        pipe.zero_grad(set_to_none=True)
+        pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, grad_scaler=scaler)
+        if step == 0 and rank == 0:
+            next(iter(pipe.parameters())).grad.view(-1)[0] = float("inf")  # this rank's own overflow
+        scaler.step(opt)
+        scaler.update()
+        out["changed"].append([n for n, p in pipe.named_parameters() if not torch.equal(p.detach(), before[n])])
+        out["scale"].append(scaler.get_scale())
+    try:
+        pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, grad_scaler=torch.amp.GradScaler("cpu"))
+        out["refused"] = None
+    except ConfigError as exc:
+        out["refused"] = str(exc)
+    out["params"] = len(list(pipe.parameters()))
+    pipe.close()
+    return out

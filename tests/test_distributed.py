@@ -427,3 +427,29 @@ def test_bf16_autocast_trains_like_the_unsplit_model_across_ranks(tmp_path):
     assert "torch.bfloat16" in r["mlp/gpipe/m=1/bf16"]["wire"], r["mlp/gpipe/m=1/bf16"]
     checked = r["gpt/1f1b/m=4/bf16"]["checked"] + results[1]["result"]["gpt/1f1b/m=4/bf16"]["checked"]
     assert checked.count("tok_emb.weight") == 2 and len(set(checked)) == len(checked) - 1
+
+
+def test_fp16_loss_scaling_trains_like_the_unsplit_model_and_skips_together(tmp_path):
+    """Issue 13 item 2: fp16 autocast across processes with ``pipe.grad_scaler()`` (torch's
+    ``ShardedGradScaler`` over the pipeline's ranks). One micro-batch equals the unsplit model
+    under the same autocast and GradScaler (loss, scaled and unscaled gradients, the state after
+    the step, the scale), four within fp16 rounding, the tied GPT too. An overflow in one
+    gradient on rank 0 alone makes both ranks skip the step and halve the scale (a rank-local
+    check would let rank 1 step); the clean step after it is taken on both; a plain
+    ``torch.amp.GradScaler`` is refused with the fix."""
+    runs = [("mlp", "gpipe", 1, 1e-5), ("gpt", "1f1b", 4, 1e-2)]
+    results = launch(w.fp16_scaling, 2, tmp_path, runs, 8, deadline_s=150)
+    check_ok(results)
+    r0, r1 = results[0]["result"], results[1]["result"]
+    for tag in ("mlp/gpipe/m=1/fp16", "gpt/1f1b/m=4/fp16"):
+        assert r0[tag]["scale"] == r1[tag]["scale"] == r0[tag]["ref_scale"] == 2.0**10, (r0[tag], r1[tag])
+        assert r1[tag]["loss"] == r0[tag]["loss"], tag  # broadcast
+    checked = r0["gpt/1f1b/m=4/fp16"]["checked"] + r1["gpt/1f1b/m=4/fp16"]["checked"]
+    assert checked.count("tok_emb.weight") == 2 and len(set(checked)) == len(checked) - 1, checked
+    for r in (r0["overflow"], r1["overflow"]):
+        assert r["params"] > 0, r  # each rank has parameters to step or skip
+        assert r["changed"][0] == [], r  # skipped on every rank, rank 1 had no inf of its own
+        assert len(r["changed"][1]) == r["params"], r  # the clean step is taken everywhere
+        assert r["scale"] == [2.0**9, 2.0**9], r  # backed off once, the same on every rank
+    for r in (r0["overflow"], r1["overflow"]):
+        assert r["refused"] is not None and "pipe.grad_scaler()" in r["refused"], r

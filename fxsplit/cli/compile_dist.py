@@ -3,7 +3,8 @@ unsplit model.
 
 Every rank builds the (small, built-in) model once on CPU as the reference, compiles its own
 stage with :func:`fxsplit.distributed.compile` from the reference's state dict, and trains both
-side by side with SGD; the largest loss and gradient differences are reduced over the ranks and
+side by side with SGD (under ``--autocast fp16`` with loss scaling: the pipeline's
+``ShardedGradScaler``, the reference's ``torch.amp.GradScaler``); the largest loss and gradient differences are reduced over the ranks and
 rank 0 prints the summary.
 """
 
@@ -22,36 +23,66 @@ from fxsplit.options import autocast_dtype, precision
 __all__ = ["run_distributed"]
 
 
+def _grad_diff(pipe: Any, ref_params: dict[str, Any]) -> float:
+    """The largest gradient difference of this rank's parameters against the unsplit model's."""
+    diff = 0.0
+    for name, p in pipe.named_parameters():
+        if p.grad is not None and ref_params[name].grad is not None:
+            diff = max(diff, float((p.grad.cpu() - ref_params[name].grad).abs().max()))
+    return diff
+
+
+def _step(opt: Any, scaler: Any) -> bool:
+    """``opt.step()``, through ``scaler`` under fp16; whether the step was skipped (an overflow:
+    the scaler then lowers its scale)."""
+    if scaler is None:
+        opt.step()
+        return False
+    before = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    return bool(scaler.get_scale() < before)
+
+
 def _train(pipe: Any, case: Any, reference: Any, steps: int, lr: float, batch_size: int, console: Console, rank: int) -> dict[str, Any]:
+    """Train ``pipe`` and the unsplit ``reference`` side by side with SGD; under fp16 with loss
+    scaling (``pipe.grad_scaler()``, the reference a ``torch.amp.GradScaler`` of the same scale),
+    gradients compared unscaled and only on steps neither skipped."""
     import torch
 
-    params = list(pipe.parameters())
-    # a stage may own no parameter (a 3-rank split of a small model): SGD refuses an empty list
-    opt_pipe = torch.optim.SGD(params, lr=lr) if params else None
+    # a stage may own no parameter (a 3-rank split of a small model): SGD refuses an empty list, and under fp16
+    # the rank must still join the scaler's step (a collective), so it steps an empty parameter group
+    opt_pipe = torch.optim.SGD(list(pipe.parameters()) or [{"params": []}], lr=lr)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=lr)
+    fp16 = pipe.autocast == "fp16"
+    scaler = pipe.grad_scaler() if fp16 else None
+    ref_scaler = torch.amp.GradScaler("cpu") if fp16 else None
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    out: dict[str, Any] = {"loss_diff": 0.0, "grad_diff": 0.0, "step_s": [], "losses": []}
+    out: dict[str, Any] = {"loss_diff": 0.0, "grad_diff": 0.0, "step_s": [], "losses": [], "skipped": [0, 0]}
     for step in range(steps):
         inputs, target = case.make_batch(batch_size, 1000 + step)
         pipe.zero_grad(set_to_none=True)
         opt_ref.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
+        loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True, grad_scaler=scaler)
         out["step_s"].append(time.perf_counter() - start)
         with precision("cpu", autocast_dtype(pipe.autocast)):  # the unsplit model under it too
             ref_loss = case.loss_fn(reference(*inputs), target)
-        ref_loss.backward()
+        (ref_scaler.scale(ref_loss) if ref_scaler is not None else ref_loss).backward()
         ref_loss = ref_loss.detach()
         out["losses"].append(float(loss))
         out["loss_diff"] = max(out["loss_diff"], abs(float(loss) - float(ref_loss)))
-        for name, p in pipe.named_parameters():
-            if p.grad is not None and ref_params[name].grad is not None:
-                out["grad_diff"] = max(out["grad_diff"], float((p.grad.cpu() - ref_params[name].grad).abs().max()))
-        if opt_pipe is not None:
-            opt_pipe.step()
-        opt_ref.step()
+        if scaler is not None and ref_scaler is not None:
+            scaler.unscale_(opt_pipe)  # collective: the overflow check reduced over the ranks
+            ref_scaler.unscale_(opt_ref)
+        grad_diff = _grad_diff(pipe, ref_params)
+        skipped = (_step(opt_pipe, scaler), _step(opt_ref, ref_scaler))
+        out["skipped"] = [n + s for n, s in zip(out["skipped"], skipped, strict=True)]
+        if not any(skipped):  # an overflow leaves inf gradients: nothing to compare
+            out["grad_diff"] = max(out["grad_diff"], grad_diff)
         if rank == 0:
-            console.print(f"step {step + 1}/{steps} loss {float(loss):.4f} ({format_seconds(out['step_s'][-1])})")
+            note = f" (skipped: pipeline {skipped[0]}, original {skipped[1]})" if any(skipped) else ""
+            console.print(f"step {step + 1}/{steps} loss {float(loss):.4f} ({format_seconds(out['step_s'][-1])}){note}")
     return out
 
 
@@ -65,6 +96,9 @@ def _summary(pipe: Any, result: dict[str, Any], world: int) -> Table:
     table.add_row("largest loss difference vs original", f"{result['loss_diff']:.3e}")
     table.add_row("largest gradient difference vs original (all ranks)", f"{result['grad_diff']:.3e}")
     table.add_row("final loss", f"{result['losses'][-1]:.4f}" if result["losses"] else "-")
+    if pipe.autocast == "fp16":
+        skipped = result["skipped"]
+        table.add_row("fp16 steps skipped on overflow (pipeline, original)", f"{skipped[0]}, {skipped[1]}")
     ref = pipe.meta.get("reference") or {}
     if ref:
         table.add_row("plan costed on (rank 0's device)", f"{ref['kind']}, {ref['peak_flops'] / 1e9:,.0f} GFLOP/s")

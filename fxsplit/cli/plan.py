@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Any, cast
@@ -69,12 +70,15 @@ def plan_command(
     recompute: Annotated[str, typer.Option(help=RECOMPUTE_HELP)] = "auto",
     explore: Annotated[bool, typer.Option("--explore", help="print every schedule, micro-batch count and recomputation tried, with the step-time / peak-memory front")] = False,
     cluster: Annotated[Path | None, typer.Option(help="a cluster file (JSON, or YAML for .yaml/.yml: device kinds, nodes, links; see fxsplit.ir.cluster); replaces --devices and --device")] = None,
+    autocast: Annotated[str | None, typer.Option(help="mixed precision: bf16, fp16, or auto (plan the model's dtypes and bf16, keep the faster); default: the model's dtypes")] = None,
 ) -> None:
     """Plan MODEL over DEVICES devices; print the stages and optionally draw them."""
-    from fxsplit.api import CompileOptions, _check_compile_args, analyze
-    from fxsplit.compiler import plan_pipeline
+    from fxsplit.api import CompileOptions, _check_compile_args
+    from fxsplit.compiler import plan_precisions, precision_label
     from fxsplit.errors import FxsplitError
+    from fxsplit.frontend import capture_with, front_end
     from fxsplit.ir import LinkSpec, Problem, load_cluster
+    from fxsplit.options import autocast_dtype
     from fxsplit.runtime.microbatch import batch_size_of
 
     console = Console()
@@ -83,21 +87,34 @@ def plan_command(
         _check_compile_args(solver, schedule, m, objective, "analytic")
         machine = load_cluster(cluster) if cluster is not None else None
         ref = machine.devices[0].with_(name=machine.devices[0].kind) if machine else reference_device(device)
-        with console.status(f"capturing and annotating {model} ..."):
+        if autocast != "auto":
+            autocast_dtype(autocast)  # an unknown name fails before any work
+        recompute_name = cast(RecomputeName, recompute)  # Problem.check refuses any other name
+        options = CompileOptions(time_limit_s=time_limit, recompute=recompute_name, autocast=autocast,
+                                 dynamic_batch=False)
+        with console.status(f"capturing {model} ..."):
             case = _load(model, size, batch_size, preset, meta)
-            ins = analyze(case.model, case.example_inputs, case.example_kwargs or None, device=ref, name=model)
+            captured = capture_with(case.model, case.example_inputs, case.example_kwargs, options)
         if machine is not None:  # devices in node order, NVLink-like links inside a node
             specs, link, links = machine.relative_to(ref), machine.inter_node, machine.link_overrides()
             console.print(f"cluster {machine.name!r}: {len(specs)} devices in {len(set(machine.node_of))} nodes")
         else:
             specs, link, links = tuple(ref.with_(name=f"{device}:{i}") for i in range(devices)), LinkSpec(), ()
-        recompute_name = cast(RecomputeName, recompute)  # Problem.check refuses any other name
-        problem = Problem(ins.condensed.graph, specs, link=link, links=links,
-                          objective=cast(ObjectiveName, objective), recompute=recompute_name).check()
-        options = CompileOptions(time_limit_s=time_limit, recompute=recompute_name)
-        with console.status(f"planning over {devices} x {device} ..."):
-            choice = plan_pipeline(problem, batch_size_of(list(case.example_inputs)), m, schedule, solver, options)
+
+        def annotate(precision: str | None) -> Problem:
+            with console.status(f"annotating {model} ({precision_label(precision)}) and planning over "
+                                f"{len(specs)} x {device} ..."):
+                ins = front_end(case.model, case.example_inputs, dict(case.example_kwargs or {}), reference=ref,
+                                cost_model="analytic", options=dataclasses.replace(options, autocast=precision),
+                                captured=captured, name=model, measure_device="cpu")
+            return Problem(ins.condensed.graph, specs, link=link, links=links,
+                           objective=cast(ObjectiveName, objective), recompute=recompute_name).check()
+
+        problem, choice = plan_precisions(annotate, batch_size_of(list(case.example_inputs)), m, schedule, solver,
+                                          options)
         plan_problem = choice.problem.with_(graph=problem.graph.scaled(1.0 / choice.microbatches))
+        if autocast is not None:
+            console.print(f"precision: {precision_label(choice.autocast)}")
         console.print(plan_table(choice.plan, plan_problem))
         console.print(f"schedule: {choice.reason}")
         if explore and choice.candidates:

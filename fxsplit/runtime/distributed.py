@@ -19,7 +19,11 @@ rank, or several under interleaved 1F1B). Communication is torch's, not ours:
   summed over the copies a rank holds, then with ``torch.distributed.all_reduce`` over a subgroup
   of the ranks holding a copy (plain ``torch.distributed``: the schedules know nothing of tied
   weights);
-* the loss is broadcast from the last rank with ``torch.distributed.broadcast`` when asked.
+* the loss is broadcast from the last rank with ``torch.distributed.broadcast`` when asked;
+* fp16 loss scaling (``train_step(grad_scaler=pipe.grad_scaler())``): the last rank scales each
+  micro-batch's loss before backward, and torch's ``ShardedGradScaler`` all-reduces the overflow
+  check over the ranks, so all of them skip or take the optimizer step together
+  (:mod:`fxsplit.runtime.dist_scaler`).
 
 References:
     torch.distributed.pipelining, https://pytorch.org/docs/stable/distributed.pipelining.html;
@@ -52,6 +56,12 @@ from fxsplit.ir import Plan
 from fxsplit.options import autocast_dtype, precision
 from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
 from fxsplit.runtime.dist_faults import Progress, Watchdog
+from fxsplit.runtime.dist_scaler import (
+    ShardedGradScaler,
+    pipeline_grad_scaler,
+    prepare_grad_scaler,
+    scale_loss,
+)
 from fxsplit.runtime.dist_schedule import lowered_schedule
 from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import SplitBackwardStage, StageModule
@@ -190,6 +200,8 @@ class DistributedPipeline(ParameterAPI):
         self._weight = 1.0 / microbatches
         self._loss_reductions = LossReductions()
         self._reduction: str | None = None  # the step's loss_fn: "mean" | "sum" | "unknown"; None: not yet found
+        self._scaler: torch.amp.GradScaler | None = None  # the step's loss scaler (fp16)
+        self._losses: list[torch.Tensor] = []  # the step's micro-batch losses, weighted, unscaled (last rank)
         self._mb_size = 0
         self._runners: dict[tuple[int, int, bool], Any] = {}  # schedules, built at first use
         # runtime trace of this rank's stage in the latest train_step (None: not recorded)
@@ -350,7 +362,9 @@ class DistributedPipeline(ParameterAPI):
                 self._target_dim or 0)
         weight = 1.0 if self._reduction == "sum" else self._weight
         with precision(self.device, autocast_dtype(self.autocast)):  # as the unsplit model runs it
-            return self._loss_fn(self._unflatten(outs), target) * weight
+            loss = self._loss_fn(self._unflatten(outs), target) * weight
+        self._losses.append(loss.detach())
+        return loss if self._scaler is None else scale_loss(self._scaler, loss)  # what goes backward
 
     def _run(self, what: str, call: Callable[[], Any]) -> Any:
         self.progress.started_s = time.monotonic()
@@ -375,9 +389,17 @@ class DistributedPipeline(ParameterAPI):
         target: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         broadcast_loss: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
         **kwargs: Any,
     ) -> torch.Tensor | None:
         """Forward and backward one batch; collective (every rank calls it with the same batch).
+
+        fp16 (``autocast="fp16"``) trains with loss scaling, on every rank::
+
+            scaler = pipe.grad_scaler()                  # once, the same arguments on every rank
+            loss = pipe.train_step(x, target=y, loss_fn=f, grad_scaler=scaler)
+            scaler.step(optimizer)                       # collective: skipped on every rank or none
+            scaler.update()                              # the same new scale on every rank
 
         Args:
             args, kwargs: The model's inputs for the whole batch, batch on dim 0 (read on the
@@ -387,6 +409,16 @@ class DistributedPipeline(ParameterAPI):
             loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch (the contract)
                 or a sum (found on the first micro-batch; then the losses add unweighted).
             broadcast_loss: Return the loss on every rank (one broadcast), not only the last.
+            grad_scaler: Loss scaling for fp16: the ``ShardedGradScaler`` of :meth:`grad_scaler`
+                (or one over the default process group, of the stages' device type), passed on
+                every rank. The last rank multiplies each micro-batch's loss by its scale before
+                backward (in float32, as ``torch.amp.GradScaler.scale`` does), so the gradients
+                are scaled as ``scaler.scale(loss).backward()`` leaves them in the unsplit model;
+                every rank then calls ``scaler.step(optimizer)`` (its ``unscale_`` all-reduces
+                the overflow check over the ranks, so a collective: every rank calls it, once per
+                optimizer, with an optimizer over an empty parameter group,
+                ``torch.optim.SGD([{"params": []}])``, on a rank without parameters) and
+                ``scaler.update()``. The returned loss is not scaled. None: no scaling.
 
         Returns:
             On the last rank (every rank with ``broadcast_loss``): the batch loss, detached,
@@ -395,13 +427,19 @@ class DistributedPipeline(ParameterAPI):
 
         Raises:
             ConfigError: for inputs of the wrong structure or a batch that does not split into
-                equal micro-batches (on every rank, before any communication).
+                equal micro-batches (on every rank, before any communication); for a
+                ``grad_scaler`` that would not give every rank the same skip decision (a plain
+                ``torch.amp.GradScaler`` on several ranks, another device type, another process
+                group: :func:`~fxsplit.runtime.dist_scaler.prepare_grad_scaler`), before any
+                communication.
             ExecutionError: when this stage fails, or a peer dies or stops answering for
                 ``timeout_s`` (names rank, stage, micro-batch and action). This rank's gradients
                 are then left as they were before the step.
         """
         if not callable(loss_fn):
             raise ConfigError(f"train_step needs loss_fn=callable(output, target) -> scalar, got {loss_fn!r}")
+        if grad_scaler is not None:
+            prepare_grad_scaler(grad_scaler, self.device, self.num_ranks)
         flat = self._flatten(args, kwargs)
         batch = self._check_batch(flat)
         if self.is_last and not isinstance(target, torch.Tensor):
@@ -412,9 +450,8 @@ class DistributedPipeline(ParameterAPI):
                 raise ConfigError(f"target {list(target.shape)} has no dimension of the batch's {batch} samples; "
                                   "give a target with the batch on dim 0 (or on the inputs' batch_dim)")
             target = target.movedim(self._target_dim, 0) if self._target_dim else target
-        self._loss_fn = loss_fn
+        self._loss_fn, self._scaler, self._losses = loss_fn, grad_scaler, []
         self._reduction = "mean" if self.microbatches == 1 else None
-        losses: list[torch.Tensor] = []
         if self.recorder is not None:
             self._wall_t0 = time.time()
             self.recorder.begin(time.perf_counter())
@@ -422,32 +459,46 @@ class DistributedPipeline(ParameterAPI):
         saved = self._stash_grads()
         try:
             for start, size, count in self._groups(batch):  # one run per micro-batch size
-                losses += self._train_group(flat, target, start, size, count, batch)
+                self._train_group(flat, target, start, size, count, batch)
                 self._mb_offset += count
             self._run("the tied-weight all-reduce", self._sync_tied)
         except BaseException:
             self._unstash_grads(saved, ok=False)  # this rank's gradients are as before the step
             raise
         finally:
-            self._recording = False
+            self._recording, self._scaler = False, None
         self._unstash_grads(saved, ok=True)
-        loss = torch.stack([x.detach() for x in losses]).sum() if self.is_last else None
+        loss = torch.stack(self._losses).sum() if self.is_last else None
         if broadcast_loss:
             loss = self._run("the loss broadcast", lambda: self._broadcast(loss))
         return loss
 
-    def _train_group(self, flat: Sequence[Any], target: Any, start: int, size: int, count: int,
-                     batch: int) -> list[torch.Tensor]:
-        """Run ``count`` micro-batches of ``size`` samples from sample ``start``; their losses
-        (last rank) or ``[]``."""
+    def _train_group(self, flat: Sequence[Any], target: Any, start: int, size: int, count: int, batch: int) -> None:
+        """Run ``count`` micro-batches of ``size`` samples from sample ``start`` (their losses,
+        unscaled, go to ``self._losses`` on the last rank)."""
         stop = start + size * count
         schedule = self._runner(size, count)
         self._weight, self._mb_size = size / batch, size  # each micro-batch loss times its share of the batch
         step_args = self._step_args(self._slice_inputs(flat, start, stop))
-        group: list[torch.Tensor] = []  # the schedule clears the list it is given
-        extra = {"target": target[start:stop].to(self.device), "losses": group} if self.is_last else {}
+        extra = {"target": target[start:stop].to(self.device)} if self.is_last else {}
         self._run("train_step", functools.partial(schedule.step, *step_args, return_outputs=False, **extra))
-        return group
+
+    def grad_scaler(self, *, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                    growth_interval: int = 2000) -> ShardedGradScaler:
+        """A loss scaler for ``train_step(grad_scaler=...)`` under ``autocast="fp16"``: torch's
+        ``ShardedGradScaler`` over this pipeline's ranks (the default process group) on the
+        stages' device type, whose ``step`` and ``update`` skip and rescale on every rank alike.
+
+        Call it on every rank with the same arguments (no communication here). Arguments as
+        ``torch.amp.GradScaler``'s: ``init_scale`` the first scale; after an overflow on any rank
+        the scale is multiplied by ``backoff_factor``, after ``growth_interval`` steps without
+        one by ``growth_factor``.
+
+        Returns:
+            A ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``.
+        """
+        return pipeline_grad_scaler(self.device, init_scale=init_scale, growth_factor=growth_factor,
+                                    backoff_factor=backoff_factor, growth_interval=growth_interval)
 
     # -- runtime trace -----------------------------------------------------------------------
     def stage_times_s(self) -> list[dict[str, float]]:
