@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxsplit.errors import InternalError
+from fxsplit.errors import ConfigError, InternalError
 from fxsplit.ir import DeviceSpec
 from fxsplit.options import CompileOptions, autocast_dtype, precision
 from fxsplit.passes.batch_layout import check_batch_dim
@@ -164,7 +164,42 @@ def front_end(
     condensed = pm.artifacts.get("condense_antichains")
     if not isinstance(condensed, Condensed):
         raise InternalError(f"the front end's last pass made {type(condensed).__name__}, not Condensed (a bug in fxsplit)")
+    batch, sizes = _microbatch_sizes(flat, batched, microbatches)
+    if sizes and cost_model == "analytic" and options.symbolic_costs:
+        with precision(where, autocast_dtype(options.autocast)):
+            condensed = _with_microbatch_graphs(condensed, captured, reference, batch, sizes, name)
     return Inspection(captured, condensed, reference, tuple(pm.records), name, tuple(flat))
+
+
+def _microbatch_sizes(flat: Sequence[Any], batched: Sequence[bool] | None,
+                      microbatches: int | str) -> tuple[int, list[int]]:
+    """The example batch, and the samples per micro-batch of each count the schedule search may
+    try (``ceil(batch / m)``), the whole batch left out."""
+    batch = batch_size_of([x for x, b in zip(flat, batched or [True] * len(flat), strict=True) if b] or flat)
+    counts = [microbatches] if isinstance(microbatches, int) else default_microbatches(batch)
+    return batch, sorted({-(-batch // m) for m in counts} - {batch})
+
+
+def _with_microbatch_graphs(condensed: Condensed, captured: Captured, reference: DeviceSpec, batch: int,
+                            sizes: list[int], name: str) -> Condensed:
+    """``condensed`` whose graph carries its costs at each of ``sizes`` samples (of the example
+    ``batch``), from the analytic cost formulas (:attr:`CondensedGraph.microbatch_graphs`);
+    unchanged, with a note in the log, where the graph has no formulas of the batch."""
+    from fxsplit.passes.symbolic import block_formulas, graphs_at, symbolic_node_costs
+
+    graph = condensed.graph
+    try:
+        nodes = symbolic_node_costs(captured.gm, None, captured.batched_inputs, reference)
+    except ConfigError as exc:  # a batch the capture fixed: no formulas to evaluate
+        log.info("%s: micro-batch costs scale linearly (no cost formulas: %s)", name, exc)
+        return condensed
+    except Exception as exc:  # noqa: BLE001 - an op the symbolic run cannot take: the linear model stays
+        log.warning("%s: micro-batch costs scale linearly; the cost formulas failed (%s: %s)", name,
+                    type(exc).__name__, exc)
+        return condensed
+    formulas = block_formulas(captured.gm, graph, nodes, simplify=False)
+    table = tuple((n / batch, g) for n, g in zip(sizes, graphs_at(graph, formulas, sizes), strict=True))
+    return dataclasses.replace(condensed, graph=dataclasses.replace(graph, microbatch_graphs=table))
 
 
 def _tensor_device_type(flat: Sequence[Any]) -> str:

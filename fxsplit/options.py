@@ -99,6 +99,11 @@ class CompileOptions:
             overflow check is reduced over the ranks. ``"auto"`` (:func:`fxsplit.compile` only)
             plans both the model's own dtypes and ``"bf16"`` and runs the faster
             (``pipe.report.reason`` says which, with both predicted steps).
+        symbolic_costs: With the analytic cost model and a symbolic batch, cost each
+            micro-batch size the schedule search tries by evaluating the cost formulas of the
+            batch size at it (:mod:`fxsplit.passes.symbolic`: the roofline per size, where a
+            small micro-batch still reads every weight) instead of scaling the whole batch's
+            costs linearly; about a second more of annotation. False: linear scaling.
     """
 
     capture_method: str = "auto"
@@ -119,3 +124,4 @@ class CompileOptions:
     stages_per_device: int = 2
     recompute: RecomputeName = "auto"
     autocast: str | None = None
+    symbolic_costs: bool = True

@@ -26,6 +26,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from fxsplit.errors import CaptureError, ConfigError
 from fxsplit.passes.batch_layout import (
@@ -33,6 +34,7 @@ from fxsplit.passes.batch_layout import (
     batch_dims,
     batch_dynamic_shapes,
     make_batch_first,
+    primary_input,
 )
 from fxsplit.passes.manager import getattr_path
 
@@ -145,6 +147,7 @@ def capture(
     method: str = "auto",
     dynamic_batch: bool = False,
     batch_dim: int = 0,
+    seq_dim: int | None = None,
 ) -> Captured:
     """Capture ``model`` as a flat FX graph.
 
@@ -162,6 +165,12 @@ def capture(
             batch dimension is read from the graph: the dimension export proves equal to it
             (``src_key_padding_mask [batch, seq]`` next to ``src [seq, batch, d]``). The graph is
             then made batch-first at its boundary (:class:`BatchLayout`).
+        seq_dim: Also export the sequence symbolic: dim ``seq_dim`` (an int >= 1) of every
+            batched input of the first one's length (``tokens [batch, seq]``: 1), so the graph
+            has no length baked in (``arange(seq)``, a ``narrow`` to it) and
+            :func:`fxsplit.passes.symbolic.symbolic_node_costs` gives formulas of it. Needs
+            ``dynamic_batch``, export and ``batch_dim == 0``. None (default): the length is
+            fixed as in the example.
 
     Returns:
         The :class:`Captured` graph.
@@ -170,7 +179,10 @@ def capture(
         ConfigError: for an unknown ``method`` or a ``model`` that is not an ``nn.Module``; for
             a ``batch_dim`` no input has, one the model fixes to a constant, or a value whose
             batch dimension cannot be told (two dimensions of the batch's size, neither tied to
-            the first input's batch), and for ``batch_dim != 0`` without export.
+            the first input's batch), and for ``batch_dim != 0`` without export; for a ``seq_dim``
+            that is not an int >= 1, that the first input lacks, without ``dynamic_batch`` or export,
+            with ``batch_dim != 0``, or that export fixes to a constant (the model specialises the
+            length: a position table added whole, a view to a constant length).
         CaptureError: when no method captures the model; the message names the failing source
             line torch reports, what each method said, and what to change.
 
@@ -190,12 +202,15 @@ def capture(
             f"batch_dim={batch_dim} needs capture by torch.export with a symbolic batch (dynamic_batch=True, "
             f"method 'auto' or 'export'; got method={method!r}, dynamic_batch={dynamic_batch}): the batch dimension "
             "of every other input and output is read from export's symbolic shapes")
-    tried = ("export",) if batch_dim else ("export", "symbolic_trace") if method == "auto" else (method,)
+    if seq_dim is not None:
+        _check_seq_options(args, kwargs, method, dynamic_batch, batch_dim, seq_dim)
+    only_export = batch_dim or seq_dim is not None
+    tried = ("export",) if only_export else ("export", "symbolic_trace") if method == "auto" else (method,)
     failures: dict[str, BaseException] = {}
     for name in tried:
         try:
             if name == "export":
-                gm, in_spec, out_spec = _capture_export(model, args, kwargs, dynamic_batch, batch_dim)
+                gm, in_spec, out_spec = _capture_export(model, args, kwargs, dynamic_batch, batch_dim, seq_dim)
             else:
                 gm, in_spec, out_spec = _capture_symbolic(model, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - every failure is reported in CaptureError
@@ -205,17 +220,26 @@ def capture(
         aliases, trainable = _aliases(model, gm)
         log.info("captured %s with %s: %d nodes", type(model).__name__, name, len(gm.graph.nodes))
         batched_in, batched_out, layout = None, None, None
+        if seq_dim is not None:
+            _check_seq_symbolic(gm, args, kwargs, seq_dim)
         if name == "export" and dynamic_batch:
             batched_in, batched_out, layout = make_batch_first(gm, batch_dims(gm, args, kwargs, batch_dim), batch_dim)
         return Captured(gm, in_spec, out_spec, name, aliases, trainable, batched_in, batched_out, layout)
-    raise _capture_error(model, failures)
+    note = None if seq_dim is None else (
+        f"seq_dim={seq_dim}: if the model captures without seq_dim, it cannot run other sequence lengths; drop "
+        "seq_dim (formulas of the batch only)")
+    raise _capture_error(model, failures, note)
 
 
 # -- export ----------------------------------------------------------------------------------
 def _capture_export(
-    model: nn.Module, args: tuple, kwargs: dict, dynamic_batch: bool = False, batch_dim: int = 0
+    model: nn.Module, args: tuple, kwargs: dict, dynamic_batch: bool = False, batch_dim: int = 0,
+    seq_dim: int | None = None,
 ) -> tuple[torch.fx.GraphModule, Any, Any]:
-    dynamic = batch_dynamic_shapes(model, args, kwargs, batch_dim) if dynamic_batch else None
+    if seq_dim is not None:
+        dynamic = _batch_seq_dynamic_shapes(model, args, kwargs, seq_dim)
+    else:
+        dynamic = batch_dynamic_shapes(model, args, kwargs, batch_dim) if dynamic_batch else None
     ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
     gm = ep.module()
     in_spec, out_spec = gm._in_spec, gm._out_spec
@@ -234,6 +258,79 @@ def _capture_export(
     _flatten_output(gm)
     gm.recompile()
     return gm, in_spec, out_spec
+
+
+# -- sequence length -------------------------------------------------------------------------
+def _check_seq_options(args: tuple, kwargs: dict, method: str, dynamic_batch: bool, batch_dim: int,
+                       seq_dim: Any) -> None:
+    """``capture(seq_dim=...)``'s preconditions.
+
+    Raises:
+        ConfigError: for a ``seq_dim`` not an int >= 1 or one the first input lacks, and without
+            ``dynamic_batch`` and export, or with ``batch_dim != 0``.
+    """
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:
+        raise ConfigError(f"seq_dim={seq_dim!r}; pass the sequence dimension of the batched inputs, an int >= 1 "
+                          "(dim 0 is the batch; tokens [batch, seq]: seq_dim=1)")
+    if not dynamic_batch or method == "symbolic_trace" or batch_dim != 0:
+        raise ConfigError(
+            f"seq_dim={seq_dim} needs capture by torch.export with a symbolic batch on dim 0 (dynamic_batch=True, "
+            f"batch_dim=0, method 'auto' or 'export'; got method={method!r}, dynamic_batch={dynamic_batch}, "
+            f"batch_dim={batch_dim}): the sequence is the dimension seq_dim of the batched inputs")
+    first = primary_input(args, kwargs, 0)
+    if first is None or first[1].dim() <= seq_dim:
+        shapes = [list(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        raise ConfigError(f"seq_dim={seq_dim}, but the first input has no dimension {seq_dim} (input shapes {shapes}); "
+                          "give the sequence dimension of the batched inputs, counted from 0 (tokens [batch, seq]: 1)")
+
+
+def _batch_seq_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict, seq_dim: int) -> Any:
+    """Dim.AUTO on dim 0 of every input of the batch's size, and on dim ``seq_dim`` of those of
+    them with the first input's length there."""
+    first = primary_input(args, kwargs, 0)
+    if first is None:
+        return None
+    batch, length = first[1].shape[0], first[1].shape[seq_dim]
+    shapes = torch.export.ShapesCollection()
+    for t in pytree.tree_leaves((args, kwargs)):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
+            continue
+        dims = [0] + ([seq_dim] if t.dim() > seq_dim and t.shape[seq_dim] == length else [])
+        shapes[t] = dict.fromkeys(dims, torch.export.Dim.AUTO)
+    return shapes.dynamic_shapes(model, args, kwargs)
+
+
+def _check_seq_symbolic(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, seq_dim: int) -> None:
+    """Export's sequence dimension of the first input stayed a symbol of its own.
+
+    Raises:
+        ConfigError: when export fixed it (the model specialises the length), or tied it to the
+            batch (an example whose batch equals its length, which export cannot tell apart).
+    """
+    first = primary_input(args, kwargs, 0)
+    vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    val = vals[first[0]] if first is not None and first[0] < len(vals) else None
+    if not isinstance(val, torch.Tensor) or val.dim() <= seq_dim:
+        return
+    size, batch = val.shape[seq_dim], val.shape[0]
+    if not isinstance(size, torch.SymInt) or is_concrete_int(size):
+        from fxsplit.passes.symbolic import where_fixed  # (symbolic imports the cost model)
+
+        try:  # where, for the message: best effort, the error below stands either way
+            where = where_fixed(gm, seq_dim) if int(size) > 1 else None
+        except Exception:  # noqa: BLE001
+            log.info("could not locate what fixed the sequence length", exc_info=True)
+            where = None
+        raise ConfigError(
+            f"torch.export fixed the sequence length (dim {seq_dim} of the first input, {int(size)} in the example)"
+            f"{f' at {where}' if where else ''}: the model specialises it (a position table or mask added whole, a view "
+            "or reshape to a constant length; a length of 1), so no formula of s exists. Fix: check seq_dim names the "
+            "sequence dimension, derive lengths from the input (x.size(1), narrow a table to it), use an example "
+            "length of at least 2, or drop seq_dim (formulas of b only)")
+    if isinstance(batch, torch.SymInt) and batch.node.expr == size.node.expr:
+        raise ConfigError(
+            f"torch.export tied the sequence length to the batch size (both {int(size)} in the example): use example "
+            "inputs whose batch size differs from their length")
 
 
 # -- symbolic trace --------------------------------------------------------------------------
@@ -424,7 +521,7 @@ def _reported_line(exc: BaseException) -> str | None:
     return None
 
 
-def _capture_error(model: nn.Module, failures: dict[str, BaseException]) -> CaptureError:
+def _capture_error(model: nn.Module, failures: dict[str, BaseException], note: str | None = None) -> CaptureError:
     parts = [f"could not capture {type(model).__name__} as an FX graph."]
     where = None
     for name, exc in failures.items():
@@ -439,6 +536,8 @@ def _capture_error(model: nn.Module, failures: dict[str, BaseException]) -> Capt
             "torch.cond), make shapes static, or wrap the offending code in a leaf module; "
             "then call fxsplit.capture again."
         )
+    if note is not None:
+        parts.append(f"  {note}")
     err = CaptureError("\n".join(parts))
     err.__cause__ = next(reversed(failures.values()), None)
     return err

@@ -89,6 +89,11 @@ class CondensedGraph:
     blocks: tuple[Block, ...]
     edges: tuple[Edge, ...] = ()
     name: str = "graph"
+    #: ``((batch_fraction, graph), ...)``: this graph's costs for micro-batches of those fractions
+    #: of the annotated batch, evaluated from the symbolic cost formulas
+    #: (:mod:`fxsplit.passes.symbolic`); :meth:`scaled` returns them instead of its linear scaling.
+    #: Not serialised; a graph derived from this one (refitted, reduced) scales linearly.
+    microbatch_graphs: tuple[tuple[float, CondensedGraph], ...] = field(default=(), repr=False, compare=False)
     _succ: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _pred: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
@@ -151,6 +156,9 @@ class CondensedGraph:
     def scaled(self, batch_fraction: float) -> CondensedGraph:
         """Costs for a micro-batch that is ``batch_fraction`` of the annotated batch.
 
+        Where :attr:`microbatch_graphs` holds that fraction (the analytic cost model's formulas,
+        evaluated at the micro-batch sizes the schedule search tries), that graph. Otherwise:
+
         Times scale as ``t(f) = fixed + (t - fixed) * f`` (the fixed part, ``fwd_fixed_s`` /
         ``bwd_fixed_s``, is paid by every micro-batch whatever its size); FLOPs, activation, output
         and edge bytes scale linearly; parameter and buffer bytes do not. Used to turn whole-batch
@@ -162,6 +170,9 @@ class CondensedGraph:
             2.0
         """
         f = batch_fraction
+        for fraction, graph in self.microbatch_graphs:
+            if math.isclose(fraction, f, rel_tol=1e-9):
+                return graph
         blocks = tuple(
             replace(b, flops=b.flops * f, fwd_s=b.fwd_fixed_s + (b.fwd_s - b.fwd_fixed_s) * f,
                     bwd_s=(bwd := b.bwd_fixed_s + (b.bwd_s - b.bwd_fixed_s) * f),
