@@ -1,77 +1,155 @@
-"""Which knobs make a big model fit, and what they cost: plans with each knob off and on.
+"""Which knobs make big models fit and fast: fxsplit's one search against each knob alone.
 
-Issue 13's bench, first knob: activation recomputation. The problem is the Llama-70B-shaped one
-of ``tests/data/llama70b-32xa100.problem.json.gz`` (captured on meta by
-``bench/planning_memory.py``: 2249 blocks, 32 A100-80GB, 8 micro-batches of 1 x 2048 tokens,
-fp32 weights with Adam state, analytic A100 costs). For each schedule and each ``recompute``
-mode, ``solve(..., "auto")`` plans it; the table gives the step the plan predicts (the
-schedule's simulated makespan), the bottleneck stage per micro-batch, the most memory a device
-needs, how many stages recompute, the solver's status and gap, and the seconds it took. Beside
-them, data parallelism over the same devices, plain and with ZeRO-1 optimizer sharding
-(:mod:`fxsplit.solvers.data_parallel`: an estimate kind to it, all-reduce hidden by backward).
+Issue 13's bench. GPT-2 XL-, Llama-7B- and Llama-70B-shaped models are built on the meta
+device (no weights), captured once with ``torch.export`` (symbolic batch) and annotated with the
+analytic A100-80GB cost model (312 TFLOP/s for bf16 math, 19.5 for fp32, 2.0 TB/s; Adam state
+with fp32 master weights), once in the model's own fp32 and once under bf16 autocast. The
+cluster: ``N`` A100-80GB, 8 per node, NVLink (300 GB/s) inside a node, 25 GB/s across
+(:mod:`fxsplit.ir.cluster`). For each model and device count the table gives the best plan of
+``plan_precisions`` (:mod:`fxsplit.compiler`, as ``fxsplit.compile`` and ``fxsplit plan``
+plan: schedule GPipe / 1F1B / interleaved 1F1B, micro-batch count from the divisors of the
+batch, the exact split of the winner) with the knobs off and on:
 
-Run: ``python bench/explore.py [--time-limit 60] [--schedules gpipe,1f1b] [--markdown]``.
+* ``pipeline only``: fp32, no recomputation (fxsplit's search before issue 13);
+* ``+ recompute``: per-stage activation recomputation where a stage would not fit;
+* ``+ bf16``: bf16 autocast;
+* ``one search``: ``autocast="auto"`` and ``recompute="auto"`` together (what ``fxsplit.compile``
+  now does with ``CompileOptions(autocast="auto")``);
+
+and, beside them, data parallelism over the same devices (fp32 and bf16, plain and with ZeRO-1
+optimizer sharding; :mod:`fxsplit.solvers.data_parallel`: an estimate, all-reduce hidden by the
+backward where it fits). Columns: the plan, the predicted step (simulated), the most memory a
+device needs under the chosen schedule, and the seconds the search took (annotation excluded;
+``capture s`` and ``annotate s`` per model in the caption).
+
+Run: ``python bench/explore.py [--models gpt2-xl,llama-7b,llama-70b] [--time-limit 30] [--markdown]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
+import dataclasses
 import os
 import time
-from pathlib import Path
+from typing import Any
 
 from common import console, show
 from rich.table import Table
 
-from fxsplit.errors import InfeasibleError, SolverError
-from fxsplit.ir import Problem
-from fxsplit.schedule import plan_step_s
-from fxsplit.solvers import solve
-from fxsplit.solvers.data_parallel import data_parallel
-
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "llama70b-32xa100.problem.json.gz"
 GiB = 2.0**30
+
+#: name -> (builder, kwargs, global batch, device counts)
+MODELS: dict[str, tuple[str, dict[str, Any], int, tuple[int, ...]]] = {
+    "gpt2-xl": ("gpt2", {"n_layer": 48, "n_embd": 1600, "n_head": 25, "n_positions": 1024, "vocab_size": 50257,
+                         "seq_len": 1024, "attn_implementation": "sdpa"}, 64, (8,)),
+    "llama-7b": ("llama", {"preset": "7b", "seq_len": 2048, "attn_implementation": "sdpa"}, 64, (8, 16)),
+    "llama-70b": ("llama", {"preset": "70b", "seq_len": 2048, "attn_implementation": "sdpa"}, 64, (32, 64)),
+}
+QUICK: dict[str, tuple[str, dict[str, Any], int, tuple[int, ...]]] = {
+    "llama-2layer": ("llama", {"preset": "7b", "num_hidden_layers": 2, "seq_len": 256}, 8, (2,)),
+}
+
+VARIANTS: tuple[tuple[str, str | None, str], ...] = (  # label, autocast, recompute
+    ("pipeline only", None, "none"),
+    ("+ recompute", None, "auto"),
+    ("+ bf16", "bf16", "none"),
+    ("one search", "auto", "auto"),
+)
+
+
+def cluster(k: int) -> Any:
+    from fxsplit.ir.cluster import cluster_from_dict
+
+    nodes = [{"name": f"n{i}", "devices": {"a100": min(8, k - 8 * i)}} for i in range((k + 7) // 8)]
+    return cluster_from_dict({"name": f"{k} x A100-80GB", "device_kinds": {"a100": {"preset": "a100"}},
+                              "nodes": nodes,
+                              "links": {"intra_node": {"bytes_per_s": 300e9, "latency_s": 5e-6},
+                                        "inter_node": {"bytes_per_s": 25e9, "latency_s": 1e-5}}})
+
+
+def plan_model(name: str, spec: tuple[str, dict[str, Any], int, tuple[int, ...]], time_limit_s: float,
+               table: Table) -> str:
+    """Capture ``name`` once, annotate it in fp32 and bf16, and add a row per device count and
+    variant; returns the caption line (capture and annotation seconds)."""
+    import torch
+
+    import fxsplit.models as zoo
+    from fxsplit.compiler import plan_precisions, precision_label
+    from fxsplit.errors import InfeasibleError, SolverError
+    from fxsplit.frontend import capture_with, front_end
+    from fxsplit.ir import DeviceSpec, Problem
+    from fxsplit.options import CompileOptions
+    from fxsplit.schedule import plan_step_s
+    from fxsplit.solvers.data_parallel import data_parallel
+
+    builder, kwargs, batch, device_counts = spec
+    ref = DeviceSpec.preset("a100")
+    options = CompileOptions(time_limit_s=time_limit_s)
+    start = time.perf_counter()
+    with torch.device("meta"):
+        case = zoo.hf(builder, batch_size=batch, **kwargs)
+    captured = capture_with(case.model, case.example_inputs, case.example_kwargs, options)
+    capture_s = time.perf_counter() - start
+    graphs: dict[str | None, Any] = {}
+    annotate_s = 0.0
+    for precision in (None, "bf16"):
+        start = time.perf_counter()
+        graphs[precision] = front_end(case.model, case.example_inputs, dict(case.example_kwargs or {}), reference=ref,
+                                      cost_model="analytic", options=dataclasses.replace(options, autocast=precision),
+                                      captured=captured, name=name).condensed.graph
+        annotate_s += time.perf_counter() - start
+    params = sum(p.numel() for p in case.model.parameters())
+    for k in device_counts:
+        machine = cluster(k)
+        specs, link, links = machine.relative_to(ref), machine.inter_node, machine.link_overrides()
+
+        def annotate(precision: str | None, recompute: str) -> Problem:
+            return Problem(graphs[precision], specs, link=link, links=links, objective="makespan",
+                           recompute=recompute).check()  # type: ignore[arg-type]
+
+        where = f"{name} ({params / 1e9:.1f}B) x {k}"
+        for label, autocast, recompute in VARIANTS:
+            opts = dataclasses.replace(options, autocast=autocast, recompute=recompute)  # type: ignore[arg-type]
+            start = time.perf_counter()
+            try:
+                _, choice = plan_precisions(lambda p, r=recompute: annotate(p, r), batch, "auto", "auto", "auto", opts)
+            except (InfeasibleError, SolverError) as exc:
+                kind = "infeasible (proven)" if isinstance(exc, InfeasibleError) else "no plan found"
+                table.add_row(where, label, kind, "-", "-", "-", f"{time.perf_counter() - start:.1f}")
+                continue
+            took = time.perf_counter() - start
+            plan = choice.plan
+            again = sum(st.recompute for st in plan.stages)
+            desc = (f"{plan.num_stages} stages, {choice.schedule} m={choice.microbatches}, "
+                    f"{precision_label(choice.autocast)}" + (f", {again} recomputing" if again else ""))
+            memory = max(sum(plan.stages[s].memory_bytes for s in held) for held in plan.rank_stages)
+            table.add_row(where, label, desc, f"{plan_step_s(plan):.3f}", f"{memory / GiB:.1f}",
+                          f"{plan.solver} ({plan.status})", f"{took:.1f}")
+        for precision in (None, "bf16"):
+            for zero in (0, 1):
+                dp = data_parallel(annotate(precision, "none"), zero_stage=zero)
+                table.add_row(where, f"data parallel{' + ZeRO-1' if zero else ''}, {precision_label(precision)}",
+                              "fits" if dp.fits else "does not fit", f"{dp.step_s:.3f}", f"{dp.memory_bytes / GiB:.1f}",
+                              "estimate", "0.0")
+    return f"{name}: capture {capture_s:.1f} s, annotate (fp32 + bf16, with the micro-batch formulas) {annotate_s:.1f} s"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per plan")
-    parser.add_argument("--schedules", default="gpipe,1f1b")
-    parser.add_argument("--modes", default="none,auto,all")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--time-limit", type=float, default=30.0, help="solver seconds per exact split")
+    parser.add_argument("--quick", action="store_true", help="a 2-layer Llama on 2 devices (smoke test)")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
-    base = Problem.from_json(gzip.decompress(DATA.read_bytes()).decode())
-    load_before = os.getloadavg()
-    table = Table(title=f"Llama-70B shape ({len(base.graph)} blocks) over {base.num_devices} x "
-                        f"{base.devices[0].name.split(':')[0]}, m={base.microbatches}, fp32 + Adam; "
-                        f"load average {load_before[0]:.2f} at the start")
-    for col in ("schedule", "recompute", "plan", "step s (predicted)", "bottleneck s/mb", "max memory GiB",
-                "stages recomputing", "solver", "gap", "solve s"):
-        table.add_column(col, justify="left" if col in ("schedule", "recompute", "plan", "solver") else "right")
-    for schedule in args.schedules.split(","):
-        for mode in args.modes.split(","):
-            problem = base.with_(schedule=schedule, recompute=mode).check()
-            start = time.perf_counter()
-            try:
-                plan = solve(problem, "auto", time_limit_s=args.time_limit)
-            except (InfeasibleError, SolverError) as exc:
-                proven = isinstance(exc, InfeasibleError)
-                table.add_row(schedule, mode, "infeasible (proven)" if proven else "none found", "-", "-", "-", "-",
-                              "-", "-", f"{time.perf_counter() - start:.1f}")
-                continue
-            took = time.perf_counter() - start
-            step = plan_step_s(plan)
-            table.add_row(schedule, mode, f"{plan.num_stages} stages", f"{step:.3f}", f"{plan.bottleneck_s:.4f}",
-                          f"{max(st.memory_bytes for st in plan.stages) / GiB:.1f}",
-                          str(sum(st.recompute for st in plan.stages)), f"{plan.solver} ({plan.status})",
-                          f"{plan.gap:.1%}", f"{took:.1f}")
-    for zero in (0, 1):  # the baselines: the whole model on every device (ZeRO-1: optimizer state sharded)
-        dp = data_parallel(base, zero_stage=zero)
-        table.add_row("data parallel" + (" + ZeRO-1" if zero else ""), "none",
-                      "fits" if dp.fits else "does not fit", f"{dp.step_s:.3f}", "-",
-                      f"{dp.memory_bytes / GiB:.1f}", "-", "estimate", "-", "0.0")
-    table.caption = f"load average {os.getloadavg()[0]:.2f} at the end"
+    models = QUICK if args.quick else {m: MODELS[m] for m in args.models.split(",")}
+    load = os.getloadavg()[0]
+    table = Table(title=f"one search vs each knob alone, A100-80GB clusters (8 per node, NVLink 300 GB/s, "
+                        f"25 GB/s across); load average {load:.2f} at the start")
+    for col in ("model x devices", "variant", "plan", "step s (predicted)", "max memory GiB per device", "solver",
+                "search s"):
+        table.add_column(col, justify="right" if col.endswith("s") or "GiB" in col else "left")
+    captions = [plan_model(name, spec, args.time_limit, table) for name, spec in models.items()]
+    table.caption = "; ".join(captions) + f"; load average {os.getloadavg()[0]:.2f} at the end"
     show(table, console(), args.markdown)
 
 

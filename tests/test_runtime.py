@@ -385,8 +385,9 @@ def test_repr_names_the_blocks_of_a_stage_that_is_not_one_run():
     from fxsplit.ir.units import format_ids
 
     case = zoo.get("gpt", batch_size=8)
+    # analytic costs: the profiled ones vary with the machine's load, and so did this plan (a CI run)
     pipe = fxsplit.compile(case.model, devices(2), case.example_inputs, microbatches=4, schedule="interleaved-1f1b",
-                           options=fxsplit.CompileOptions(allow_idle_devices=False))
+                           cost_model="analytic", options=fxsplit.CompileOptions(allow_idle_devices=False))
     text = repr(pipe)
     split = [st.blocks for st in pipe.plan.stages if tuple(st.blocks) != tuple(range(min(st.blocks), max(st.blocks) + 1))]
     assert split, "no stage of this plan has blocks out of one run; the test proves nothing"

@@ -112,7 +112,7 @@ def register(app: typer.Typer) -> None:
         backend: Annotated[str, typer.Option(help="--distributed: gloo, nccl or auto")] = "auto",
         timeout_s: Annotated[float, typer.Option(help="--distributed: seconds before a silent peer is an error")] = 60.0,
         recompute: Annotated[str, typer.Option(help=RECOMPUTE_HELP)] = "auto",
-        autocast: Annotated[str | None, typer.Option(help="mixed precision: bf16 or fp16 (--distributed fp16: with loss scaling; default: the model's dtypes)")] = None,
+        autocast: Annotated[str | None, typer.Option(help="mixed precision: bf16, fp16, or auto (plan the model's dtypes and bf16, run the faster; local only); default: the model's dtypes")] = None,
     ) -> None:
         """Plan MODEL over DEVICES, train STEPS steps, and compare with the unsplit model."""
         import fxsplit
