@@ -103,7 +103,8 @@ def plan_model(name: str, spec: tuple[str, dict[str, Any], int, tuple[int, ...]]
         machine = cluster(k)
         specs, link, links = machine.relative_to(ref), machine.inter_node, machine.link_overrides()
 
-        def annotate(precision: str | None, recompute: str) -> Problem:
+        def annotate(precision: str | None, recompute: str, specs: Any = specs, link: Any = link,
+                     links: Any = links) -> Problem:
             return Problem(graphs[precision], specs, link=link, links=links, objective="makespan",
                            recompute=recompute).check()  # type: ignore[arg-type]
 
