@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -30,6 +31,7 @@ from fxsplit.ir.units import format_seconds
 from fxsplit.options import CompileOptions, autocast_dtype
 from fxsplit.passes.batch_layout import primary_input
 from fxsplit.passes.capture import Captured, capture
+from fxsplit.passes.condense import Condensed
 from fxsplit.runtime import Pipeline, StateMap
 from fxsplit.runtime.links import pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
@@ -366,32 +368,37 @@ def compile_pipeline(
             f"something else than the model: {'; '.join(map(str, mixing))}. Use microbatches=1 (or 'auto'), or make "
             f"those ops per-sample{hint}", NotPerSampleWarning, stacklevel=3)
     link, links = _links(specs, options, cost_model)
-    annotated: dict[str, Any] = {"s": 0.0}  # the precision whose costs and blocks captured.gm's nodes carry now
+    # each precision's condensation and the node metadata it wrote (values, costs, blocks): the
+    # winner's are put back on captured.gm for codegen, never recomputed (timed costs, and so the
+    # blocks, differ from one annotation to the next)
+    annotations: dict[str | None, tuple[Condensed, dict[torch.fx.Node, dict[str, Any]]]] = {}
+    annotate_s = [0.0]
 
     def annotate(autocast: str | None) -> Problem:
         start = time.perf_counter()
         say_phase(options, f"annotating {cost_model} costs on {reference.name}"
                            f"{' under ' + precision_label(autocast) if autocast else ''} and condensing")
-        annotated["autocast"] = autocast
-        annotated["condensed"] = front_end(
+        condensed = front_end(
             model, args, kwargs, reference=reference, cost_model=cost_model,
             options=dataclasses.replace(options, autocast=autocast), microbatches=microbatches,
             captured=captured).condensed
-        annotated["s"] += time.perf_counter() - start
+        annotations[autocast] = (condensed, {n: dict(n.meta) for n in captured.gm.graph.nodes})
+        annotate_s[0] += time.perf_counter() - start
         return Problem(
-            annotated["condensed"].graph, tuple(specs), link=link, links=links, objective=objective,
+            condensed.graph, tuple(specs), link=link, links=links, objective=objective,
             training=options.training, schedule="1f1b", allow_idle_devices=options.allow_idle_devices,
             recompute=options.recompute,
         ).check()
 
     t1 = time.perf_counter()
     problem, choice = plan_precisions(annotate, batch, microbatches, schedule, solver, options)
-    plan_s = time.perf_counter() - t1 - annotated["s"]  # annotation counts as front end, not planning
-    if annotated["autocast"] != choice.autocast:  # the winner's blocks on the nodes codegen splits
-        annotate(choice.autocast)
-    front_end_s = t1 - t0 + annotated["s"]
+    plan_s = time.perf_counter() - t1 - annotate_s[0]  # annotation counts as front end, not planning
+    front_end_s = t1 - t0 + annotate_s[0]
+    condensed, metas = annotations[choice.autocast]
+    for node, meta in metas.items():  # the winner's blocks on the nodes codegen splits
+        node.meta.clear()
+        node.meta.update(meta)
     options = dataclasses.replace(options, autocast=choice.autocast)
-    condensed = annotated["condensed"]
     say_phase(options, f"building {choice.plan.num_stages} stage(s) ({choice.schedule}, {choice.microbatches} micro-batch(es))")
     context = CompileContext(model, captured, problem, tuple(specs), batch, microbatches, schedule, solver, options)
     report = CompileReport(

@@ -171,17 +171,24 @@ def front_end(
     return Inspection(captured, condensed, reference, tuple(pm.records), name, tuple(flat))
 
 
+#: Micro-batch counts whose costs the formulas give beyond the batch's divisors (the planner's
+#: first split uses ``min(batch, 2 x devices)`` micro-batches, which need not divide the batch).
+_FORMULA_COUNTS = 64
+
+
 def _microbatch_sizes(flat: Sequence[Any], batched: Sequence[bool] | None,
-                      microbatches: int | str) -> tuple[int, list[int]]:
-    """The example batch, and the samples per micro-batch of each count the schedule search may
-    try (``ceil(batch / m)``), the whole batch left out."""
+                      microbatches: int | str) -> tuple[int, list[float]]:
+    """The example batch, and the samples per micro-batch for each count ``m`` the planner may
+    cost: the largest micro-batch ``ceil(batch / m)`` (the schedule search's) and the mean
+    ``batch / m`` (the solvers'), the whole batch left out."""
     batch = batch_size_of([x for x, b in zip(flat, batched or [True] * len(flat), strict=True) if b] or flat)
-    counts = [microbatches] if isinstance(microbatches, int) else default_microbatches(batch)
-    return batch, sorted({-(-batch // m) for m in counts} - {batch})
+    counts = ({microbatches} if isinstance(microbatches, int)
+              else set(default_microbatches(batch)) | set(range(1, min(batch, _FORMULA_COUNTS) + 1)))
+    return batch, sorted(({float(-(-batch // m)) for m in counts} | {batch / m for m in counts}) - {float(batch)})
 
 
 def _with_microbatch_graphs(condensed: Condensed, captured: Captured, reference: DeviceSpec, batch: int,
-                            sizes: list[int], name: str) -> Condensed:
+                            sizes: list[float], name: str) -> Condensed:
     """``condensed`` whose graph carries its costs at each of ``sizes`` samples (of the example
     ``batch``), from the analytic cost formulas (:attr:`CondensedGraph.microbatch_graphs`);
     unchanged, with a note in the log, where the graph has no formulas of the batch."""

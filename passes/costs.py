@@ -285,6 +285,15 @@ def weight_share(gm: torch.fx.GraphModule, node: torch.fx.Node, needs: set[str],
     return 0.5 if others else 1.0
 
 
+def _is_convolution(node: torch.fx.Node) -> bool:
+    """A convolution (cuDNN runs fp32 ones in TF32 by default): ``aten.convolution``,
+    ``conv2d``, ``conv_transpose2d``... or a traced ``nn.Conv*`` module."""
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        return owner is not None and isinstance(owner.get_submodule(str(node.target)), torch.nn.modules.conv._ConvNd)
+    return node.op == "call_function" and "conv" in str(getattr(node.target, "__name__", node.target))
+
+
 def _math_dtype(node: torch.fx.Node, val: Any) -> str:
     """The dtype a node computes in, for its compute roof: its first floating result's (a
     matmul under autocast: bfloat16), else its first floating operand's, else ``"float32"``."""
@@ -317,7 +326,7 @@ def node_cost(
         state_read = sum(state) if read_bytes is None else read_bytes
         moved = out_bytes + sum(t.numel() * t.element_size() for t in _operand_vals(node)) + state_read
     bwd_flops = (2.0 if counted else 1.0) * flops if needs_grad else 0.0
-    peak = device.peak_flops_for(_math_dtype(node, val))
+    peak = device.peak_flops_for(_math_dtype(node, val), convolution=_is_convolution(node))
     # torch.sym_max: the max of floats, or a formula of the batch when shapes are symbolic
     fwd_s = torch.sym_max(flops / peak, moved / device.memory_bandwidth_bytes_per_s) + device.op_overhead_s
     bwd_s = (

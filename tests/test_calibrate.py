@@ -324,3 +324,27 @@ def test_plans_on_devices_of_different_speeds_are_compared_by_their_work(speeds)
     report = calibration_loop(pipe, 1, 0.05, measure, recalibrate, go_back, lambda _s: pipe.plan, speeds=speeds)
     kept = report.stages_after == ((0,), (1, 2))
     assert kept == (speeds is not None), report.format_table()
+
+
+def test_a_refit_to_the_predicted_times_changes_no_formula_costs() -> None:
+    """Review finding: the analytic model's micro-batch costs come from the cost formulas
+    (``CondensedGraph.microbatch_graphs``); the refit dropped them, so a measurement equal to
+    the prediction came back 0.28x of itself (one sample per micro-batch on an A100)."""
+    from fxsplit.calibrate import Measurement, StageTimes, refit_problem
+    from fxsplit.compiler import per_microbatch
+    from fxsplit.frontend import front_end
+    from fxsplit.ir import DeviceSpec, Problem, evaluate
+
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(4)])
+    a100 = DeviceSpec.preset("a100")
+    graph = front_end(model, (torch.randn(16, 1024),), {}, reference=a100, cost_model="analytic",
+                      options=CompileOptions()).condensed.graph
+    assert graph.microbatch_graphs
+    problem = Problem(graph, (a100.with_(name="d0"), a100.with_(name="d1"))).check()
+    stages = [list(range(len(graph) // 2)), list(range(len(graph) // 2, len(graph)))]
+    plan = evaluate(per_microbatch(problem, 16, "1f1b"), stages, [0, 1])
+    times = [StageTimes(s, st.fwd_s, st.bwd_s, st.fwd_s, st.bwd_s) for s, st in enumerate(plan.stages)]
+    refit = refit_problem(problem, [Measurement.of(plan, times)], 16, "1f1b")
+    again = evaluate(per_microbatch(refit, 16, "1f1b"), stages, [0, 1])
+    for before, after in zip(plan.stages, again.stages, strict=True):
+        assert (after.fwd_s, after.bwd_s) == pytest.approx((before.fwd_s, before.bwd_s), rel=1e-6)

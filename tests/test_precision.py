@@ -225,3 +225,41 @@ def test_a_meta_model_is_costed_under_autocast_as_on_a_cpu(name: str) -> None:
     assert costs["meta", "bf16"] == costs["cpu", "bf16"], costs
     assert costs["meta", None] == costs["cpu", None], costs
     assert costs["meta", "bf16"][0] < costs["meta", None][0] and costs["meta", "bf16"][1] < costs["meta", None][1]
+
+
+def test_autocast_auto_puts_the_winners_annotation_back_without_annotating_again(monkeypatch) -> None:
+    """Review finding: when the model's own dtypes won, compile annotated them a second time;
+    timed costs differ between runs, so the blocks could differ from the ones planned (stages
+    not contiguous, or other stages than the plan's). The winner's node metadata are restored."""
+    import fxsplit.compiler as compiler
+
+    calls: list[str | None] = []
+    real = compiler.front_end
+    monkeypatch.setattr(compiler, "front_end", lambda *a, **k: calls.append(k["options"].autocast) or real(*a, **k))
+    case = zoo.get("gpt", batch_size=8)
+    specs = [_roof_device(f"cpu#{i}", 1e9, 1e12) for i in range(2)]  # fp32 math 1000x faster: own dtypes win
+    pipe = fxsplit.compile(copy.deepcopy(case.model), specs, case.example_inputs, microbatches=2, schedule="1f1b",
+                           cost_model="analytic", options=fxsplit.CompileOptions(autocast="auto", executor="sequential"))
+    assert calls == [None, "bf16"] and pipe.autocast is None
+    gm = pipe.context.captured.gm
+    mm = [n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+    assert mm and all(n.meta["val"].dtype == torch.float32 for n in mm)  # the own dtypes' values, not bf16's
+    blocks = {n.meta["fxsplit.block"] for n in gm.graph.nodes if "fxsplit.block" in n.meta}
+    assert blocks == set(pipe.plan.stage_of_block())
+
+
+@pytest.mark.parametrize("method", ["export", "symbolic_trace"])
+def test_an_fp32_convolution_is_costed_at_the_tf32_rate_cudnn_runs_it_at(method: str) -> None:
+    """Review finding: cuDNN runs fp32 convolutions in TF32 by default (matmuls: no TF32), so an
+    A100 preset's fp32 convolution runs at 156 TFLOP/s, not 19.5."""
+    from fxsplit.frontend import front_end
+    from fxsplit.ir import DeviceSpec
+
+    a100 = DeviceSpec.preset("a100", op_overhead_s=0.0, memory_bandwidth_bytes_per_s=1e18)
+    rates = {}
+    for name, model, x in (("conv", torch.nn.Conv2d(16, 16, 3, padding=1), torch.randn(4, 16, 8, 8)),
+                           ("linear", torch.nn.Linear(64, 64, bias=False), torch.randn(8, 64))):
+        graph = front_end(model, (x,), {}, reference=a100, cost_model="analytic",
+                          options=fxsplit.CompileOptions(capture_method=method, symbolic_costs=False)).condensed.graph
+        rates[name] = sum(b.flops for b in graph.blocks) / sum(b.fwd_s for b in graph.blocks)
+    assert rates["conv"] == pytest.approx(156e12, rel=0.02) and rates["linear"] == pytest.approx(19.5e12, rel=0.02)

@@ -28,6 +28,8 @@ class DeviceSpec:
         fp32_peak_flops: Dense FLOP/s of float32 (and float64) math where it differs from
             ``peak_flops`` (a GPU's fp32 rate without tensor cores: A100 19.5 TFLOP/s against
             312 for bf16); 0 (default) means ``peak_flops`` serves every dtype.
+        tf32_peak_flops: Dense FLOP/s of fp32 convolutions, which cuDNN runs in TF32 by default
+            (``torch.backends.cudnn.allow_tf32``; matmuls do not); 0: ``fp32_peak_flops``.
         memory_bandwidth_bytes_per_s: Device memory bandwidth (roofline memory roof).
         memory_bytes: Memory available to one stage, bytes.
         speed: Compute speed relative to the reference device (1.0 = same).
@@ -53,6 +55,7 @@ class DeviceSpec:
     torch_device: str = ""
     op_overhead_s: float = 0.0
     fp32_peak_flops: float = 0.0
+    tf32_peak_flops: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.kind:
@@ -64,9 +67,9 @@ class DeviceSpec:
         """Raise :class:`ConfigError` when a number is not positive and finite (``op_overhead_s``:
         not negative and finite); return ``self``."""
         for attr in ("peak_flops", "memory_bandwidth_bytes_per_s", "memory_bytes", "speed", "op_overhead_s",
-                     "fp32_peak_flops"):
+                     "fp32_peak_flops", "tf32_peak_flops"):
             value = getattr(self, attr)
-            may_be_zero = attr in ("op_overhead_s", "fp32_peak_flops")
+            may_be_zero = attr in ("op_overhead_s", "fp32_peak_flops", "tf32_peak_flops")
             low_ok = value >= 0 if may_be_zero else value > 0
             if not (isinstance(value, int | float) and math.isfinite(value) and low_ok):
                 kind = "not negative" if may_be_zero else "positive"
@@ -76,16 +79,20 @@ class DeviceSpec:
                 )
         return self
 
-    def peak_flops_for(self, dtype: str) -> float:
+    def peak_flops_for(self, dtype: str, *, convolution: bool = False) -> float:
         """The compute roof for math in ``dtype`` (a torch dtype's name: ``"float32"``,
-        ``"bfloat16"``, ...): ``fp32_peak_flops`` for float32/float64 where set, else ``peak_flops``.
+        ``"bfloat16"``, ...): ``fp32_peak_flops`` for float32/float64 where set (a float32
+        ``convolution``: ``tf32_peak_flops`` where set), else ``peak_flops``.
 
         Example:
             >>> a100 = DeviceSpec.preset("a100")
             >>> a100.peak_flops_for("float32") / 1e12, a100.peak_flops_for("bfloat16") / 1e12
             (19.5, 312.0)
         """
-        if self.fp32_peak_flops > 0 and dtype.removeprefix("torch.") in ("float32", "float64"):
+        name = dtype.removeprefix("torch.")
+        if convolution and name == "float32" and self.tf32_peak_flops > 0:
+            return self.tf32_peak_flops
+        if self.fp32_peak_flops > 0 and name in ("float32", "float64"):
             return self.fp32_peak_flops
         return self.peak_flops
 
@@ -98,8 +105,9 @@ class DeviceSpec:
         """A known accelerator: ``h100``, ``h200``, ``a100``, ``a100-40gb``, ``v100``, ``t4``, or
         ``fpga`` (a generic FPGA-like card with assumed numbers, for what-if plans).
 
-        ``peak_flops`` is the dense bf16/fp16 tensor-core FLOP/s and ``fp32_peak_flops`` the
-        dense fp32 FLOP/s without TF32 (PyTorch's default for matmuls), from the vendors' data
+        ``peak_flops`` is the dense bf16/fp16 tensor-core FLOP/s, ``fp32_peak_flops`` the
+        dense fp32 FLOP/s without TF32 (PyTorch's default for matmuls) and ``tf32_peak_flops``
+        the dense TF32 rate (cuDNN's default for fp32 convolutions), from the vendors' data
         sheets (SXM parts). A CPU is measured on the spot by
         ``fxsplit.passes.measure_cpu_spec()`` (it needs torch).
 
@@ -159,13 +167,13 @@ class LinkSpec:
 
 PRESETS: dict[str, DeviceSpec] = {
     "h100": DeviceSpec("h100", 989e12, 3.35e12, 80 * GiB, kind="h100", torch_device="cuda", op_overhead_s=5e-6,
-                       fp32_peak_flops=67e12),
+                       fp32_peak_flops=67e12, tf32_peak_flops=495e12),
     "h200": DeviceSpec("h200", 989e12, 4.8e12, 141 * GiB, kind="h200", torch_device="cuda", op_overhead_s=5e-6,
-                       fp32_peak_flops=67e12),
+                       fp32_peak_flops=67e12, tf32_peak_flops=495e12),
     "a100": DeviceSpec("a100", 312e12, 2.039e12, 80 * GiB, kind="a100", torch_device="cuda", op_overhead_s=5e-6,
-                       fp32_peak_flops=19.5e12),
+                       fp32_peak_flops=19.5e12, tf32_peak_flops=156e12),
     "a100-40gb": DeviceSpec("a100-40gb", 312e12, 1.555e12, 40 * GiB, kind="a100", torch_device="cuda",
-                            op_overhead_s=5e-6, fp32_peak_flops=19.5e12),
+                            op_overhead_s=5e-6, fp32_peak_flops=19.5e12, tf32_peak_flops=156e12),
     "v100": DeviceSpec("v100", 125e12, 900e9, 32 * GiB, kind="v100", torch_device="cuda", op_overhead_s=5e-6,
                        fp32_peak_flops=15.7e12),
     "t4": DeviceSpec("t4", 65e12, 320e9, 16 * GiB, kind="t4", torch_device="cuda", op_overhead_s=5e-6,

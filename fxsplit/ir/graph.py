@@ -92,7 +92,8 @@ class CondensedGraph:
     #: ``((batch_fraction, graph), ...)``: this graph's costs for micro-batches of those fractions
     #: of the annotated batch, evaluated from the symbolic cost formulas
     #: (:mod:`fxsplit.passes.symbolic`); :meth:`scaled` returns them instead of its linear scaling.
-    #: Not serialised; a graph derived from this one (refitted, reduced) scales linearly.
+    #: Not serialised; :meth:`with_time_factors` and :meth:`with_weight_shares` refit them too;
+    #: other graphs derived from this one (reduced, re-timed by a profile) scale linearly.
     microbatch_graphs: tuple[tuple[float, CondensedGraph], ...] = field(default=(), repr=False, compare=False)
     _succ: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _pred: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
@@ -209,7 +210,10 @@ class CondensedGraph:
                     bwd_weight_s=b.bwd_weight_s * g)
             for b, f, g in zip(self.blocks, fwd_factors, bwd_factors, strict=True)
         )
-        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name)
+        # the micro-batch costs from the formulas get the same factors: a factor fitted on one
+        # micro-batch's costs must reproduce that measurement at that size
+        table = tuple((frac, g.with_time_factors(fwd_factors, bwd_factors)) for frac, g in self.microbatch_graphs)
+        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table)
 
     def with_weight_shares(self, shares: Sequence[float | None]) -> CondensedGraph:
         """Each block's ``bwd_weight_s`` set to ``shares[b] x bwd_s`` (None keeps it): the part
@@ -226,7 +230,8 @@ class CondensedGraph:
             raise PlanError(f"weight shares {list(shares)[:8]}... must be one per block ({len(self.blocks)}), "
                             "each in [0, 1] or None")
         blocks = tuple(b if x is None else replace(b, bwd_weight_s=b.bwd_s * x) for b, x in zip(self.blocks, shares, strict=True))
-        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name)
+        table = tuple((frac, g.with_weight_shares(shares)) for frac, g in self.microbatch_graphs)
+        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table)
 
     # -- checks and serialisation ----------------------------------------------------------
     def validate(self) -> list[str]:
