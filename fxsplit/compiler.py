@@ -23,7 +23,7 @@ from fxsplit import solvers
 from fxsplit.codegen import BatchNormTracker, defer_batch_norm, place_stages, split_graph
 from fxsplit.codegen.buffers import defer_buffer_updates
 from fxsplit.codegen.split import StagedProgram
-from fxsplit.errors import ConfigError, InfeasibleError, NotPerSampleWarning
+from fxsplit.errors import ConfigError, InfeasibleError, NotPerSampleWarning, SolverError
 from fxsplit.frontend import capture_with, front_end
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
 from fxsplit.ir.problem import AUTO_SCHEDULES, LOOPED_SCHEDULES, ObjectiveName
@@ -146,30 +146,34 @@ def plan_precisions(
 
     Raises:
         InfeasibleError: when no precision has a plan that fits (the message names each).
+        SolverError: when none has a plan and a solver gave up on one within its time limit.
     """
     precisions = AUTO_PRECISIONS if options.autocast == "auto" else (options.autocast,)
     tried: list[tuple[str | None, Problem, PlanChoice]] = []
-    failures: list[str] = []
+    failures: list[tuple[Exception, str]] = []
     for autocast in precisions:
         problem = annotate(autocast)
         try:
             choice = plan_pipeline(problem, batch, microbatches, schedule, solver,
                                    dataclasses.replace(options, autocast=autocast), schedules)
-        except InfeasibleError as exc:
+        except (InfeasibleError, SolverError) as exc:  # a time-out in one precision leaves the others
             if len(precisions) == 1:
                 raise
-            failures.append(f"{precision_label(autocast)}: {exc}")
+            failures.append((exc, f"{precision_label(autocast)}: {exc}"))
             continue
         tried.append((autocast, problem, dataclasses.replace(choice, autocast=autocast)))
     if not tried:
-        raise InfeasibleError("no precision has a plan that fits; " + " | ".join(failures))
+        text = "no precision has a plan; " + " | ".join(f for _, f in failures)
+        if all(isinstance(e, InfeasibleError) for e, _ in failures):
+            raise InfeasibleError(text)
+        raise SolverError(text)
     autocast, problem, best = min(tried, key=lambda t: plan_step_s(t[2].plan))
     if len(precisions) == 1:
         return problem, best
     steps = ", ".join(f"{precision_label(a)} {format_seconds(plan_step_s(c.plan), significant=3)}"
                       for a, _, c in tried)
     reason = (f"{precision_label(autocast)}, the fastest precision per step ({steps}"
-              + "".join(f"; {f}" for f in failures) + f"); {best.reason}")
+              + "".join(f"; {f}" for _, f in failures) + f"); {best.reason}")
     tables = "".join(f"{precision_label(a)}:\n{c.candidates}" for a, _, c in tried)
     return problem, dataclasses.replace(best, reason=reason, candidates=tables)
 

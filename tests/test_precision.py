@@ -263,3 +263,25 @@ def test_an_fp32_convolution_is_costed_at_the_tf32_rate_cudnn_runs_it_at(method:
                           options=fxsplit.CompileOptions(capture_method=method, symbolic_costs=False)).condensed.graph
         rates[name] = sum(b.flops for b in graph.blocks) / sum(b.fwd_s for b in graph.blocks)
     assert rates["conv"] == pytest.approx(156e12, rel=0.02) and rates["linear"] == pytest.approx(19.5e12, rel=0.02)
+
+
+def test_a_solver_time_out_in_one_precision_leaves_the_other(monkeypatch) -> None:
+    """bench/explore.py: a time-out planning the model's own dtypes ended the whole search."""
+    import fxsplit.compiler as compiler
+    from fxsplit.errors import SolverError
+
+    real = compiler.plan_pipeline
+
+    def flaky(problem, batch, microbatches, schedule, solver, options, schedules=compiler.AUTO_SCHEDULES):
+        if options.autocast is None:
+            raise SolverError("no plan within the time limit")
+        return real(problem, batch, microbatches, schedule, solver, options, schedules)
+
+    monkeypatch.setattr(compiler, "plan_pipeline", flaky)
+    case = zoo.get("mlp", batch_size=8)
+    pipe = _compile(case, 2, "auto")
+    assert pipe.autocast is torch.bfloat16 and "own dtypes: no plan within the time limit" in pipe.report.reason
+    monkeypatch.setattr(compiler, "plan_pipeline", lambda *a, **k: (_ for _ in ()).throw(SolverError("gave up")))
+    with pytest.raises(SolverError, match="no precision has a plan; own dtypes: gave up | autocast bf16: gave up"):
+        compiler.plan_precisions(lambda p: None, 8, 2, "1f1b", "auto",  # type: ignore[arg-type,return-value]
+                                 fxsplit.CompileOptions(autocast="auto"))
