@@ -295,8 +295,10 @@ def plan_on_rank0(
         lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, inputs
     )
     args, kwargs = meta_inputs
+    # only a planning rank 0 reads the micro-batch cost formulas (a second or so on big graphs)
+    annotate = replace(options, symbolic_costs=options.symbolic_costs and rank == 0 and plan is None)
     front, failure = _try(
-        lambda: front_end(meta_model, args, kwargs, reference=reference, cost_model="analytic", options=options)
+        lambda: front_end(meta_model, args, kwargs, reference=reference, cost_model="analytic", options=annotate)
     )
     own = {
         "schedule": schedule,
