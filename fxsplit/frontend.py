@@ -181,10 +181,16 @@ def _microbatch_sizes(flat: Sequence[Any], batched: Sequence[bool] | None,
     """The example batch, and the samples per micro-batch for each count ``m`` the planner may
     cost: the largest micro-batch ``ceil(batch / m)`` (the schedule search's) and the mean
     ``batch / m`` (the solvers'), the whole batch left out."""
-    batch = batch_size_of([x for x, b in zip(flat, batched or [True] * len(flat), strict=True) if b] or flat)
+    batch = _example_batch(flat, batched)
     counts = ({microbatches} if isinstance(microbatches, int)
               else set(default_microbatches(batch)) | set(range(1, min(batch, _FORMULA_COUNTS) + 1)))
     return batch, sorted(({float(-(-batch // m)) for m in counts} | {batch / m for m in counts}) - {float(batch)})
+
+
+def _example_batch(flat: Sequence[Any], batched: Sequence[bool] | None) -> int:
+    """Samples in the example batch: the batch dimension of the batched flat inputs (all of
+    them when ``batched`` is None)."""
+    return batch_size_of([x for x, b in zip(flat, batched or [True] * len(flat), strict=True) if b] or flat)
 
 
 def _with_microbatch_graphs(condensed: Condensed, captured: Captured, reference: DeviceSpec, batch: int,
@@ -195,6 +201,9 @@ def _with_microbatch_graphs(condensed: Condensed, captured: Captured, reference:
     from fxsplit.passes.symbolic import block_formulas, graphs_at, symbolic_node_costs
 
     graph = condensed.graph
+    if captured.method == "export" and captured.batched_inputs is None:  # exported at a fixed batch
+        log.info("%s: micro-batch costs scale linearly (captured with a fixed batch: no cost formulas)", name)
+        return condensed
     try:
         nodes = symbolic_node_costs(captured.gm, None, captured.batched_inputs, reference)
     except ConfigError as exc:  # a batch the capture fixed: no formulas to evaluate
@@ -249,7 +258,7 @@ def profile_options(flat: Sequence[Any], batched: Sequence[bool] | None, device:
     defaults for ``"auto"``), the timing cache of ``device`` (its :func:`device_name`) that
     ``options.profile_cache_dir`` asks for, and ``options.progress``."""
     batched = None if batched is None else tuple(batched)
-    batch = batch_size_of([x for x, b in zip(flat, batched or [True] * len(flat), strict=True) if b] or flat)
+    batch = _example_batch(flat, batched)
     counts = microbatches if isinstance(microbatches, int) else default_microbatches(batch)
     return {"batched": batched, "profile_sizes": profile_sizes(batch, counts),
             "profile_cache": open_cache(options.profile_cache_dir, device), "progress": options.progress}

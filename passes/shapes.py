@@ -18,7 +18,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fxsplit.passes.manager import PassResult, carries_value
 
-__all__ = ["PropagateShapes", "propagate_shapes", "fake_mode_of", "fake_state"]
+__all__ = ["PropagateShapes", "propagate_shapes", "fake_mode_of", "fake_state", "MetaDevicesMoved",
+           "autocast_run_device", "fake_like", "meta_devices_moved"]
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,6 @@ class PropagateShapes:
         with fake_state(gm, mode, device), mode:
             _ShapeProp(gm, mode, device).propagate_dont_convert_inputs(*fake_inputs)
         return PassResult(gm, modified=True)
-
 
 
 def autocast_run_device(gm: torch.nn.Module, inputs: Sequence[Any]) -> torch.device | None:

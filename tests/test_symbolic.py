@@ -252,3 +252,17 @@ def test_a_count_that_does_not_divide_the_batch_has_formula_costs_for_solvers_an
     plain = dataclasses.replace(graph, microbatch_graphs=())
     for fraction in (0.25, 0.3):
         assert sum(b.fwd_s for b in graph.scaled(fraction).blocks) > 1.5 * sum(b.fwd_s for b in plain.scaled(fraction).blocks)
+
+
+def test_a_graph_exported_at_a_fixed_batch_skips_the_symbolic_run(monkeypatch) -> None:
+    """Re-read finding: ``fxsplit plan`` exported at a fixed batch, and the front end ran the whole
+    symbolic propagation only to learn that no cost depends on the batch."""
+    import fxsplit.passes.symbolic as symbolic
+    from fxsplit.frontend import front_end
+    from fxsplit.options import CompileOptions
+
+    monkeypatch.setattr(symbolic, "symbolic_node_costs", lambda *a, **k: pytest.fail("symbolic run on a fixed batch"))
+    case = zoo.get("mlp", size="tiny", batch_size=8)
+    graph = front_end(case.model, case.example_inputs, {}, reference=A100, cost_model="analytic",
+                      options=CompileOptions(dynamic_batch=False, capture_method="export")).condensed.graph
+    assert graph.microbatch_graphs == ()

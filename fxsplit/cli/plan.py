@@ -90,8 +90,8 @@ def plan_command(
         if autocast != "auto":
             autocast_dtype(autocast)  # an unknown name fails before any work
         recompute_name = cast(RecomputeName, recompute)  # Problem.check refuses any other name
-        options = CompileOptions(time_limit_s=time_limit, recompute=recompute_name, autocast=autocast,
-                                 dynamic_batch=False)
+        # captured as fxsplit.compile captures (a symbolic batch): the micro-batch costs come from the formulas
+        options = CompileOptions(time_limit_s=time_limit, recompute=recompute_name, autocast=autocast)
         with console.status(f"capturing {model} ..."):
             case = _load(model, size, batch_size, preset, meta)
             captured = capture_with(case.model, case.example_inputs, case.example_kwargs, options)
