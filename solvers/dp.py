@@ -12,12 +12,11 @@ Time ``O(P · M)`` for ``P ≤ D²/2`` downset pairs and ``M`` moves (fixed orde
 free order: ``Π(n_t + 1) · T`` for ``T`` device classes of ``n_t`` devices); memory ``O(S · D)``.
 
 Makespan ``Σ_s t_s + (m - 1) · max_s t_s`` is not a min-max, so it is solved exactly by a
-parametric sweep over the bottleneck ``τ``: ``S(τ)`` = least sum of stage times with every stage
-``≤ τ`` (the same DP with ``+``), evaluated at ``τ_0`` = the optimal bottleneck and then at each
-next larger stage cost (the DP reports it), until ``L + (m - 1) · τ`` reaches the best makespan
-found, ``L <= S(∞)`` the graph's work on the fastest device. Every plan ``P`` is dominated at
-``τ = max(P)``, so the sweep is exact; it stops with status ``feasible`` and a proven bound after
-``max_rounds`` rounds.
+branch and bound over the bottleneck ``τ``: ``S(τ)`` = least sum of stage times with every stage
+``≤ τ`` (the same DP with ``+``); the plans with bottleneck in ``(a, b]`` cost at least
+``S(b) + (m - 1) · a``, and intervals whose bound reaches the best makespan found are dropped
+(:func:`_makespan`). It stops with status ``feasible`` and a proven bound after ``max_rounds``
+DP runs.
 
 1F1B memory depends on the number of stages ``p`` (stage ``s`` holds ``min(m, p - s)``
 micro-batches); when memory can bind, the layout has one chain of slots per ``p``, or, when
@@ -33,6 +32,7 @@ References:
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import time
@@ -129,6 +129,10 @@ def _chain_bound(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, 
     return run_dp(tb.restricted(rows), lay, comm_factor=comm, deadline=deadline, cancel=cancel).value
 
 
+_SWEEP_RTOL = 1e-10
+"""The makespan sweep takes a drop of ``S(τ)`` found within this relative width as found."""
+
+
 class _Sweep:
     """Sum-of-stage-times DPs under a bottleneck cap, counted, with the best makespan seen."""
 
@@ -152,14 +156,19 @@ class _Sweep:
 
 def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau0: float,
               deadline: float | None, max_rounds: int, cancel: Cancel | None) -> tuple[DPResult, float, int]:
-    """Exact makespan by visiting the drops of ``S(τ)`` (least sum of stage times, stages ``<= τ``).
+    """Exact makespan by branch and bound over the bottleneck ``τ``.
 
-    Within an interval where ``S`` is constant the best ``S(τ) + (m - 1)·τ`` is at its left end,
-    so only ``τ_0`` and the points where ``S`` drops matter; each drop is found by bisection on
-    ``τ`` snapped to the DP's next stage cost. Plans with bottleneck ``>= τ`` cost at least
-    ``L + (m - 1)·τ`` for any lower bound ``L`` of ``S(∞)``, which bounds the sweep: ``L`` is the
-    graph's work on the fastest device (every stage time adds communication to its work), so no
-    uncapped DP runs. Returns the best result, a proven lower bound and the number of DP runs.
+    ``S(τ)``, the least sum of stage times with every stage ``<= τ`` (the DP with ``+`` under a
+    cap), is non-increasing, and the plan it returns costs at most ``S(τ) + (m - 1)·τ``. Every
+    plan with bottleneck in ``(a, b]`` costs at least ``S(b) + (m - 1)·a``, so an interval whose
+    bound reaches the best makespan found holds no better plan and is dropped; so is one where
+    ``S(a) = S(b)`` (its plans are dominated by the plan at ``a``). Plans with bottleneck above
+    ``τ_max = (best - L) / (m - 1)`` cannot win, ``L <= S(∞)`` the graph's work on the fastest
+    device. The search starts from ``[τ_0, τ_max]``, ``τ_0`` the optimal bottleneck, and splits
+    the interval of least bound at its middle (or at the next stage cost above ``a`` when ``S``
+    is constant up to there), so drops of ``S`` too small to pay for a larger bottleneck are
+    never located. Returns the best result, a proven lower bound (the least bound of the
+    intervals left, the optimum when none is) and the number of DP runs.
     """
     m1 = problem.microbatches - 1
     if m1 == 0:
@@ -167,25 +176,32 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
         return smin, smin.value, 1
     floor = float(tb.work_s[tb.full]) / max(d.speed for d in problem.devices)
     sweep = _Sweep(problem, tb, lay, comm, deadline, cancel)
-    cur = sweep(tau0)
-    tau = tau0
-    while sweep.best is not None and sweep.runs < max_rounds:
-        tau_max = (sweep.best[0] - floor) / m1
-        if tau_max <= tau or sweep(tau_max).value >= cur.value:
-            return sweep.best[1], sweep.best[0], sweep.runs
-        lo, hi, nb = tau, tau_max, cur.next_break
-        while nb < hi and sweep.runs < max_rounds:
-            mid = max(nb, (lo + hi) / 2)
-            probe = sweep(mid)
-            if probe.value < cur.value:
-                hi = mid
-            else:
-                lo, nb = mid, probe.next_break
-        tau = min(nb, hi)
-        cur = sweep(tau)
+    low = sweep(tau0)
     if sweep.best is None:
         raise InternalError("dp makespan sweep found no plan under the optimal bottleneck")
-    return sweep.best[1], min(sweep.best[0], floor + m1 * tau), sweep.runs
+    tau_max = (sweep.best[0] - floor) / m1
+    if tau_max <= tau0:
+        return sweep.best[1], sweep.best[0], sweep.runs
+    high = sweep(tau_max)
+    # (bound, tie, a, b, S(a)'s result, S(b)): the plans with bottleneck in (a, b]
+    heap = [(high.value + m1 * tau0, 0, tau0, tau_max, low, high.value)]
+    while heap:
+        bound, _, a, b, res_a, s_b = heap[0]
+        if bound >= sweep.best[0] * (1 - _SWEEP_RTOL) or res_a.value <= s_b or res_a.next_break >= b \
+                or b - a <= _SWEEP_RTOL * b:
+            heapq.heappop(heap)  # no better plan inside, or S constant up to b (evaluated already)
+            continue
+        if sweep.runs >= max_rounds:
+            break
+        heapq.heappop(heap)
+        mid = max((a + b) / 2, res_a.next_break)  # S stays S(a) up to a's next stage cost
+        res_mid = sweep(mid)
+        heapq.heappush(heap, (s_b + m1 * mid, sweep.runs, mid, b, res_mid, s_b))
+        if mid > res_a.next_break:  # else every plan in (a, mid) is dominated by a's
+            heapq.heappush(heap, (res_mid.value + m1 * a, -sweep.runs, a, mid, res_a, res_mid.value))
+    best_obj, best_res = sweep.best
+    bound = min([best_obj] + [h[0] for h in heap])
+    return best_res, bound, sweep.runs
 
 
 def one_stage_optimum(problem: Problem) -> Plan | None:

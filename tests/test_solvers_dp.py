@@ -362,3 +362,33 @@ def test_dp_equals_brute_force_with_memory_of_node_sizes_only(problem: Problem) 
     # transfer_memory=False (Tarnawski's model): the DP's memory rows leave out the cut bytes
     # exactly where evaluate() does, so the optimum still equals brute force
     _check_against_brute(problem.with_(transfer_memory=False))
+
+
+@SETTINGS
+@given(problems(max_blocks=8, max_devices=4, heterogeneous=True, device_order=None, objective="makespan",
+                memory_mib=(8, 64)), st.integers(5, 64))
+def test_makespan_branch_and_bound_equals_brute_force_with_many_microbatches(problem: Problem, m: int) -> None:
+    # With many micro-batches the bottleneck term dominates and S(tau) (least sum under a cap)
+    # drops at many caps near the optimum: the branch and bound over tau must still be exact.
+    problem = problem.with_(microbatches=m)
+    expected = brute_force(problem)
+    if math.isinf(expected):
+        with pytest.raises(InfeasibleError):
+            solve_dp(problem)
+        return
+    plan = solve_dp(problem)
+    assert plan.objective_s == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert plan.status == "optimal" and plan.lower_bound_s == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_makespan_search_skips_drops_too_small_to_pay_for_a_larger_bottleneck() -> None:
+    # 300 blocks, boundaries of 1-5 MiB over 16 MiB/s on 16 devices, 64 micro-batches: S(tau)
+    # drops at many caps just above the optimal bottleneck, each by less than (m - 1) x the cap
+    # it needs; the bound prunes them unvisited (locating every drop took 99 DP runs).
+    n = 300
+    blocks = tuple(Block(i, f"b{i}", (f"n{i}",), fwd_s=1.0 + 0.01 * (i % 7)) for i in range(n))
+    g = CondensedGraph(blocks, tuple(Edge(i, i + 1, (i % 5 + 1) * MiB) for i in range(n - 1)))
+    pb = Problem(g, tuple(DeviceSpec(f"d{i}") for i in range(16)), link=LinkSpec(16 * MiB, 1e-3),
+                 objective="makespan", microbatches=64)
+    plan = solve_dp(pb)
+    assert plan.status == "optimal" and plan.stats["rounds"] <= 12
