@@ -26,6 +26,7 @@ from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError, InfeasibleError, NotPerSampleWarning, SolverError
 from fxsplit.frontend import capture_with, front_end
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan, Problem, evaluate
+from fxsplit.ir.plan import trivial_lower_bound
 from fxsplit.ir.problem import AUTO_SCHEDULES, LOOPED_SCHEDULES, ObjectiveName
 from fxsplit.ir.units import format_seconds
 from fxsplit.options import CompileOptions, autocast_dtype
@@ -192,8 +193,34 @@ def per_microbatch(problem: Problem, m: int, kind: str) -> Problem:
     return problem.with_(graph=problem.graph.scaled(1.0 / m), microbatches=m, schedule=kind)
 
 
-def _solve(problem: Problem, solver: str, options: CompileOptions, m: int, kind: str) -> Plan:
-    return solvers.solve(per_microbatch(problem, m, kind), solver, time_limit_s=options.time_limit_s)
+def _solve(problem: Problem, solver: str, options: CompileOptions, m: int, kind: str, seed: Plan | None = None) -> Plan:
+    """``solver``'s split of ``problem`` at ``m`` micro-batches under ``kind``.
+
+    ``seed``: the schedule search's split, which fits memory at the winner's ``(kind, m)``; it
+    hints CP-SAT, and when the exact solver finds no plan within the time limit it is returned
+    re-costed, status ``feasible`` with the trivial lower bound (``stats["fallback"]`` says why),
+    so a search that found a plan never ends without one."""
+    pb = per_microbatch(problem, m, kind)
+    if seed is None:
+        return solvers.solve(pb, solver, time_limit_s=options.time_limit_s)
+    fallback = evaluate(pb, [list(st.blocks) for st in seed.stages], [st.device for st in seed.stages],
+                        solver=seed.solver, lower_bound_s=trivial_lower_bound(pb),
+                        stats={**seed.stats, "fallback": "the schedule search's split"})
+    usable = not fallback.validate(pb)
+    opts = {"hint": fallback} if usable and solver in ("auto", "cpsat") else {}
+    try:
+        plan = solvers.solve(pb, solver, time_limit_s=options.time_limit_s, **opts)
+    except InfeasibleError:
+        raise
+    except SolverError as exc:
+        if not usable:
+            raise
+        log.warning("%s; keeping the schedule search's split (%s)", exc, format_seconds(fallback.objective_s))
+        return fallback.with_(status="feasible", stats={**fallback.stats, "fallback": str(exc)})
+    if usable and fallback.objective_s < plan.objective_s * (1 - 1e-9):
+        return fallback.with_(status="feasible", lower_bound_s=min(plan.lower_bound_s, fallback.objective_s),
+                              stats={**fallback.stats, "fallback": f"better than {plan.solver}'s {plan.status} plan"})
+    return plan
 
 
 def _explore_plan(problem: Problem, solver: str, options: CompileOptions, m: int, kind: str) -> Plan:
@@ -297,7 +324,8 @@ def plan_pipeline(
     reuse = kind in first and m == m0 and (first[kind][1].status == "optimal" or not solvers.is_exact(solver))
     if not reuse:
         say_phase(options, f"planning: the {solver} split for {kind} with {m} micro-batch{'es' if m != 1 else ''}")
-    plan = first[kind][1] if reuse else _solve(pb, solver, options, m, kind)
+    seed = next(plan for k, (_, plan) in first.items() if (k in LOOPED_SCHEDULES) == (kind in LOOPED_SCHEDULES))
+    plan = first[kind][1] if reuse else _solve(pb, solver, options, m, kind, seed)
     return PlanChoice(plan, pb.with_(microbatches=m, schedule=kind), kind, m, choice.reason, choice.format_table())
 
 

@@ -51,7 +51,7 @@ from fxsplit.solvers.diagnose import (
     stage_count_error,
 )
 from fxsplit.solvers.dpcore import DPResult, DPTimeoutError, run_dp
-from fxsplit.solvers.layout import Layout, build_layout
+from fxsplit.solvers.layout import Layout, build_layout, stage_counts
 from fxsplit.solvers.reduce import solve_reduced
 from fxsplit.solvers.relax import memory_bound_error
 from fxsplit.solvers.tables import DownsetTables, build_tables, chain_masks, is_chain_order
@@ -74,11 +74,37 @@ def _memory_can_bind(problem: Problem, tb: DownsetTables) -> bool:
     return bool(worst >= min(d.memory_bytes for d in problem.devices) + 1)
 
 
-def _layout(problem: Problem, tb: DownsetTables) -> Layout:
-    """The DP state space; one chain of slots per stage count when 1F1B in-flight counts matter."""
+def _layout(problem: Problem, tb: DownsetTables, counts: list[int] | None = None) -> Layout:
+    """The DP state space; one chain of slots per stage count when 1F1B in-flight counts matter
+    (only the stage counts ``counts`` when given)."""
     bind = _memory_can_bind(problem, tb)
     per_p = bind and problem.in_flight_depends_on_stage_count
-    return build_layout(problem, len(problem.graph), bind, per_p)
+    return build_layout(problem, len(problem.graph), bind, per_p, counts=counts)
+
+
+def _chained_counts(problem: Problem, tb: DownsetTables) -> list[int]:
+    """The stage counts the layout lays out as separate chains of slots (per-``p`` chains of
+    fixed or free order); ``[]`` when it has one set of slots for all."""
+    bind = _memory_can_bind(problem, tb)
+    per_p = bind and problem.in_flight_depends_on_stage_count
+    if not per_p or build_layout(problem, 1, bind, per_p).from_end:
+        return []
+    return [p for p in stage_counts(problem, min(problem.num_devices, len(problem.graph)), per_p) if p is not None]
+
+
+def count_lower_bound(problem: Problem, tb: DownsetTables, p: int) -> float:
+    """A lower bound on the objective of any plan with exactly ``p`` stages, seconds: the
+    graph's work spread perfectly over the ``p`` fastest devices the order allows (fixed: the
+    first ``p``; free: the ``p`` fastest), and for the makespan one micro-batch through all of it
+    on the fastest of them plus ``m - 1`` of that bottleneck (stage times only add
+    communication and recomputation to their work)."""
+    speeds = [d.speed for d in problem.devices]
+    usable = speeds[:p] if problem.device_order == "fixed" else sorted(speeds, reverse=True)[:p]
+    work = float(tb.work_s[tb.full])
+    bottleneck = work / sum(usable)
+    if problem.objective == "bottleneck":
+        return bottleneck
+    return work / max(usable) + (problem.microbatches - 1) * bottleneck
 
 
 def _to_lists(res: DPResult, layout: Layout) -> tuple[list[list[int]], list[int]]:
@@ -204,6 +230,22 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
     return best_res, bound, sweep.runs
 
 
+def _optimize(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, deadline: float | None,
+              max_rounds: int, cancel: Cancel | None, tie_break: bool) -> tuple[DPResult, float, int] | None:
+    """The best plan over ``lay``: ``(result, proven lower bound, DP runs)``, None when none fits."""
+    res = run_dp(tb, lay, comm_factor=comm, deadline=deadline, cancel=cancel,
+                 bound_s=_chain_bound(problem, tb, lay, comm, deadline, cancel))
+    if not res.stages:
+        return None
+    if problem.objective == "makespan":
+        return _makespan(problem, tb, lay, comm, res.value, deadline, max_rounds, cancel)
+    bottleneck = res.value
+    if tie_break:
+        res = run_dp(tb, lay, comm_factor=comm, combine="sum", cap_s=res.value, deadline=deadline,
+                     want_break=False, bound_s=res.value, cancel=cancel)
+    return res, bottleneck, 0
+
+
 def one_stage_optimum(problem: Problem) -> Plan | None:
     """The whole graph as one stage on a fastest device, when that is proven optimal without a
     search: the makespan of one micro-batch is the sum of the stage times, at least the graph's
@@ -298,26 +340,44 @@ def solve_dp(
         return lifted.with_(solve_time_s=time.perf_counter() - start)
     reduced = states == "chain" and not is_chain_order(problem)
     tb = build_tables(problem, max_downsets, masks=chain_masks(len(problem.graph)) if states == "chain" else None)
-    lay = _layout(problem, tb)
     comm = 2.0 if problem.training else 1.0
-    res = run_dp(tb, lay, comm_factor=comm, deadline=deadline, cancel=cancel,
-                 bound_s=_chain_bound(problem, tb, lay, comm, deadline, cancel))
-    if not res.stages:
+    counts = _chained_counts(problem, tb)
+    found: list[tuple[Plan, float, int]] = []  # (plan, proven bound over its layout, DP runs)
+    slots = moves = 0
+
+    def optimize(only: list[int] | None) -> None:
+        nonlocal slots, moves
+        lay = _layout(problem, tb, only)
+        slots, moves = slots + lay.num_slots, moves + len(lay.moves)
+        out = _optimize(problem, tb, lay, comm, deadline, max_rounds, cancel, tie_break)
+        if out is not None:
+            found.append((evaluate(problem, *_to_lists(out[0], lay)), out[1], out[2]))
+
+    # One chain of slots per stage count p (1F1B memory): the most stages first; a p whose
+    # work-spread bound is no better than that plan is proven worse and never laid out.
+    optimize(counts[-1:] if len(counts) > 1 else None)
+    solved = 1
+    if len(counts) > 1:
+        best = min((f[0].objective_s for f in found), default=math.inf)
+        rest = [p for p in counts[:-1] if count_lower_bound(problem, tb, p) < best * (1 - 1e-9)]
+        if rest:
+            optimize(rest)
+            solved += len(rest)
+    if not found:
         if reduced:
             raise InfeasibleError(
                 f"no split of graph {problem.graph.name!r} along its block order fits in memory "
                 f"(solve_dp(states='chain') is a heuristic; use states='downsets' or solver='auto' "
                 "for the exact answer and its diagnosis)")
         raise _infeasible(problem, tb, comm, deadline, cancel)
-    bound, rounds = res.value, 0
-    if problem.objective == "makespan":
-        res, bound, rounds = _makespan(problem, tb, lay, comm, res.value, deadline, max_rounds, cancel)
-    elif tie_break:
-        res = run_dp(tb, lay, comm_factor=comm, combine="sum", cap_s=res.value, deadline=deadline,
-                     want_break=False, bound_s=res.value, cancel=cancel)
-    stages, devices = _to_lists(res, lay)
-    stats = {"downsets": tb.num, "slots": lay.num_slots, "moves": len(lay.moves), "rounds": rounds, "states": states}
-    plan = evaluate(problem, stages, devices, solver="dp", lower_bound_s=None if reduced else bound, stats=stats)
+    best_plan = min(found, key=lambda f: (f[0].objective_s, sum(st.time_s for st in f[0].stages)))[0]
+    bound = min(f[1] for f in found)  # pruned stage counts are bounded by the best plan
+    stats = {"downsets": tb.num, "slots": slots, "moves": moves, "rounds": sum(f[2] for f in found),
+             "states": states}
+    if len(counts) > 1:
+        stats["stage_counts"] = f"{solved} of {len(counts)} laid out"
+    plan = evaluate(problem, [list(st.blocks) for st in best_plan.stages], [st.device for st in best_plan.stages],
+                    solver="dp", lower_bound_s=None if reduced else bound, stats=stats)
     status = "optimal" if plan.gap <= 1e-9 else "feasible"
     if status == "optimal":  # the DP's value and evaluate() differ only by summation order
         plan = plan.with_(lower_bound_s=plan.objective_s)

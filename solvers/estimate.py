@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from fxsplit.errors import SolverError
 from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, DownsetBudgetError, enumerate_downsets
 from fxsplit.ir.problem import Problem
-from fxsplit.solvers.layout import build_layout
+from fxsplit.solvers.layout import build_layout, stage_counts
 
 __all__ = ["DPEstimate", "MAKESPAN_RUNS", "estimate_dp"]
 
@@ -88,13 +88,17 @@ def estimate_dp(problem: Problem, max_downsets: int | None = DEFAULT_MAX_DOWNSET
         smaller += per_size[size]
     bind = _memory_may_bind(problem)
     per_p = bind and problem.in_flight_depends_on_stage_count
-    try:
-        lay = build_layout(problem, len(problem.graph), bind, per_p)
+    counts = stage_counts(problem, min(problem.num_devices, len(problem.graph)), per_p) if per_p else None
+    try:  # with one chain of slots per stage count the DP lays out the most stages first, and the
+        # others only where its work bound leaves room (rarely with binding memory): count those
+        lay = build_layout(problem, len(problem.graph), bind, per_p, counts=counts[-1:] if counts else None)
     except SolverError:
         return DPEstimate(len(masks))
     moves, sigs = len(lay.moves), len(lay.groups)
     runs = 2 if problem.objective == "bottleneck" else MAKESPAN_RUNS
     words = max(1, (len(problem.graph) + 63) // 64)
+    # the runs pair only downsets whose work differs by at most about two balanced stages
+    window = min(1.0, 4.0 / problem.num_devices)
     per_run = (SECONDS_PER_SIZE * (len(problem.graph) + 1)
-               + pairs * (SECONDS_PER_PAIR_WORD * words + SECONDS_PER_PAIR_MOVE * moves))
+               + window * pairs * (SECONDS_PER_PAIR_WORD * words + SECONDS_PER_PAIR_MOVE * moves))
     return DPEstimate(len(masks), pairs, moves, sigs, runs, runs * per_run)

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fxsplit.errors import SolverError
 from fxsplit.ir.devices import LinkSpec
 from fxsplit.ir.problem import Problem
 
-__all__ = ["Move", "Signature", "Layout", "build_layout", "device_classes"]
+__all__ = ["Move", "Signature", "Layout", "build_layout", "device_classes", "stage_counts"]
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def device_classes(problem: Problem) -> list[tuple[int, ...]]:
     return [tuple(v) for v in classes.values()]
 
 
-def _targets(problem: Problem, max_stages: int, per_p: bool) -> list[int | None]:
+def stage_counts(problem: Problem, max_stages: int, per_p: bool) -> list[int | None]:
     """Numbers of stages to lay out separately (``[None]``: any number, in-flight as for ``k``)."""
     if not per_p:
         return [None]
@@ -150,9 +151,10 @@ def _sig(problem: Problem, device: int, stage: int, p: int | None, check_memory:
     return Signature(d.speed, cap, flight if check_memory else 0, link_in, link_out)
 
 
-def _fixed(problem: Problem, max_stages: int, per_p: bool, check_memory: bool) -> Layout:
+def _fixed(problem: Problem, max_stages: int, per_p: bool, check_memory: bool,
+           counts: Sequence[int | None] | None = None) -> Layout:
     k, b = problem.num_devices, _Builder()
-    for p in _targets(problem, max_stages, per_p):
+    for p in stage_counts(problem, max_stages, per_p) if counts is None else counts:
         top = p if p is not None else max_stages
         for j in range(top):
             link_in = problem.link_between(j - 1, j) if j > 0 else problem.link
@@ -205,7 +207,8 @@ def _from_end(problem: Problem, max_stages: int) -> Layout:
     return b.build(tuple(classes), from_end=True)
 
 
-def _free(problem: Problem, max_stages: int, per_p: bool, check_memory: bool) -> Layout:
+def _free(problem: Problem, max_stages: int, per_p: bool, check_memory: bool,
+          counts: Sequence[int | None] | None = None) -> Layout:
     if problem.links:
         raise SolverError(
             "device_order='free' with per-pair link overrides is not supported by the exact "
@@ -214,7 +217,7 @@ def _free(problem: Problem, max_stages: int, per_p: bool, check_memory: bool) ->
         )
     classes, b, link = device_classes(problem), _Builder(), problem.link
     vectors = _count_vectors(classes, max_stages)
-    for p in _targets(problem, max_stages, per_p):
+    for p in stage_counts(problem, max_stages, per_p) if counts is None else counts:
         top = p if p is not None else max_stages
         for c in vectors:
             if sum(c) >= top:
@@ -229,7 +232,7 @@ def _free(problem: Problem, max_stages: int, per_p: bool, check_memory: bool) ->
 
 
 def build_layout(problem: Problem, num_blocks: int, check_memory: bool, per_p: bool = False,
-                 from_end: bool = True) -> Layout:
+                 from_end: bool = True, counts: Sequence[int] | None = None) -> Layout:
     """The DP state space for ``problem``.
 
     Args:
@@ -241,13 +244,16 @@ def build_layout(problem: Problem, num_blocks: int, check_memory: bool, per_p: b
             devices were used (exact whenever they do not depend on ``p`` or memory is unchecked).
         from_end: Allow the layout from the pipeline's end instead of the per-``p`` chains,
             used whenever it is exact (see the module docstring); ``False``: never.
+        counts: With ``per_p``, lay out only these numbers of stages (a subset of
+            :func:`stage_counts`; the DP solves the others separately or proves them worse).
 
     Raises:
         SolverError: for ``device_order="free"`` with per-pair link overrides.
     """
     max_stages = min(problem.num_devices, num_blocks)
-    if from_end and check_memory and _can_start_from_end(problem, per_p):
+    if from_end and check_memory and _can_start_from_end(problem, per_p) and counts is None:
         return _from_end(problem, max_stages)
+    chains = None if counts is None or not per_p else list(counts)
     if problem.device_order == "fixed":
-        return _fixed(problem, max_stages, per_p, check_memory)
-    return _free(problem, max_stages, per_p, check_memory)
+        return _fixed(problem, max_stages, per_p, check_memory, chains)
+    return _free(problem, max_stages, per_p, check_memory, chains)

@@ -392,3 +392,47 @@ def test_makespan_search_skips_drops_too_small_to_pay_for_a_larger_bottleneck() 
                  objective="makespan", microbatches=64)
     plan = solve_dp(pb)
     assert plan.status == "optimal" and plan.stats["rounds"] <= 12
+
+
+def test_one_chain_per_stage_count_only_where_the_work_bound_leaves_room() -> None:
+    # 1F1B with binding memory on 6 devices whose links differ (no layout from the end): the
+    # 6-stage chain is solved first; 1-5 stages cannot beat it (work over p devices) and are
+    # never laid out. With a link so slow that fewer stages win, every count is solved and the
+    # optimum is the brute force's.
+    blocks = tuple(Block(i, f"b{i}", (f"n{i}",), fwd_s=1.0, bwd_s=2.0, param_bytes=MiB, activation_bytes=MiB)
+                   for i in range(12))
+    g = CondensedGraph(blocks, tuple(Edge(i, i + 1, MiB) for i in range(11)))
+    devs = tuple(DeviceSpec(f"d{i}", memory_bytes=40 * MiB) for i in range(6))
+    fast = tuple((i, i + 1, LinkSpec(1e12, 0.0)) for i in range(5))
+    pb = Problem(g, devs, link=LinkSpec(1e12, 0.0), links=fast, objective="makespan", microbatches=8, schedule="1f1b")
+    plan = solve_dp(pb)
+    assert plan.status == "optimal" and plan.num_stages == 6 and plan.stats["stage_counts"] == "1 of 6 laid out"
+    slow = pb.with_(links=tuple((i, i + 1, LinkSpec(MiB / 4, 0.5)) for i in range(5)), microbatches=3)
+    plan = solve_dp(slow)
+    assert plan.stats["stage_counts"] == "6 of 6 laid out" and plan.num_stages < 6
+    assert plan.objective_s == pytest.approx(brute_force(slow), rel=1e-9)
+
+
+def test_schedule_search_keeps_its_split_when_the_exact_solver_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The exact split of the winner times out without a plan: the search's own split (which fits
+    # at the winner's schedule and micro-batch count) comes back, feasible, and says why.
+    from fxsplit import compiler
+    from fxsplit.options import CompileOptions
+
+    def gives_up(problem: Problem, solver: str, **opts: object) -> None:
+        assert isinstance(opts.get("hint"), type(solve(problem, "greedy")))  # CP-SAT would start from it
+        raise SolverError("cpsat found no plan in 0.01 s")
+
+    blocks = tuple(Block(i, f"b{i}", (f"n{i}",), fwd_s=1.0 + (i % 3), bwd_s=2.0) for i in range(10))
+    pb = Problem(CondensedGraph(blocks, tuple(Edge(i, i + 1, MiB) for i in range(9))),
+                 tuple(DeviceSpec(f"d{i}") for i in range(3)), objective="makespan")
+    monkeypatch.setattr(compiler.solvers, "solve", lambda pb, solver, **kw: gives_up(pb, solver, **kw)
+                        if solver == "auto" else solve(pb, solver, **kw))
+    choice = compiler.plan_pipeline(pb, 8, "auto", "auto", "auto", CompileOptions(time_limit_s=0.01))
+    plan = choice.plan
+    assert plan.status == "feasible" and "no plan in 0.01 s" in plan.stats["fallback"]
+    assert not plan.validate(compiler.per_microbatch(choice.problem, choice.microbatches, choice.schedule))
+    with pytest.raises(InfeasibleError):  # a proof is never papered over
+        monkeypatch.setattr(compiler.solvers, "solve", lambda pb, solver, **kw: (_ for _ in ()).throw(
+            InfeasibleError("no split fits")) if solver == "auto" else solve(pb, solver, **kw))
+        compiler.plan_pipeline(pb, 8, "auto", "auto", "auto", CompileOptions(time_limit_s=0.01))
