@@ -230,6 +230,21 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
     return best_res, bound, sweep.runs
 
 
+def _may_win(problem: Problem, tb: DownsetTables, counts: list[int], comm: float, best_s: float,
+             deadline: float | None, cancel: Cancel | None) -> list[int]:
+    """The stage counts among ``counts`` whose plans may beat a makespan of ``best_s``: a
+    ``p``-stage plan costs at least ``L + (m - 1) · τ_p``, ``τ_p`` its optimal bottleneck and
+    ``L`` the graph's work on the fastest device. One bottleneck run over the chains of
+    ``counts``, narrowed to stages that could still win (``τ_p`` is exact below the cut)."""
+    m1 = problem.microbatches - 1
+    floor = float(tb.work_s[tb.full]) / max(d.speed for d in problem.devices)
+    cut = (best_s - floor) / m1
+    lay = _layout(problem, tb, counts)
+    res = run_dp(tb, lay, comm_factor=comm, deadline=deadline, cancel=cancel, bound_s=cut)
+    tau = {lay.stages[slot]: v for slot, v in zip(lay.terminal, res.terminal_values, strict=True)}
+    return [p for p in counts if floor + m1 * tau.get(p, math.inf) < best_s * (1 - 1e-9)]
+
+
 def _optimize(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, deadline: float | None,
               max_rounds: int, cancel: Cancel | None, tie_break: bool) -> tuple[DPResult, float, int] | None:
     """The best plan over ``lay``: ``(result, proven lower bound, DP runs)``, None when none fits."""
@@ -353,13 +368,16 @@ def solve_dp(
         if out is not None:
             found.append((evaluate(problem, *_to_lists(out[0], lay)), out[1], out[2]))
 
-    # One chain of slots per stage count p (1F1B memory): the most stages first; a p whose
-    # work-spread bound is no better than that plan is proven worse and never laid out.
+    # One chain of slots per stage count p (1F1B memory): the most stages first; then a p is
+    # laid out only where a bound leaves it room to win (count_lower_bound, then its optimal
+    # bottleneck from one run over the remaining chains).
     optimize(counts[-1:] if len(counts) > 1 else None)
     solved = 1
     if len(counts) > 1:
         best = min((f[0].objective_s for f in found), default=math.inf)
         rest = [p for p in counts[:-1] if count_lower_bound(problem, tb, p) < best * (1 - 1e-9)]
+        if rest and math.isfinite(best) and problem.objective == "makespan" and problem.microbatches > 1:
+            rest = _may_win(problem, tb, rest, comm, best, deadline, cancel)
         if rest:
             optimize(rest)
             solved += len(rest)

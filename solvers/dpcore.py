@@ -34,6 +34,7 @@ import numpy as np
 from fxsplit.errors import SolverError
 from fxsplit.ir.problem import Problem
 from fxsplit.solvers.cancel import Cancel
+from fxsplit.solvers.dpchain import is_nested, run_nested
 from fxsplit.solvers.layout import Layout, Signature
 from fxsplit.solvers.tables import DownsetTables
 
@@ -60,11 +61,14 @@ class DPResult:
         stages: ``[(block mask, unit)]`` per stage in pipeline order (empty when infeasible).
         next_break: Smallest stage cost above ``cap_s`` seen (``inf`` when none or no cap), at
             most ``bound_s`` when the run was narrowed by one (a breakpoint no later than the next).
+        terminal_values: ``f[slot][V]`` of each of ``layout.terminal`` (the best value of plans
+            ending there: one per stage count in a layout with a chain per count).
     """
 
     value: float
     stages: tuple[tuple[int, int], ...]
     next_break: float
+    terminal_values: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -264,6 +268,15 @@ def run_dp(
     if math.isfinite(bound_s) and kind == "time":
         tol = 1e-9 * max(1.0, float(np.abs(tb.work_s).max()))  # the sums' rounding
         reach = bound_s * float(sigs.speed.max()) + tol
+    if is_nested(tb):  # a chain of downsets: vectorised by stage (dpchain)
+        def stopped(what: str) -> None:
+            raise (DPCancelledError if what.startswith("dp stopped") else DPTimeoutError)(what)
+
+        next_break = run_nested(tb, layout, f, par_move, par_j,
+                                cost_of=lambda i, js: _stage_costs(tb, i, js, sigs, comm_factor, kind),
+                                combine=combine, cap_s=cap_s, want_break=want_break, reach=reach,
+                                deadline=deadline, cancel=cancel, stopped=stopped)
+        return _result(tb, layout, f, par_move, par_j, next_break, want_break, reach, bound_s)
     nwords = tb.words.shape[1]
     cols = [np.ascontiguousarray(tb.words[:, w]) for w in range(nwords)]
     for size in range(1, int(tb.size[-1]) + 1):
@@ -297,6 +310,12 @@ def run_dp(
             pos = np.where(val == np.repeat(seg_min, counts, axis=1), np.arange(len(pi)), len(pi))
             best = np.minimum.reduceat(pos, starts, axis=1)
             _update(f, par_move, par_j, pi[starts], mv.move[:n_active], mv.dst[:n_active], seg_min, js[best])
+    return _result(tb, layout, f, par_move, par_j, next_break, want_break, reach, bound_s)
+
+
+def _result(tb: DownsetTables, layout: Layout, f: np.ndarray, par_move: np.ndarray, par_j: np.ndarray,
+            next_break: float, want_break: bool, reach: float, bound_s: float) -> DPResult:
+    """The best terminal slot's value and plan, and the breakpoint (at most ``bound_s`` when narrowed)."""
     if want_break and math.isfinite(reach):
         next_break = min(next_break, bound_s)
     value, slot = math.inf, -1
@@ -306,4 +325,4 @@ def run_dp(
     stages = _reconstruct(tb, layout, par_move, par_j, slot) if slot >= 0 else ()
     if layout.from_end:
         stages = stages[::-1]
-    return DPResult(value, stages, next_break)
+    return DPResult(value, stages, next_break, tuple(float(f[t, tb.full]) for t in layout.terminal))
