@@ -223,6 +223,10 @@ def _solve(problem: Problem, solver: str, options: CompileOptions, m: int, kind:
     return plan
 
 
+EXPLORE_ROUNDS = 6
+"""DP runs of the makespan search for the split the schedule search ranks candidates on."""
+
+
 def _explore_plan(problem: Problem, solver: str, options: CompileOptions, m: int, kind: str) -> Plan:
     """The split the schedule search simulates its candidates on.
 
@@ -232,8 +236,12 @@ def _explore_plan(problem: Problem, solver: str, options: CompileOptions, m: int
     fits. The winner is then solved exactly. A heuristic ``solver`` is used as is."""
     if not solvers.is_exact(solver):
         return _solve(problem, solver, options, m, kind)
-    try:
-        return solvers.solve(per_microbatch(problem, m, kind), "dp", states="chain", time_limit_s=options.time_limit_s)
+    pb = per_microbatch(problem, m, kind)
+    try:  # a split to rank the schedules on: a few rounds of the makespan search are plenty
+        return solvers.solve(pb, "dp", states="chain", time_limit_s=options.time_limit_s, max_rounds=EXPLORE_ROUNDS)
+    except SolverError as exc:  # out of time (InfeasibleError is no SolverError)
+        log.info("%s; ranking the schedules on the greedy split", exc)
+        return solvers.solve(pb, "greedy")
     except InfeasibleError:
         if is_chain_order(problem):  # the prefixes are all the downsets: a proof
             raise
