@@ -207,7 +207,7 @@ def _solve(problem: Problem, solver: str, options: CompileOptions, m: int, kind:
                         solver=seed.solver, lower_bound_s=trivial_lower_bound(pb),
                         stats={**seed.stats, "fallback": "the schedule search's split"})
     usable = not fallback.validate(pb)
-    opts = {"hint": fallback} if usable and solver in ("auto", "cpsat") else {}
+    opts: dict[str, Any] = {"hint": fallback} if usable and solver in ("auto", "cpsat") else {}
     try:
         plan = solvers.solve(pb, solver, time_limit_s=options.time_limit_s, **opts)
     except InfeasibleError:

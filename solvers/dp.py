@@ -36,7 +36,7 @@ import heapq
 import logging
 import math
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -390,8 +390,8 @@ def solve_dp(
         raise _infeasible(problem, tb, comm, deadline, cancel)
     best_plan = min(found, key=lambda f: (f[0].objective_s, sum(st.time_s for st in f[0].stages)))[0]
     bound = min(f[1] for f in found)  # pruned stage counts are bounded by the best plan
-    stats = {"downsets": tb.num, "slots": slots, "moves": moves, "rounds": sum(f[2] for f in found),
-             "states": states}
+    stats: dict[str, Any] = {"downsets": tb.num, "slots": slots, "moves": moves,
+                             "rounds": sum(f[2] for f in found), "states": states}
     if len(counts) > 1:
         stats["stage_counts"] = f"{solved} of {len(counts)} laid out"
     plan = evaluate(problem, [list(st.blocks) for st in best_plan.stages], [st.device for st in best_plan.stages],

@@ -232,7 +232,7 @@ def _free(problem: Problem, max_stages: int, per_p: bool, check_memory: bool,
 
 
 def build_layout(problem: Problem, num_blocks: int, check_memory: bool, per_p: bool = False,
-                 from_end: bool = True, counts: Sequence[int] | None = None) -> Layout:
+                 from_end: bool = True, counts: Sequence[int | None] | None = None) -> Layout:
     """The DP state space for ``problem``.
 
     Args:
