@@ -78,12 +78,13 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
         raise err
     if (one := one_stage_optimum(problem)) is not None:  # proven without a search
         return one
-    if not isinstance(opts.get("hint"), Plan):  # a plan hint names the original blocks
-        lifted = solve_reduced(problem, lambda pb: solve_auto(
-            pb, time_limit_s=None if time_limit_s is None else max(0.01, time_limit_s - (time.perf_counter() - start)),
-            max_downsets=max_downsets, **opts))
-        if lifted is not None:
-            return lifted.with_(solve_time_s=time.perf_counter() - start)
+    # a plan hint names the original blocks: the reduced problem is solved without it
+    reduced_opts = {k: v for k, v in opts.items() if not (k == "hint" and isinstance(v, Plan))}
+    lifted = solve_reduced(problem, lambda pb: solve_auto(
+        pb, time_limit_s=None if time_limit_s is None else max(0.01, time_limit_s - (time.perf_counter() - start)),
+        max_downsets=max_downsets, **reduced_opts))
+    if lifted is not None:
+        return lifted.with_(solve_time_s=time.perf_counter() - start)
     est = estimate_dp(problem, max_downsets)
     budget = AUTO_DP_MAX_S if time_limit_s is None else AUTO_DP_SHARE * time_limit_s
     dp_limit = (max(AUTO_DP_MAX_S, 4 * est.seconds) if time_limit_s is None
