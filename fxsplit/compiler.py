@@ -210,9 +210,7 @@ def _solve(problem: Problem, solver: str, options: CompileOptions, m: int, kind:
     opts: dict[str, Any] = {"hint": fallback} if usable and solver in ("auto", "cpsat") else {}
     try:
         plan = solvers.solve(pb, solver, time_limit_s=options.time_limit_s, **opts)
-    except InfeasibleError:
-        raise
-    except SolverError as exc:
+    except SolverError as exc:  # a time-out (an InfeasibleError is a proof, and no SolverError)
         if not usable:
             raise
         log.warning("%s; keeping the schedule search's split (%s)", exc, format_seconds(fallback.objective_s))

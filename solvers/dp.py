@@ -92,7 +92,7 @@ def _chained_counts(problem: Problem, tb: DownsetTables) -> list[int]:
     return [p for p in stage_counts(problem, min(problem.num_devices, len(problem.graph)), per_p) if p is not None]
 
 
-def count_lower_bound(problem: Problem, tb: DownsetTables, p: int) -> float:
+def _count_lower_bound(problem: Problem, tb: DownsetTables, p: int) -> float:
     """A lower bound on the objective of any plan with exactly ``p`` stages, seconds: the
     graph's work spread perfectly over the ``p`` fastest devices the order allows (fixed: the
     first ``p``; free: the ``p`` fastest), and for the makespan one micro-batch through all of it
@@ -369,13 +369,13 @@ def solve_dp(
             found.append((evaluate(problem, *_to_lists(out[0], lay)), out[1], out[2]))
 
     # One chain of slots per stage count p (1F1B memory): the most stages first; then a p is
-    # laid out only where a bound leaves it room to win (count_lower_bound, then its optimal
+    # laid out only where a bound leaves it room to win (_count_lower_bound, then its optimal
     # bottleneck from one run over the remaining chains).
     optimize(counts[-1:] if len(counts) > 1 else None)
     solved = 1
     if len(counts) > 1:
         best = min((f[0].objective_s for f in found), default=math.inf)
-        rest = [p for p in counts[:-1] if count_lower_bound(problem, tb, p) < best * (1 - 1e-9)]
+        rest = [p for p in counts[:-1] if _count_lower_bound(problem, tb, p) < best * (1 - 1e-9)]
         if rest and math.isfinite(best) and problem.objective == "makespan" and problem.microbatches > 1:
             rest = _may_win(problem, tb, rest, comm, best, deadline, cancel)
         if rest:

@@ -19,7 +19,6 @@ References:
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -42,15 +41,17 @@ def is_nested(tb: DownsetTables) -> bool:
 
 def run_nested(tb: DownsetTables, layout: Layout, f: np.ndarray, par_move: np.ndarray, par_j: np.ndarray, *,
                cost_of: Callable[[np.ndarray, np.ndarray], np.ndarray], combine: str, cap_s: float,
-               want_break: bool, reach: float, deadline: float | None, cancel: Cancel | None,
-               stopped: Callable[[str], None]) -> float:
+               want_break: bool, reach: float, deadline: float | None, cancel: Cancel | None) -> float:
     """Fill ``f``, ``par_move``, ``par_j`` (``[slots, n + 1]``) for nested tables; returns the
     smallest stage cost above ``cap_s`` seen (``inf`` when none).
 
     ``cost_of(i, js) -> [G, P]`` costs the stages ``I \\ J`` of the pairs under every signature
-    (:func:`fxsplit.solvers.dpcore._stage_costs` bound to the run's arguments); ``stopped(what)``
-    raises the run's timeout or cancellation error."""
-    from fxsplit.solvers.dpcore import _Moves
+    (:func:`fxsplit.solvers.dpcore._stage_costs` bound to the run's arguments).
+
+    Raises:
+        DPTimeoutError, DPCancelledError: as :func:`fxsplit.solvers.dpcore.run_dp`.
+    """
+    from fxsplit.solvers.dpcore import _Moves, check_stop
 
     mv = _Moves.of(layout)
     n = tb.num - 1
@@ -64,10 +65,7 @@ def run_nested(tb: DownsetTables, layout: Layout, f: np.ndarray, par_move: np.nd
     next_break = math.inf
     offsets = np.arange(-width, 0)  # ascending J: the first smallest value wins, as in run_dp
     for start in range(1, n + 1, chunk):
-        if cancel is not None and cancel.is_set():
-            stopped(f"dp stopped after {start}/{tb.num} downsets: another solver finished first")
-        if deadline is not None and time.perf_counter() > deadline:
-            stopped(f"dp timed out after {start}/{tb.num} downsets; raise time_limit_s or use solver='cpsat'")
+        check_stop(cancel, deadline, start, tb.num)
         rows = np.arange(start, min(start + chunk, n + 1))
         js = rows[:, None] + offsets[None, :]
         valid = (js >= lo[rows, None]) & (js >= 0)

@@ -38,7 +38,7 @@ from fxsplit.solvers.dpchain import is_nested, run_nested
 from fxsplit.solvers.layout import Layout, Signature
 from fxsplit.solvers.tables import DownsetTables
 
-__all__ = ["DPCancelledError", "DPResult", "DPTimeoutError", "run_dp"]
+__all__ = ["DPCancelledError", "DPResult", "DPTimeoutError", "check_stop", "run_dp"]
 
 _CHUNK_ELEMENTS = 1 << 21
 """Pairs x words (or x moves) per vectorised chunk of one size's downsets."""
@@ -91,6 +91,15 @@ class _Sigs:
         return cls(col(lambda g: g.speed), col(lambda g: g.cap_bytes), col(lambda g: g.flight),
                    col(lambda g: g.link_in.latency_s), col(lambda g: g.link_in.bytes_per_s),
                    col(lambda g: g.link_out.latency_s), col(lambda g: g.link_out.bytes_per_s))
+
+
+def check_stop(cancel: Cancel | None, deadline: float | None, done: int, num: int) -> None:
+    """Raise :class:`DPCancelledError` when ``cancel`` is set, :class:`DPTimeoutError` past
+    ``deadline``; ``done`` of ``num`` downsets are filled (for the message)."""
+    if cancel is not None and cancel.is_set():
+        raise DPCancelledError(f"dp stopped after {done}/{num} downsets: another solver finished first")
+    if deadline is not None and time.perf_counter() > deadline:
+        raise DPTimeoutError(f"dp timed out after {done}/{num} downsets; raise time_limit_s or use solver='cpsat'")
 
 
 def _transfer(size: np.ndarray, lat: np.ndarray, bw: np.ndarray) -> np.ndarray:
@@ -269,13 +278,10 @@ def run_dp(
         tol = 1e-9 * max(1.0, float(np.abs(tb.work_s).max()))  # the sums' rounding
         reach = bound_s * float(sigs.speed.max()) + tol
     if is_nested(tb):  # a chain of downsets: vectorised by stage (dpchain)
-        def stopped(what: str) -> None:
-            raise (DPCancelledError if what.startswith("dp stopped") else DPTimeoutError)(what)
-
         next_break = run_nested(tb, layout, f, par_move, par_j,
                                 cost_of=lambda i, js: _stage_costs(tb, i, js, sigs, comm_factor, kind),
                                 combine=combine, cap_s=cap_s, want_break=want_break, reach=reach,
-                                deadline=deadline, cancel=cancel, stopped=stopped)
+                                deadline=deadline, cancel=cancel)
         return _result(tb, layout, f, par_move, par_j, next_break, want_break, reach, bound_s)
     nwords = tb.words.shape[1]
     cols = [np.ascontiguousarray(tb.words[:, w]) for w in range(nwords)]
@@ -286,12 +292,7 @@ def run_dp(
             continue
         rows_per_chunk = max(1, _CHUNK_ELEMENTS // (first * n_active))
         for lo in range(first, last, rows_per_chunk):
-            if cancel is not None and cancel.is_set():
-                raise DPCancelledError(f"dp stopped after {lo}/{num} downsets: another solver finished first")
-            if deadline is not None and time.perf_counter() > deadline:
-                raise DPTimeoutError(
-                    f"dp timed out after {lo}/{num} downsets; raise time_limit_s or use solver='cpsat'"
-                )
+            check_stop(cancel, deadline, lo, num)
             pi, js = _pairs(tb, cols, np.arange(lo, min(lo + rows_per_chunk, last)), first, reach)
             if len(js) == 0:
                 continue
