@@ -243,7 +243,10 @@ def _explore_plan(problem: Problem, solver: str, options: CompileOptions, m: int
     except InfeasibleError:
         if is_chain_order(problem):  # the prefixes are all the downsets: a proof
             raise
-        return _solve(problem, solver, options, m, kind)
+    # memory binds so hard that no split along the block order fits: the exact DP proves
+    # infeasibility or finds the split (CP-SAT, unhinted, rarely does either in time)
+    opts: dict[str, Any] = {"race": False} if solver == "auto" else {}
+    return solvers.solve(pb, solver, time_limit_s=options.time_limit_s, **opts)
 
 
 def looped_problem(problem: Problem, options: CompileOptions) -> Problem | None:

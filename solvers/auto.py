@@ -12,7 +12,8 @@ Policy of :func:`solve_auto` with a time limit ``T``:
    ``AUTO_DP_SHARE · T``: ``dp`` in the calling thread (``AUTO_DP_TIME_SHARE · T``), ``cpsat`` in
    a second one (``T``, hinted by ``greedy``). The first *proof* (an optimum, or infeasibility)
    wins and stops the other (:class:`fxsplit.solvers.cancel.Cancel`); a plan that is only
-   ``feasible`` waits for the other solver, and the better plan is returned;
+   ``feasible`` waits for the other solver, and the better plan is returned. With
+   ``race=False``, ``dp`` alone as in 1. instead;
 3. otherwise ``cpsat`` alone with all of ``T``;
 4. after a ``dp`` time-out in 1., ``cpsat`` with the time left, hinted by ``greedy``.
 
@@ -61,10 +62,13 @@ AUTO_RACE_FROM_S = 1.0
 
 
 def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
-               max_downsets: int = DEFAULT_MAX_DOWNSETS, **opts: Any) -> Plan:
+               max_downsets: int = DEFAULT_MAX_DOWNSETS, race: bool = True, **opts: Any) -> Plan:
     """``dp``, a race of ``dp`` and ``cpsat``, or ``cpsat``, by the DP's estimated work.
 
-    See the module docstring for the policy. ``opts`` go to ``cpsat``.
+    See the module docstring for the policy. ``opts`` go to ``cpsat``. ``race=False``: ``dp``
+    alone wherever the policy would race (then ``cpsat`` with the time left after a DP
+    time-out), for problems where memory binds so hard that CP-SAT, with no hint, is unlikely
+    to finish first (the schedule search's, when no split along the block order fits).
 
     Raises:
         InfeasibleError: when a solver or the memory bound proves that no split fits.
@@ -82,7 +86,7 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
     reduced_opts = {k: v for k, v in opts.items() if not (k == "hint" and isinstance(v, Plan))}
     lifted = solve_reduced(problem, lambda pb: solve_auto(
         pb, time_limit_s=None if time_limit_s is None else max(0.01, time_limit_s - (time.perf_counter() - start)),
-        max_downsets=max_downsets, **reduced_opts))
+        max_downsets=max_downsets, race=race, **reduced_opts))
     if lifted is not None:
         return lifted.with_(solve_time_s=time.perf_counter() - start)
     est = estimate_dp(problem, max_downsets)
@@ -91,7 +95,7 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
                 else AUTO_DP_TIME_SHARE * time_limit_s)
     cp_limit = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s
     auto: dict[str, Any] = {"dp_estimate_s": est.seconds, "downsets": est.downsets, "dp_timed_out": False}
-    if est.seconds <= min(budget, AUTO_RACE_FROM_S):
+    if est.seconds <= (min(budget, AUTO_RACE_FROM_S) if race else budget):
         logger.info("auto: dp (estimate %.3g s, %s downsets)", est.seconds, est.downsets)
         try:
             return solve_dp(problem, time_limit_s=dp_limit, max_downsets=max_downsets)

@@ -32,10 +32,12 @@ References:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -119,16 +121,18 @@ def _to_lists(res: DPResult, layout: Layout) -> tuple[list[list[int]], list[int]
 
 
 def _infeasible(problem: Problem, tb: DownsetTables, comm: float, deadline: float | None,
-                cancel: Cancel | None = None) -> Exception:
+                cancel: Cancel | None = None, excess: tuple[Layout, DPResult] | None = None) -> Exception:
     """The error for a problem the DP proved infeasible: the exact diagnosis (least overflow,
-    memory and devices) when it finishes by ``deadline``, else the memory bound's numbers."""
+    memory and devices) when it finishes by ``deadline``, else the memory bound's numbers.
+    ``excess``: the overflow DP's layout and result on ``problem``, when already run."""
     def run_excess(pb: Problem, until: float) -> DPResult:
         return run_dp(tb, _layout(pb, tb), comm_factor=comm, kind="excess",
                       deadline=until if deadline is None else min(until, deadline), cancel=cancel)
 
-    lay = _layout(problem, tb)
+    lay = _layout(problem, tb) if excess is None else excess[0]
     try:
-        res = run_dp(tb, lay, comm_factor=comm, kind="excess", deadline=deadline, cancel=cancel)
+        res = run_dp(tb, lay, comm_factor=comm, kind="excess", deadline=deadline, cancel=cancel) \
+            if excess is None else excess[1]
     except DPTimeoutError:
         err = memory_bound_error(problem)
         return err if err is not None else InfeasibleError(
@@ -139,6 +143,35 @@ def _infeasible(problem: Problem, tb: DownsetTables, comm: float, deadline: floa
         return stage_count_error(problem)
     stages, devices = _to_lists(res, lay)
     return infeasible_error(problem, stages, devices, res.value, run_excess)
+
+
+def _memory_relaxation(problem: Problem) -> Problem | None:
+    """``problem`` for memory alone: every device as large as the largest, of one speed, over one
+    link. A stage count no split of which fits here fits nowhere in ``problem`` (a stage's memory
+    does not depend on speed or links, and with ``recompute="auto"`` a larger device recomputes
+    only where a smaller one would too). Its layout starts from the pipeline's end (1F1B: one set
+    of slots for every stage count, :mod:`fxsplit.solvers.layout`); ``None`` where it would not."""
+    cap = max(d.memory_bytes for d in problem.devices)
+    relaxed = problem.with_(devices=tuple(d.with_(speed=1.0, memory_bytes=cap) for d in problem.devices), links=())
+    return relaxed if build_layout(relaxed, 1, True, True).from_end else None
+
+
+def _fitting_counts(problem: Problem, tb: DownsetTables, counts: list[int], comm: float,
+                    deadline: float | None, cancel: Cancel | None) -> tuple[list[int], Callable[[], Exception]]:
+    """The stage counts among ``counts`` that may fit memory, by one overflow DP over
+    :func:`_memory_relaxation` (``k`` moves where the per-count chains have ``k(k+1)/2``), and
+    what builds the infeasibility error when none does (diagnosed on the relaxation where no
+    count fits it and every device has the same memory, so its numbers are the problem's own; on
+    ``problem`` otherwise)."""
+    relaxed = _memory_relaxation(problem)
+    if relaxed is None:
+        return counts, lambda: _infeasible(problem, tb, comm, deadline, cancel)
+    lay = _layout(relaxed, tb)
+    res = run_dp(tb, lay, comm_factor=comm, kind="excess", deadline=deadline, cancel=cancel)
+    fits = {lay.stages[slot] for slot, v in zip(lay.terminal, res.terminal_values, strict=True) if v <= 0}
+    if not fits and len({d.memory_bytes for d in problem.devices}) == 1:
+        return [], lambda: _infeasible(relaxed, tb, comm, deadline, cancel, excess=(lay, res))
+    return [p for p in counts if p in fits], lambda: _infeasible(problem, tb, comm, deadline, cancel)
 
 
 def _chain_bound(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, deadline: float | None,
@@ -368,14 +401,21 @@ def solve_dp(
         if out is not None:
             found.append((evaluate(problem, *_to_lists(out[0], lay)), out[1], out[2]))
 
-    # One chain of slots per stage count p (1F1B memory): the most stages first; then a p is
-    # laid out only where a bound leaves it room to win (_count_lower_bound, then its optimal
-    # bottleneck from one run over the remaining chains).
-    optimize(counts[-1:] if len(counts) > 1 else None)
-    solved = 1
-    if len(counts) > 1:
+    # One chain of slots per stage count p (1F1B memory): the counts that may fit memory (one
+    # overflow DP on a relaxation), the most stages first; then a p is laid out only where a bound
+    # leaves it room to win (_count_lower_bound, then its optimal bottleneck from one run over
+    # the remaining chains).
+    chained = len(counts) > 1
+    diagnose: Callable[[], Exception] = functools.partial(_infeasible, problem, tb, comm, deadline, cancel)
+    fitting = counts
+    if chained:
+        fitting, diagnose = _fitting_counts(problem, tb, counts, comm, deadline, cancel)
+    if fitting or not chained:
+        optimize(fitting[-1:] if chained else None)
+    solved = min(1, len(fitting)) if chained else 1
+    if len(fitting) > 1:
         best = min((f[0].objective_s for f in found), default=math.inf)
-        rest = [p for p in counts[:-1] if _count_lower_bound(problem, tb, p) < best * (1 - 1e-9)]
+        rest = [p for p in fitting[:-1] if _count_lower_bound(problem, tb, p) < best * (1 - 1e-9)]
         if rest and math.isfinite(best) and problem.objective == "makespan" and problem.microbatches > 1:
             rest = _may_win(problem, tb, rest, comm, best, deadline, cancel)
         if rest:
@@ -387,12 +427,12 @@ def solve_dp(
                 f"no split of graph {problem.graph.name!r} along its block order fits in memory "
                 f"(solve_dp(states='chain') is a heuristic; use states='downsets' or solver='auto' "
                 "for the exact answer and its diagnosis)")
-        raise _infeasible(problem, tb, comm, deadline, cancel)
+        raise diagnose()
     best_plan = min(found, key=lambda f: (f[0].objective_s, sum(st.time_s for st in f[0].stages)))[0]
     bound = min(f[1] for f in found)  # pruned stage counts are bounded by the best plan
     stats: dict[str, Any] = {"downsets": tb.num, "slots": slots, "moves": moves,
                              "rounds": sum(f[2] for f in found), "states": states}
-    if len(counts) > 1:
+    if chained:
         stats["stage_counts"] = f"{solved} of {len(counts)} laid out"
     plan = evaluate(problem, [list(st.blocks) for st in best_plan.stages], [st.device for st in best_plan.stages],
                     solver="dp", lower_bound_s=None if reduced else bound, stats=stats)

@@ -9,7 +9,8 @@ memory depends on the number of stages and the devices differ, slots × classes 
 The constants were fitted on a 2-core CPU (GNMT, DenseNet-121, GPT 96-layer, Llama-7B and 70B
 graphs, 4 to 64 moves; within a factor of about 1.4). The bottleneck objective costs 2 runs
 (optimum, tie-break; both narrowed by an upper bound, so the estimate is high there); the
-makespan sweep about :data:`MAKESPAN_RUNS`.
+makespan sweep about :data:`MAKESPAN_RUNS`. With one chain of slots per stage count, one more
+run over ``k`` moves: the overflow DP on the memory relaxation that picks the counts to solve.
 """
 
 from __future__ import annotations
@@ -101,4 +102,8 @@ def estimate_dp(problem: Problem, max_downsets: int | None = DEFAULT_MAX_DOWNSET
     window = min(1.0, 4.0 / problem.num_devices)
     per_run = (SECONDS_PER_SIZE * (len(problem.graph) + 1)
                + window * pairs * (SECONDS_PER_PAIR_WORD * words + SECONDS_PER_PAIR_MOVE * moves))
-    return DPEstimate(len(masks), pairs, moves, sigs, runs, runs * per_run)
+    seconds = runs * per_run
+    if counts and len(counts) > 1 and not lay.from_end:  # the overflow run over the memory relaxation
+        seconds += SECONDS_PER_SIZE * (len(problem.graph) + 1) + pairs * (
+            SECONDS_PER_PAIR_WORD * words + SECONDS_PER_PAIR_MOVE * len(counts))
+    return DPEstimate(len(masks), pairs, moves, sigs, runs, seconds)

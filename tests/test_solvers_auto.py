@@ -86,6 +86,13 @@ def test_race_cpsat_proof_stops_the_dp() -> None:
     assert plan.objective_s == pytest.approx(solve(pb, "cpsat").objective_s)
 
 
+def test_no_race_runs_the_dp_alone_where_it_would_race() -> None:
+    pb = _independent(14, 3)  # CP-SAT would win the race (test_race_cpsat_proof_stops_the_dp)
+    assert auto.AUTO_RACE_FROM_S < estimate_dp(pb).seconds <= 0.5 * 60
+    plan = solve(pb, "auto", time_limit_s=60, race=False)
+    assert plan.solver == "dp" and plan.status == "optimal" and "race" not in plan.stats.get("auto", {})
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(max_blocks=8, max_devices=3, objective=None, memory_mib=(8, 64)))
 def test_race_finds_the_dp_optimum(problem: Problem) -> None:

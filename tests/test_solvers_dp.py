@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from strategies import MiB, problems
 
 from fxsplit.errors import ConfigError, InfeasibleError, SolverError
-from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, LinkSpec, Problem, evaluate
+from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge, LinkSpec, Plan, Problem, evaluate
 from fxsplit.ir.downsets import count_downsets, members
 from fxsplit.solvers import solve, solve_dp
 
@@ -324,6 +324,31 @@ def test_schedule_search_falls_back_to_the_exact_solver_when_no_prefix_split_fit
     assert [st.blocks for st in choice.plan.stages] == [(0, 2), (1, 3)] and choice.plan.status == "optimal"
 
 
+def test_schedule_search_runs_the_dp_alone_when_no_prefix_split_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No split along the block order fits: memory binds hard, so auto runs the DP alone (it
+    # proves infeasibility or finds the split) instead of racing an unhinted CP-SAT, even where
+    # its estimate would race (a Llama-70B without recomputation: 47 s and no answer -> 16 s
+    # and a proof).
+    import fxsplit.solvers
+    from fxsplit.compiler import plan_pipeline
+    from fxsplit.options import CompileOptions
+    from fxsplit.solvers import auto
+
+    monkeypatch.setattr(auto, "AUTO_RACE_FROM_S", 0.0)
+    assert "race" in solve(_diamond_problem(), "auto", time_limit_s=30).stats["auto"]
+    plans: list[tuple[str, dict[str, object], Plan]] = []
+
+    def recorded(problem: Problem, solver: str, **opts: object) -> Plan:
+        plans.append((solver, opts, solve(problem, solver, **opts)))  # type: ignore[arg-type]
+        return plans[-1][2]
+
+    monkeypatch.setattr(fxsplit.solvers, "solve", recorded)
+    choice = plan_pipeline(_diamond_problem(), 1, "auto", "auto", "auto", CompileOptions(time_limit_s=30))
+    assert [st.blocks for st in choice.plan.stages] == [(0, 2), (1, 3)] and choice.plan.status == "optimal"
+    first = [(o, p) for s, o, p in plans if s == "auto"][0]  # after the chain DP found nothing
+    assert first[0].get("race") is False and "race" not in first[1].stats.get("auto", {}) and first[1].solver == "dp"
+
+
 @SETTINGS
 @given(problems(max_blocks=7, max_devices=3, heterogeneous=True, device_order=None, objective="makespan",
                 memory_mib=(8, 64)))
@@ -465,3 +490,67 @@ def test_chain_dp_by_stage_equals_the_general_loop(problem: Problem, cap_factor:
     assert fast.value == pytest.approx(slow.value, rel=1e-12) or fast.value == slow.value
     assert fast.stages == slow.stages and fast.next_break == pytest.approx(slow.next_break, rel=1e-12)
     assert fast.terminal_values == pytest.approx(slow.terminal_values, rel=1e-12)
+
+
+def _least_overflow(problem: Problem) -> float:
+    """Brute force: the least worst ``stage memory - device memory`` over every split (fixed order)."""
+    g, k = problem.graph, problem.num_devices
+    full = (1 << len(g)) - 1
+    downs = [m for m in range(full + 1) if g.is_downset(set(members(m)))]
+    best = math.inf
+
+    def rec(chain: list[int]) -> None:
+        nonlocal best
+        if chain[-1] == full:
+            stages = [members(b & ~a) for a, b in itertools.pairwise(chain)]
+            plan = evaluate(problem, stages, range(len(stages)))
+            best = min(best, max(st.memory_bytes - problem.devices[st.device].memory_bytes for st in plan.stages))
+            return
+        if len(chain) - 1 < k:
+            for d in downs:
+                if d != chain[-1] and d & chain[-1] == chain[-1]:
+                    rec(chain + [d])
+
+    rec([0])
+    return best
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_blocks=8, max_devices=4, heterogeneous=True), st.integers(2, 5), st.booleans(), st.data())
+def test_counts_the_memory_relaxation_rules_out_are_never_solved_and_its_proof_is_exact(
+        problem: Problem, m: int, uniform: bool, data: st.DataObject) -> None:
+    # 1F1B with per-pair links (one chain of slots per stage count): when the most stages fit
+    # nowhere, one overflow DP on the relaxation (every device as large as the largest, alike,
+    # one link) says which counts may fit. Feasibility and the optimum stay the brute force's,
+    # and an infeasibility proof quotes the least memory that fits (brute force). Memory is
+    # drawn around the least that any split needs, so about half the problems are infeasible.
+    k = problem.num_devices
+    links = tuple((i, i + 1, LinkSpec(data.draw(st.sampled_from([0.5, 8.0])) * MiB, 0.1)) for i in range(k - 1))
+    problem = problem.with_(schedule="1f1b", microbatches=m, links=links, allow_idle_devices=True)
+    need = _least_overflow(problem.with_(devices=tuple(d.with_(memory_bytes=0) for d in problem.devices)))
+    cap = max(1, int(need * data.draw(st.sampled_from([0.8, 0.95, 1.0, 1.05, 1.3]))))
+    shares = [1.0] * k if uniform else [data.draw(st.sampled_from([0.6, 1.0])) for _ in range(k)]
+    problem = problem.with_(devices=tuple(d.with_(memory_bytes=max(1, int(cap * f)))
+                                          for d, f in zip(problem.devices, shares, strict=True)))
+    _check_against_brute(problem)
+    if uniform and math.isinf(brute_force(problem)):
+        with pytest.raises(InfeasibleError) as info:
+            solve_dp(problem)
+        assert info.value.min_memory_bytes == cap + math.ceil(_least_overflow(problem))
+
+
+def test_fewer_stages_fit_where_the_most_do_not_and_the_relaxation_keeps_them() -> None:
+    # 1F1B, 2 micro-batches: two stages put the 10 MiB block first, with 2 in flight (20 MiB);
+    # one stage holds 11 MiB. Device 0 has 15 MiB, device 1 only 5 MiB, and a per-pair link makes
+    # the DP lay out one chain per stage count. The 2-stage chain finds nothing; the relaxation
+    # (every device as large as the largest) must keep the 1-stage count, which is the optimum.
+    blocks = (Block(0, "b0", ("b0",), fwd_s=1.0, activation_bytes=10 * MiB),
+              Block(1, "b1", ("b1",), fwd_s=1.0, activation_bytes=MiB))
+    g = CondensedGraph(blocks, (Edge(0, 1, 0),))
+    devs = (DeviceSpec("d0", memory_bytes=15 * MiB), DeviceSpec("d1", memory_bytes=5 * MiB))
+    pb = Problem(g, devs, links=((0, 1, LinkSpec(1e9, 0.0)),), microbatches=2, schedule="1f1b",
+                 objective="makespan", transfer_memory=False)
+    plan = solve_dp(pb)
+    assert plan.status == "optimal" and [list(st.blocks) for st in plan.stages] == [[0, 1]]
+    assert plan.objective_s == pytest.approx(brute_force(pb))
+    assert plan.stats["stage_counts"] == "1 of 2 laid out"  # the relaxation rules out 2 stages
