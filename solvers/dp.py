@@ -226,7 +226,10 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
     device. The search starts from ``[τ_0, τ_max]``, ``τ_0`` the optimal bottleneck, and splits
     the interval of least bound at its middle (or at the next stage cost above ``a`` when ``S``
     is constant up to there), so drops of ``S`` too small to pay for a larger bottleneck are
-    never located. Returns the best result, a proven lower bound (the least bound of the
+    never located. An interval ends at the largest stage of the plan found under its upper cap
+    (:attr:`DPResult.max_stage`: ``S`` is constant from there up to the cap), so a drop is
+    located at a stage cost, not by halving to the tolerance; and at ``(best - S(b)) / (m - 1)``
+    when that is lower (a plan of that bottleneck costs the best makespan or more). Returns the best result, a proven lower bound (the least bound of the
     intervals left, the optimum when none is) and the number of DP runs.
     """
     m1 = problem.microbatches - 1
@@ -242,8 +245,10 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
     if tau_max <= tau0:
         return sweep.best[1], sweep.best[0], sweep.runs
     high = sweep(tau_max)
-    # (bound, tie, a, b, S(a)'s result, S(b)): the plans with bottleneck in (a, b]
-    heap = [(high.value + m1 * tau0, 0, tau0, tau_max, low, high.value)]
+    # (bound, tie, a, b, S(a)'s result, S(b)): the plans with bottleneck in (a, b]; b is the
+    # largest stage of the plan found under the cap (S is constant from it up to the cap, and a
+    # plan with a bottleneck in between is dominated by that plan)
+    heap = [(high.value + m1 * tau0, 0, tau0, min(tau_max, high.max_stage), low, high.value)]
     while heap:
         bound, _, a, b, res_a, s_b = heap[0]
         if bound >= sweep.best[0] * (1 - _SWEEP_RTOL) or res_a.value <= s_b or res_a.next_break >= b \
@@ -253,11 +258,19 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
         if sweep.runs >= max_rounds:
             break
         heapq.heappop(heap)
+        clip = (sweep.best[0] - s_b) / m1  # a larger bottleneck costs the best makespan or more
+        if clip < b:  # S(clip) >= S(b): cost the interval's new end before splitting it
+            if clip > a:
+                res_clip = sweep(clip)
+                heapq.heappush(heap, (res_clip.value + m1 * a, sweep.runs, a, min(clip, res_clip.max_stage),
+                                      res_a, res_clip.value))
+            continue
         mid = max((a + b) / 2, res_a.next_break)  # S stays S(a) up to a's next stage cost
         res_mid = sweep(mid)
         heapq.heappush(heap, (s_b + m1 * mid, sweep.runs, mid, b, res_mid, s_b))
         if mid > res_a.next_break:  # else every plan in (a, mid) is dominated by a's
-            heapq.heappush(heap, (res_mid.value + m1 * a, -sweep.runs, a, mid, res_a, res_mid.value))
+            heapq.heappush(heap, (res_mid.value + m1 * a, -sweep.runs, a, min(mid, res_mid.max_stage), res_a,
+                                  res_mid.value))
     best_obj, best_res = sweep.best
     bound = min([best_obj] + [h[0] for h in heap])
     return best_res, bound, sweep.runs
@@ -274,7 +287,9 @@ def _may_win(problem: Problem, tb: DownsetTables, counts: list[int], comm: float
     cut = (best_s - floor) / m1
     lay = _layout(problem, tb, counts)
     res = run_dp(tb, lay, comm_factor=comm, deadline=deadline, cancel=cancel, bound_s=cut)
-    tau = {lay.stages[slot]: v for slot, v in zip(lay.terminal, res.terminal_values, strict=True)}
+    tau: dict[int, float] = {}  # free order: one terminal slot per mix of device classes
+    for slot, v in zip(lay.terminal, res.terminal_values, strict=True):
+        tau[lay.stages[slot]] = min(v, tau.get(lay.stages[slot], math.inf))
     return [p for p in counts if floor + m1 * tau.get(p, math.inf) < best_s * (1 - 1e-9)]
 
 

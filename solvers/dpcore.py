@@ -40,6 +40,9 @@ from fxsplit.solvers.tables import DownsetTables
 
 __all__ = ["DPCancelledError", "DPResult", "DPTimeoutError", "check_stop", "run_dp"]
 
+CostOf = Callable[[np.ndarray, np.ndarray], np.ndarray]
+"""``cost_of(i, js)``: ``[G, P]`` costs of the stages ``I \\ J`` for the pairs ``(i[p], js[p])``."""
+
 _CHUNK_ELEMENTS = 1 << 21
 """Pairs x words (or x moves) per vectorised chunk of one size's downsets."""
 
@@ -63,12 +66,16 @@ class DPResult:
             most ``bound_s`` when the run was narrowed by one (a breakpoint no later than the next).
         terminal_values: ``f[slot][V]`` of each of ``layout.terminal`` (the best value of plans
             ending there: one per stage count in a layout with a chain per count).
+        max_stage: The largest stage cost of :attr:`stages` as the DP computed it (bitwise: the
+            same arithmetic), ``-inf`` when there are none. With ``cap_s``, the sum is the same
+            for every cap from it up to ``cap_s`` (the makespan search's breakpoints).
     """
 
     value: float
     stages: tuple[tuple[int, int], ...]
     next_break: float
     terminal_values: tuple[float, ...] = ()
+    max_stage: float = -math.inf
 
 
 @dataclass(frozen=True)
@@ -212,15 +219,17 @@ def _pairs(tb: DownsetTables, cols: list[np.ndarray], rows: np.ndarray, hi: int,
 
 
 def _reconstruct(tb: DownsetTables, layout: Layout, par_move: np.ndarray, par_j: np.ndarray,
-                 slot: int) -> tuple[tuple[int, int], ...]:
+                 slot: int, cost_of: CostOf) -> tuple[tuple[tuple[int, int], ...], float]:
+    """The stages ending in ``slot`` (from the last back) and their largest cost by ``cost_of``."""
     out: list[tuple[int, int]] = []
-    i = tb.full
+    i, worst = tb.full, -math.inf
     while i != 0:
         mv, j = int(par_move[slot, i]), int(par_j[slot, i])
         move = layout.moves[mv]
         out.append((tb.masks[i] & ~tb.masks[j], move.unit))
+        worst = max(worst, float(cost_of(np.array([i]), np.array([j]))[move.sig, 0]))
         slot, i = move.src, j
-    return tuple(reversed(out))
+    return tuple(reversed(out)), worst
 
 
 def run_dp(
@@ -277,12 +286,13 @@ def run_dp(
     if math.isfinite(bound_s) and kind == "time":
         tol = 1e-9 * max(1.0, float(np.abs(tb.work_s).max()))  # the sums' rounding
         reach = bound_s * float(sigs.speed.max()) + tol
+    def cost_of(i: np.ndarray, js: np.ndarray) -> np.ndarray:
+        return _stage_costs(tb, i, js, sigs, comm_factor, kind)
+
     if is_nested(tb):  # a chain of downsets: vectorised by stage (dpchain)
-        next_break = run_nested(tb, layout, f, par_move, par_j,
-                                cost_of=lambda i, js: _stage_costs(tb, i, js, sigs, comm_factor, kind),
-                                combine=combine, cap_s=cap_s, want_break=want_break, reach=reach,
+        next_break = run_nested(tb, layout, f, par_move, par_j, cost_of=cost_of, combine=combine, cap_s=cap_s, want_break=want_break, reach=reach,
                                 deadline=deadline, cancel=cancel)
-        return _result(tb, layout, f, par_move, par_j, next_break, want_break, reach, bound_s)
+        return _result(tb, layout, f, par_move, par_j, next_break, want_break, reach, bound_s, cost_of)
     nwords = tb.words.shape[1]
     cols = [np.ascontiguousarray(tb.words[:, w]) for w in range(nwords)]
     for size in range(1, int(tb.size[-1]) + 1):
@@ -311,11 +321,11 @@ def run_dp(
             pos = np.where(val == np.repeat(seg_min, counts, axis=1), np.arange(len(pi)), len(pi))
             best = np.minimum.reduceat(pos, starts, axis=1)
             _update(f, par_move, par_j, pi[starts], mv.move[:n_active], mv.dst[:n_active], seg_min, js[best])
-    return _result(tb, layout, f, par_move, par_j, next_break, want_break, reach, bound_s)
+    return _result(tb, layout, f, par_move, par_j, next_break, want_break, reach, bound_s, cost_of)
 
 
 def _result(tb: DownsetTables, layout: Layout, f: np.ndarray, par_move: np.ndarray, par_j: np.ndarray,
-            next_break: float, want_break: bool, reach: float, bound_s: float) -> DPResult:
+            next_break: float, want_break: bool, reach: float, bound_s: float, cost_of: CostOf) -> DPResult:
     """The best terminal slot's value and plan, and the breakpoint (at most ``bound_s`` when narrowed)."""
     if want_break and math.isfinite(reach):
         next_break = min(next_break, bound_s)
@@ -323,7 +333,7 @@ def _result(tb: DownsetTables, layout: Layout, f: np.ndarray, par_move: np.ndarr
     for t in layout.terminal:
         if f[t, tb.full] < value:
             value, slot = float(f[t, tb.full]), t
-    stages = _reconstruct(tb, layout, par_move, par_j, slot) if slot >= 0 else ()
+    stages, worst = _reconstruct(tb, layout, par_move, par_j, slot, cost_of) if slot >= 0 else ((), -math.inf)
     if layout.from_end:
         stages = stages[::-1]
-    return DPResult(value, stages, next_break, tuple(float(f[t, tb.full]) for t in layout.terminal))
+    return DPResult(value, stages, next_break, tuple(float(f[t, tb.full]) for t in layout.terminal), worst)

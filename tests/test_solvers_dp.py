@@ -554,3 +554,40 @@ def test_fewer_stages_fit_where_the_most_do_not_and_the_relaxation_keeps_them() 
     assert plan.status == "optimal" and [list(st.blocks) for st in plan.stages] == [[0, 1]]
     assert plan.objective_s == pytest.approx(brute_force(pb))
     assert plan.stats["stage_counts"] == "1 of 2 laid out"  # the relaxation rules out 2 stages
+
+
+def test_stage_count_pruning_reads_every_device_mix_of_a_count() -> None:
+    # Free order, two device classes: a one-stage plan ends in one slot per class. The pruning of
+    # stage counts read the last of them (the 8 MiB device, where the stage does not fit) and
+    # dropped the count: 15 s "optimal" instead of the 0 s one stage on the 9 MiB device.
+    blocks = (Block(0, "b0", ("n0",), output_bytes=MiB), Block(1, "b1", ("n1",)),
+              Block(2, "b2", ("n2",), activation_bytes=MiB), Block(3, "b3", ("n3",), param_bytes=2 * MiB),
+              Block(4, "b4", ("n4",)))
+    g = CondensedGraph(blocks, (Edge(0, 2, MiB), Edge(0, 3, MiB)))
+    devs = (DeviceSpec("d0", memory_bytes=9 * MiB), DeviceSpec("d1", memory_bytes=8 * MiB),
+            DeviceSpec("d2", memory_bytes=8 * MiB))
+    pb = Problem(g, devs, link=LinkSpec(MiB, 0.25), microbatches=5, schedule="zero-bubble", objective="makespan",
+                 device_order="free")
+    plan = solve_dp(pb)
+    assert plan.objective_s == brute_force(pb) == 0.0
+    assert [st.blocks for st in plan.stages] == [(0, 1, 2, 3, 4)] and plan.stages[0].device == 0
+
+
+@SETTINGS
+@given(problems(max_blocks=8, max_devices=4, heterogeneous=True, device_order=None, objective=None,
+                memory_mib=(8, 64)), st.floats(1.0, 3.0))
+def test_the_largest_stage_of_a_capped_plan_is_where_its_sum_starts(problem: Problem, factor: float) -> None:
+    # DPResult.max_stage, the makespan search's interval ends: the largest stage of the plan
+    # found under a cap, as the DP costed it; the least sum under that cap equals the sum under
+    # the cap itself, to the last bit.
+    from fxsplit.solvers.dp import _layout
+    from fxsplit.solvers.dpcore import run_dp
+    from fxsplit.solvers.tables import build_tables
+
+    tb = build_tables(problem)
+    lay, comm = _layout(problem, tb), 2.0 if problem.training else 1.0
+    tau = run_dp(tb, lay, comm_factor=comm).value
+    assume(math.isfinite(tau))
+    res = run_dp(tb, lay, comm_factor=comm, combine="sum", cap_s=tau * factor)
+    assert res.stages and tau <= res.max_stage <= tau * factor
+    assert run_dp(tb, lay, comm_factor=comm, combine="sum", cap_s=res.max_stage).value == res.value
