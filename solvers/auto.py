@@ -74,8 +74,6 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
         InfeasibleError: when a solver or the memory bound proves that no split fits.
         SolverError: when neither solver finds a plan in time.
     """
-    from fxsplit.solvers.cpsat import DEFAULT_TIME_LIMIT_S, solve_cpsat
-
     start = time.perf_counter()
     err = memory_bound_error(problem)
     if err is not None:
@@ -93,7 +91,7 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
     budget = AUTO_DP_MAX_S if time_limit_s is None else AUTO_DP_SHARE * time_limit_s
     dp_limit = (max(AUTO_DP_MAX_S, 4 * est.seconds) if time_limit_s is None
                 else AUTO_DP_TIME_SHARE * time_limit_s)
-    cp_limit = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s
+    cp_limit = time_limit_s  # None: cpsat's default (its module is imported only when cpsat runs)
     auto: dict[str, Any] = {"dp_estimate_s": est.seconds, "downsets": est.downsets, "dp_timed_out": False}
     if est.seconds <= (min(budget, AUTO_RACE_FROM_S) if race else budget):
         logger.info("auto: dp (estimate %.3g s, %s downsets)", est.seconds, est.downsets)
@@ -108,12 +106,14 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
         return _race(problem, dp_limit, cp_limit, max_downsets, opts, auto)
     else:
         logger.info("auto: cpsat (dp estimate %.3g s > %.3g s, %s downsets)", est.seconds, budget, est.downsets)
-    left = cp_limit if time_limit_s is None else time_limit_s - (time.perf_counter() - start)
-    plan = solve_cpsat(problem, time_limit_s=max(0.01, left), **opts)
+    from fxsplit.solvers.cpsat import solve_cpsat
+
+    left = None if time_limit_s is None else max(0.01, time_limit_s - (time.perf_counter() - start))
+    plan = solve_cpsat(problem, time_limit_s=left, **opts)
     return plan.with_(stats={**plan.stats, "auto": auto})
 
 
-def _race(problem: Problem, dp_limit_s: float, cp_limit_s: float, max_downsets: int, opts: dict[str, Any],
+def _race(problem: Problem, dp_limit_s: float, cp_limit_s: float | None, max_downsets: int, opts: dict[str, Any],
           auto: dict[str, Any]) -> Plan:
     """``dp`` here and ``cpsat`` in a thread; the first proof stops the other (module docstring).
 

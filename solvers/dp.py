@@ -185,7 +185,7 @@ def _chain_bound(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, 
         return math.inf
     row = {mask: r for r, mask in enumerate(tb.masks)}
     rows = np.array(sorted(row[mask] for mask in chain_masks(n)), dtype=np.int64)
-    return run_dp(tb.restricted(rows), lay, comm_factor=comm, deadline=deadline, cancel=cancel).value
+    return _bottleneck(problem, tb.restricted(rows), lay, comm, deadline, cancel).value
 
 
 _SWEEP_RTOL = 1e-10
@@ -277,11 +277,12 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
 
 
 def _may_win(problem: Problem, tb: DownsetTables, counts: list[int], comm: float, best_s: float,
-             deadline: float | None, cancel: Cancel | None) -> list[int]:
-    """The stage counts among ``counts`` whose plans may beat a makespan of ``best_s``: a
-    ``p``-stage plan costs at least ``L + (m - 1) · τ_p``, ``τ_p`` its optimal bottleneck and
-    ``L`` the graph's work on the fastest device. One bottleneck run over the chains of
-    ``counts``, narrowed to stages that could still win (``τ_p`` is exact below the cut)."""
+             deadline: float | None, cancel: Cancel | None) -> tuple[list[int], float]:
+    """The stage counts among ``counts`` whose plans may beat a makespan of ``best_s``, and the
+    least optimal bottleneck among them: a ``p``-stage plan costs at least
+    ``L + (m - 1) · τ_p``, ``τ_p`` its optimal bottleneck and ``L`` the graph's work on the
+    fastest device. One bottleneck run over the chains of ``counts``, narrowed to stages that
+    could still win (``τ_p`` is exact below the cut)."""
     m1 = problem.microbatches - 1
     floor = float(tb.work_s[tb.full]) / max(d.speed for d in problem.devices)
     cut = (best_s - floor) / m1
@@ -290,14 +291,36 @@ def _may_win(problem: Problem, tb: DownsetTables, counts: list[int], comm: float
     tau: dict[int, float] = {}  # free order: one terminal slot per mix of device classes
     for slot, v in zip(lay.terminal, res.terminal_values, strict=True):
         tau[lay.stages[slot]] = min(v, tau.get(lay.stages[slot], math.inf))
-    return [p for p in counts if floor + m1 * tau.get(p, math.inf) < best_s * (1 - 1e-9)]
+    left = [p for p in counts if floor + m1 * tau.get(p, math.inf) < best_s * (1 - 1e-9)]
+    return left, min((tau[p] for p in left), default=math.inf)
+
+
+def _bottleneck(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, deadline: float | None,
+                cancel: Cancel | None, upper_s: float = math.inf) -> DPResult:
+    """The optimal bottleneck over ``lay``, by runs narrowed to stages of bounded work
+    (``run_dp(bound_s=...)``, exact once its plan stays within the bound): from ``upper_s`` or
+    the best split along the block order (:func:`_chain_bound`), else from twice the work's
+    perfect spread over the devices, four times wider after each miss, whole at last (a chain of
+    2,000 blocks on 64 devices: 1/30 of the pairs for the first try)."""
+    guess = upper_s if math.isfinite(upper_s) else _chain_bound(problem, tb, lay, comm, deadline, cancel)
+    exact = math.isfinite(guess)
+    if not exact:
+        guess = 2 * float(tb.work_s[tb.full]) / sum(d.speed for d in problem.devices)
+    whole = float(tb.work_s[tb.full]) / min(d.speed for d in problem.devices)
+    while guess < whole:
+        res = run_dp(tb, lay, comm_factor=comm, deadline=deadline, cancel=cancel, bound_s=guess)
+        if exact or res.value <= guess:
+            return res
+        guess, exact = (res.value, True) if math.isfinite(res.value) else (4 * guess, False)
+    return run_dp(tb, lay, comm_factor=comm, deadline=deadline, cancel=cancel)
 
 
 def _optimize(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, deadline: float | None,
-              max_rounds: int, cancel: Cancel | None, tie_break: bool) -> tuple[DPResult, float, int] | None:
-    """The best plan over ``lay``: ``(result, proven lower bound, DP runs)``, None when none fits."""
-    res = run_dp(tb, lay, comm_factor=comm, deadline=deadline, cancel=cancel,
-                 bound_s=_chain_bound(problem, tb, lay, comm, deadline, cancel))
+              max_rounds: int, cancel: Cancel | None, tie_break: bool,
+              upper_s: float = math.inf) -> tuple[DPResult, float, int] | None:
+    """The best plan over ``lay``: ``(result, proven lower bound, DP runs)``, None when none fits.
+    ``upper_s``: a bottleneck some plan over ``lay`` reaches (narrows the first run)."""
+    res = _bottleneck(problem, tb, lay, comm, deadline, cancel, upper_s)
     if not res.stages:
         return None
     if problem.objective == "makespan":
@@ -408,11 +431,11 @@ def solve_dp(
     found: list[tuple[Plan, float, int]] = []  # (plan, proven bound over its layout, DP runs)
     slots = moves = 0
 
-    def optimize(only: list[int] | None) -> None:
+    def optimize(only: list[int] | None, upper_s: float = math.inf) -> None:
         nonlocal slots, moves
         lay = _layout(problem, tb, only)
         slots, moves = slots + lay.num_slots, moves + len(lay.moves)
-        out = _optimize(problem, tb, lay, comm, deadline, max_rounds, cancel, tie_break)
+        out = _optimize(problem, tb, lay, comm, deadline, max_rounds, cancel, tie_break, upper_s)
         if out is not None:
             found.append((evaluate(problem, *_to_lists(out[0], lay)), out[1], out[2]))
 
@@ -431,10 +454,11 @@ def solve_dp(
     if len(fitting) > 1:
         best = min((f[0].objective_s for f in found), default=math.inf)
         rest = [p for p in fitting[:-1] if _count_lower_bound(problem, tb, p) < best * (1 - 1e-9)]
+        upper = math.inf
         if rest and math.isfinite(best) and problem.objective == "makespan" and problem.microbatches > 1:
-            rest = _may_win(problem, tb, rest, comm, best, deadline, cancel)
+            rest, upper = _may_win(problem, tb, rest, comm, best, deadline, cancel)
         if rest:
-            optimize(rest)
+            optimize(rest, upper)
             solved += len(rest)
     if not found:
         if reduced:

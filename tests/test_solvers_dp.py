@@ -591,3 +591,19 @@ def test_the_largest_stage_of_a_capped_plan_is_where_its_sum_starts(problem: Pro
     res = run_dp(tb, lay, comm_factor=comm, combine="sum", cap_s=tau * factor)
     assert res.stages and tau <= res.max_stage <= tau * factor
     assert run_dp(tb, lay, comm_factor=comm, combine="sum", cap_s=res.max_stage).value == res.value
+
+
+@SETTINGS
+@given(problems(max_blocks=9, max_devices=4, heterogeneous=True, device_order=None, objective=None,
+                memory_mib=(8, 64)), st.booleans())
+def test_narrowed_bottleneck_runs_equal_the_whole_run(problem: Problem, prefixes: bool) -> None:
+    # _bottleneck narrows its DP runs to stages of bounded work (a guess from the work's spread,
+    # widened after each miss) and must return the optimum of the whole run, or none when it has none.
+    from fxsplit.solvers.dp import _bottleneck, _layout
+    from fxsplit.solvers.dpcore import run_dp
+    from fxsplit.solvers.tables import build_tables, chain_masks
+
+    tb = build_tables(problem, masks=chain_masks(len(problem.graph)) if prefixes else None)
+    lay, comm = _layout(problem, tb), 2.0 if problem.training else 1.0
+    whole = run_dp(tb, lay, comm_factor=comm).value
+    assert _bottleneck(problem, tb, lay, comm, None, None).value == whole

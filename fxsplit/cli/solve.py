@@ -155,7 +155,10 @@ def solve_command(
             objective=objective, microbatches=microbatches, schedule=schedule, no_comm=no_comm,
             memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
         )
-        with err.status(f"solving {problem.graph.name} with {solver}…"):
+        if err.is_terminal:  # a spinner only where someone watches (rich's status costs ~20 ms to import)
+            with err.status(f"solving {problem.graph.name} with {solver}…"):
+                plan = solve(problem, solver, time_limit_s=time_limit)
+        else:
             plan = solve(problem, solver, time_limit_s=time_limit)
         if (format if format != "auto" else detect_format(graph)) == "tarnawski":
             _recheck_tarnawski(graph, problem, plan)
@@ -166,7 +169,8 @@ def solve_command(
     if as_json:
         sys.stdout.write(json.dumps(plan_json(plan, problem), indent=1) + "\n")
     else:
-        from fxsplit.viz import plan_table
+        # the module, not the package: its drawing modules cost start-up
+        from fxsplit.viz.tables import plan_table
 
         Console().print(plan_table(plan, problem))
 
