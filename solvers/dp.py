@@ -229,8 +229,9 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
     never located. An interval ends at the largest stage of the plan found under its upper cap
     (:attr:`DPResult.max_stage`: ``S`` is constant from there up to the cap), so a drop is
     located at a stage cost, not by halving to the tolerance; and at ``(best - S(b)) / (m - 1)``
-    when that is lower (a plan of that bottleneck costs the best makespan or more). Returns the best result, a proven lower bound (the least bound of the
-    intervals left, the optimum when none is) and the number of DP runs.
+    when that is lower (a plan of that bottleneck costs the best makespan or more). Returns the
+    best result, a proven lower bound (the least bound of the intervals left, the optimum when
+    none is) and the number of DP runs.
     """
     m1 = problem.microbatches - 1
     if m1 == 0:
