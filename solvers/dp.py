@@ -53,7 +53,7 @@ from fxsplit.solvers.diagnose import (
     stage_count_error,
 )
 from fxsplit.solvers.dpcore import DPResult, DPTimeoutError, run_dp
-from fxsplit.solvers.layout import Layout, build_layout, stage_counts
+from fxsplit.solvers.layout import Layout, build_layout, can_start_from_end, stage_counts
 from fxsplit.solvers.reduce import solve_reduced
 from fxsplit.solvers.relax import memory_bound_error
 from fxsplit.solvers.tables import DownsetTables, build_tables, chain_masks, is_chain_order
@@ -89,7 +89,7 @@ def _chained_counts(problem: Problem, tb: DownsetTables) -> list[int]:
     fixed or free order); ``[]`` when it has one set of slots for all."""
     bind = _memory_can_bind(problem, tb)
     per_p = bind and problem.in_flight_depends_on_stage_count
-    if not per_p or build_layout(problem, 1, bind, per_p).from_end:
+    if not per_p or can_start_from_end(problem, per_p):
         return []
     return [p for p in stage_counts(problem, min(problem.num_devices, len(problem.graph)), per_p) if p is not None]
 
@@ -153,7 +153,7 @@ def _memory_relaxation(problem: Problem) -> Problem | None:
     of slots for every stage count, :mod:`fxsplit.solvers.layout`); ``None`` where it would not."""
     cap = max(d.memory_bytes for d in problem.devices)
     relaxed = problem.with_(devices=tuple(d.with_(speed=1.0, memory_bytes=cap) for d in problem.devices), links=())
-    return relaxed if build_layout(relaxed, 1, True, True).from_end else None
+    return relaxed if can_start_from_end(relaxed) else None
 
 
 def _fitting_counts(problem: Problem, tb: DownsetTables, counts: list[int], comm: float,

@@ -286,12 +286,13 @@ def run_dp(
     if math.isfinite(bound_s) and kind == "time":
         tol = 1e-9 * max(1.0, float(np.abs(tb.work_s).max()))  # the sums' rounding
         reach = bound_s * float(sigs.speed.max()) + tol
+
     def cost_of(i: np.ndarray, js: np.ndarray) -> np.ndarray:
         return _stage_costs(tb, i, js, sigs, comm_factor, kind)
 
     if is_nested(tb):  # a chain of downsets: vectorised by stage (dpchain)
-        next_break = run_nested(tb, layout, f, par_move, par_j, cost_of=cost_of, combine=combine, cap_s=cap_s, want_break=want_break, reach=reach,
-                                deadline=deadline, cancel=cancel)
+        next_break = run_nested(tb, layout, f, par_move, par_j, cost_of=cost_of, combine=combine, cap_s=cap_s,
+                                want_break=want_break, reach=reach, deadline=deadline, cancel=cancel)
         return _result(tb, layout, f, par_move, par_j, next_break, want_break, reach, bound_s, cost_of)
     nwords = tb.words.shape[1]
     cols = [np.ascontiguousarray(tb.words[:, w]) for w in range(nwords)]

@@ -37,7 +37,7 @@ from fxsplit.errors import SolverError
 from fxsplit.ir.devices import LinkSpec
 from fxsplit.ir.problem import Problem
 
-__all__ = ["Move", "Signature", "Layout", "build_layout", "device_classes", "stage_counts"]
+__all__ = ["Move", "Signature", "Layout", "build_layout", "can_start_from_end", "device_classes", "stage_counts"]
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def _fixed(problem: Problem, max_stages: int, per_p: bool, check_memory: bool,
     return b.build(tuple((i,) for i in range(k)))
 
 
-def _can_start_from_end(problem: Problem, per_p: bool) -> bool:
+def can_start_from_end(problem: Problem, per_p: bool = True) -> bool:
     """Whether the per-``p`` chains can be replaced by one layout counted from the end: 1F1B's
     in-flight counts (``min(m, p - s)``; zero-bubble's ``min(m, p)`` is not a function of the
     distance from the end), any number of stages, one link, and devices interchangeable given the
@@ -251,7 +251,7 @@ def build_layout(problem: Problem, num_blocks: int, check_memory: bool, per_p: b
         SolverError: for ``device_order="free"`` with per-pair link overrides.
     """
     max_stages = min(problem.num_devices, num_blocks)
-    if from_end and check_memory and _can_start_from_end(problem, per_p) and counts is None:
+    if from_end and check_memory and can_start_from_end(problem, per_p) and counts is None:
         return _from_end(problem, max_stages)
     chains = None if counts is None or not per_p else list(counts)
     if problem.device_order == "fixed":
