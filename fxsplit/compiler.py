@@ -200,9 +200,8 @@ def _solve(problem: Problem, solver: str, options: CompileOptions, m: int, kind:
     hints CP-SAT (``auto`` runs the DP alone first, CP-SAT with the time left, instead of racing
     them: Llama-70B on 64 devices, the DP alone proves the optimum in 13 s where, racing an
     unfinished CP-SAT model on two cores, it timed out), and when the exact solver finds no plan
-    within the time limit it is returned
-    re-costed, status ``feasible`` with the trivial lower bound (``stats["fallback"]`` says why),
-    so a search that found a plan never ends without one."""
+    within the time limit it is returned re-costed, status ``feasible`` with the trivial lower
+    bound (``stats["fallback"]`` says why), so a search that found a plan never ends without one."""
     pb = per_microbatch(problem, m, kind)
     if seed is None:
         return solvers.solve(pb, solver, time_limit_s=options.time_limit_s)

@@ -94,6 +94,12 @@ def _chained_counts(problem: Problem, tb: DownsetTables) -> list[int]:
     return [p for p in stage_counts(problem, min(problem.num_devices, len(problem.graph)), per_p) if p is not None]
 
 
+def _fastest_work_s(problem: Problem, tb: DownsetTables) -> float:
+    """The graph's work on the fastest device, seconds: a lower bound on any plan's sum of stage
+    times (stages only add communication and recomputation to their work)."""
+    return float(tb.work_s[tb.full]) / max(d.speed for d in problem.devices)
+
+
 def _count_lower_bound(problem: Problem, tb: DownsetTables, p: int) -> float:
     """A lower bound on the objective of any plan with exactly ``p`` stages, seconds: the
     graph's work spread perfectly over the ``p`` fastest devices the order allows (fixed: the
@@ -237,7 +243,7 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
     if m1 == 0:
         smin = run_dp(tb, lay, comm_factor=comm, combine="sum", deadline=deadline, cancel=cancel)
         return smin, smin.value, 1
-    floor = float(tb.work_s[tb.full]) / max(d.speed for d in problem.devices)
+    floor = _fastest_work_s(problem, tb)
     sweep = _Sweep(problem, tb, lay, comm, deadline, cancel)
     low = sweep(tau0)
     if sweep.best is None:
@@ -285,7 +291,7 @@ def _may_win(problem: Problem, tb: DownsetTables, counts: list[int], comm: float
     fastest device. One bottleneck run over the chains of ``counts``, narrowed to stages that
     could still win (``τ_p`` is exact below the cut)."""
     m1 = problem.microbatches - 1
-    floor = float(tb.work_s[tb.full]) / max(d.speed for d in problem.devices)
+    floor = _fastest_work_s(problem, tb)
     cut = (best_s - floor) / m1
     lay = _layout(problem, tb, counts)
     res = run_dp(tb, lay, comm_factor=comm, deadline=deadline, cancel=cancel, bound_s=cut)
