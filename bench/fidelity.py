@@ -54,6 +54,12 @@ CASES = [
                                     "seq_len": 64}, 2, 4, 8),
 ]
 QUICK = [("mlp-tiny", "mlp", "tiny", {}, 2, 2, 4)]
+# --device cuda: real-world sizes as well (GPT-2 small's shape, ResNet-18), where kernels, not
+# launches, take the time.
+GPU_CASES = [*CASES,
+             ("gpt-base", "gpt", "base", {}, 4, 4, 32),
+             ("resnet-base", "resnet", "base", {}, 4, 4, 64),
+             ("mlp-base", "mlp", "base", {}, 4, 4, 256)]
 
 
 def _rows(rows: Any) -> list[dict[str, float]]:
@@ -62,17 +68,18 @@ def _rows(rows: Any) -> list[dict[str, float]]:
 
 
 def run_case(name: str, model: str, size: str, overrides: dict, p: int, m: int, batch: int,
-             steps: int, schedule: str, cost_model: str) -> dict[str, Any]:
-    """Compile, calibrate (which measures before and after); per-stage predicted and measured times."""
+             steps: int, schedule: str, cost_model: str, device: str = "cpu") -> dict[str, Any]:
+    """Compile, calibrate (which measures before and after); per-stage predicted and measured times.
+    Every stage on ``device``; on CUDA the actions run in turn too (``executor="sequential"``)."""
     case = zoo.get(model, size=size, batch_size=batch, **overrides)
-    options = CompileOptions(allow_idle_devices=False, profile_cache_dir=False)
+    options = CompileOptions(allow_idle_devices=False, profile_cache_dir=False, executor="sequential")
     start = time.perf_counter()
-    pipe = fxsplit.compile(case.model, ["cpu"] * p, case.example_inputs, case.example_kwargs or None,
+    pipe = fxsplit.compile(case.model.to(device), [device] * p, case.example_inputs, case.example_kwargs or None,
                            microbatches=m, schedule=schedule, cost_model=cost_model, options=options)
     compile_s = time.perf_counter() - start
     x, y = case.make_batch(batch, 1)
     report = pipe.calibrate(*x, target=y, loss_fn=case.loss_fn, steps=steps, **(case.example_kwargs or {}))
-    return {"name": name, "cost_model": cost_model, "stages": p, "microbatches": m, "batch": batch,
+    return {"name": name, "cost_model": cost_model, "device": device, "stages": p, "microbatches": m, "batch": batch,
             "schedule": schedule, "compile_s": compile_s, "before": _rows(report.before), "after": _rows(report.after),
             "step_before": report.step_before_s, "step_after": report.step_after_s,
             "gains": report.predicted_gains, "replanned": report.replanned}
@@ -199,6 +206,10 @@ def main() -> None:
     parser.add_argument("--cost-model", choices=("profiled", "measured", "analytic"), default="profiled")
     parser.add_argument("--ranks", type=int, choices=(1, 2), default=1,
                         help="1: the local pipeline and calibrate; 2: fxsplit.distributed on 2 gloo ranks")
+    parser.add_argument("--device", default="cpu",
+                        help="where every stage runs (cpu, cuda:0; with --ranks 1): on CUDA the analytic "
+                             "costs are the GPU's preset (h100, a100, ...) and the cases include base sizes")
+    parser.add_argument("--only", default="", help="comma-separated case names to run (default: all)")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -206,7 +217,10 @@ def main() -> None:
     out = console()
     load_before = os.getloadavg()
     rows = []
-    cases = QUICK if args.quick else CASES
+    cuda = torch.device(args.device).type == "cuda"
+    cases = QUICK if args.quick else GPU_CASES if cuda else CASES
+    if args.only:
+        cases = [c for c in cases if c[0] in args.only.split(",")]
     if args.ranks == 2:  # one row per model (the stage count is the world size)
         cases = list({c[0]: c for c in reversed(cases)}.values())[::-1]
     for name, model, size, overrides, p, m, batch in cases:
@@ -217,7 +231,7 @@ def main() -> None:
                                                  args.cost_model))
             else:
                 rows.append(run_case(name, model, size, overrides, p, m, batch, steps, args.schedule,
-                                     args.cost_model))
+                                     args.cost_model, args.device))
     load_after = os.getloadavg()
     if args.ranks == 2:
         for when in ("before", "after"):
@@ -228,9 +242,11 @@ def main() -> None:
         show(stage_table(rows, "before"), out, args.markdown)
         show(stage_table(rows, "after"), out, args.markdown)
         show(step_table(rows), out, args.markdown)
-    out.print(f"cost model {args.cost_model}, 1 thread, {os.cpu_count()} cores; load average (1, 5, 15 min) "
+    where = torch.cuda.get_device_name(torch.device(args.device)) if cuda else "CPU"
+    out.print(f"cost model {args.cost_model} on {where}, 1 thread, {os.cpu_count()} cores; load average (1, 5, 15 min) "
               f"before {tuple(round(v, 2) for v in load_before)}, after {tuple(round(v, 2) for v in load_after)}")
-    path = write_json(args.out, "fidelity" if args.ranks == 1 else "fidelity-2ranks", {"env": environment(), "threads": 1, "load": [load_before, load_after],
+    stem = ("fidelity-cuda" if cuda else "fidelity") if args.ranks == 1 else "fidelity-2ranks"
+    path = write_json(args.out, stem, {"env": environment(), "threads": 1, "load": [load_before, load_after],
                                              "rows": rows})
     out.print(f"wrote {path}")
 

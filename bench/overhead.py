@@ -61,22 +61,38 @@ BATCH = {"mlp": 64, "gpt": 8, "resnet": 16}
 CONTROL = "eager, another copy"
 
 
-def build_steps(name: str, batch: int, schedule: str) -> dict[str, Callable[[], Any]]:
-    """One ``step()`` per variant on model ``name``, each on its own copy of the same weights."""
+def build_steps(name: str, batch: int, schedule: str, device: str = "cpu") -> dict[str, Callable[[], Any]]:
+    """One ``step()`` per variant on model ``name``, each on its own copy of the same weights, every
+    stage on ``device`` (on CUDA each step ends with a synchronisation)."""
     case = zoo.get(name, size="small", batch_size=batch, seed=0)
     x, y = case.make_batch(batch, 1)
-    steps: dict[str, Callable[[], Any]] = {"eager": _eager_step(copy.deepcopy(case.model), x, y, case.loss_fn, 1),
-                                           CONTROL: _eager_step(copy.deepcopy(case.model), x, y, case.loss_fn, 1)}
+    x, y = tuple(t.to(device) for t in x), y.to(device)
+
+    def model() -> torch.nn.Module:
+        return copy.deepcopy(case.model).to(device)
+
+    steps: dict[str, Callable[[], Any]] = {"eager": _eager_step(model(), x, y, case.loss_fn, 1),
+                                           CONTROL: _eager_step(model(), x, y, case.loss_fn, 1)}
     for m in sorted({m for _, _, m, _ in VARIANTS if m > 1}):
-        steps[f"eager, m={m}"] = _eager_step(copy.deepcopy(case.model), x, y, case.loss_fn, m)
+        steps[f"eager, m={m}"] = _eager_step(model(), x, y, case.loss_fn, m)
     for label, p, m, _ in VARIANTS:
-        options = CompileOptions(executor="sequential", allow_idle_devices=False)
-        pipe = fxsplit.compile(copy.deepcopy(case.model), ["cpu"] * p, case.example_inputs, microbatches=m,
+        options = CompileOptions(executor="sequential", allow_idle_devices=False, profile_cache_dir=False)
+        pipe = fxsplit.compile(model(), [device] * p, case.example_inputs, microbatches=m,
                                schedule=schedule, cost_model="analytic", options=options)
         if pipe.num_stages != p:
             raise RuntimeError(f"{name}: asked for {p} stages, the plan has {pipe.num_stages}")
         steps[label] = _pipe_step(pipe, x, y, case.loss_fn)
+    if torch.device(device).type == "cuda":
+        steps = {label: _synchronized(step, torch.device(device)) for label, step in steps.items()}
     return steps
+
+
+def _synchronized(step: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    def run() -> None:
+        step()
+        torch.cuda.synchronize(device)
+
+    return run
 
 
 def _eager_step(model: torch.nn.Module, x: Any, y: Any, loss_fn: Any, m: int) -> Callable[[], Any]:
@@ -170,6 +186,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=40, help="interleaved repetitions per model")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+    parser.add_argument("--device", default="cpu", help="where every stage and the eager model run (cpu, cuda:0)")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -181,12 +198,13 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
         with out.status(f"{name}: compiling and timing ..."):
-            steps = build_steps(name, BATCH[name], args.schedule)
+            steps = build_steps(name, BATCH[name], args.schedule, args.device)
             rows += summarize(name, BATCH[name], interleaved(steps, args.reps, args.warmup))
     load_after = os.getloadavg()
     show(table(rows, args.reps, args.schedule), out, args.markdown)
     out.print(f"load average (1, 5, 15 min) before {tuple(round(v, 2) for v in load_before)}, "
-              f"after {tuple(round(v, 2) for v in load_after)}; {os.cpu_count()} cores")
+              f"after {tuple(round(v, 2) for v in load_after)}; {os.cpu_count()} cores; device {args.device}"
+              + (f" ({torch.cuda.get_device_name(torch.device(args.device))})" if "cuda" in args.device else ""))
     path = write_json(args.out, "overhead", {"env": environment(), "args": {k: v for k, v in vars(args).items() if k != "out"},
                                               "load": [load_before, load_after], "rows": rows})
     out.print(f"wrote {path}")

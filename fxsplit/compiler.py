@@ -374,6 +374,24 @@ def _orphans(model: nn.Module, captured: Captured) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in used}
 
 
+def inputs_where_model_lives(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs on the device the model's parameters and buffers live on, when that is
+    one accelerator (``cuda:0``) and an input tensor is on the CPU: the passes that run the model
+    on them (the per-sample check, the profiler) need both in one place; the pipeline moves each
+    micro-batch to its stage's device at run time anyway. Anything else is returned as given."""
+    places = {t.device for t in (*model.parameters(), *model.buffers())}
+    if len(places) != 1:
+        return args, kwargs
+    (place,) = places
+    if place.type in ("cpu", "meta"):
+        return args, kwargs
+
+    def move(x: Any) -> Any:
+        return x.to(place) if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x
+
+    return pytree.tree_map(move, args), pytree.tree_map(move, kwargs)
+
+
 def compile_pipeline(
     model: nn.Module,
     specs: list[DeviceSpec],
@@ -393,6 +411,7 @@ def compile_pipeline(
     t0 = time.perf_counter()
     batch = example_batch_size(args, kwargs, options.batch_dim)
     check_microbatches(microbatches, batch)  # before any work
+    args, kwargs = inputs_where_model_lives(model, args, kwargs)
     reference = options.reference or specs[0]
     say_phase(options, f"capturing {type(model).__name__}")
     captured = capture_with(model, args, kwargs, options)

@@ -53,10 +53,10 @@ class _Producers(MetaDevicesMoved):
         self.producer: dict[int, str] = {}
         self.nbytes: dict[int, Any] = {}
         self.constants: set[int] = set()  # storages of what get_attr reads: state, never charged
-        self.running = ""
+        self.running_node = [""]  # the node running now (a list: autograd's pack hook reads it)
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        self.running = n.name
+        self.running_node[0] = n.name
         result = super().run_node(n)
         if n.op == "get_attr":
             self.constants |= {_key(t) for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)}
@@ -90,13 +90,15 @@ def autograd_saved_bytes(gm: torch.fx.GraphModule) -> dict[str, Any] | None:
     device = autocast_run_device(gm, [v for v in vals if isinstance(v, torch.Tensor)])
     interp = _Producers(gm, device)
     inside: dict[int, tuple[str, Any]] = {}  # saved storages no node handed on: the node then running
+    producer = interp.producer
+    running = interp.running_node  # ``pack`` must not hold ``interp`` (see below)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _key(t)
         saved.add(key)
         held.append(t)
-        if key not in interp.producer and key not in inside:
-            inside[key] = (interp.running, t.untyped_storage().nbytes())
+        if key not in producer and key not in inside:
+            inside[key] = (running[0], t.untyped_storage().nbytes())
         return t
 
     try:
@@ -110,6 +112,12 @@ def autograd_saved_bytes(gm: torch.fx.GraphModule) -> dict[str, Any] | None:
         log.warning("activation memory: the graph did not run on fake tensors (%s: %s); each node's output counts "
                     "instead, which can overstate what autograd keeps 1.5-1.8x", type(exc).__name__, exc)
         return None
+    finally:
+        # The fake autograd graph holds ``pack`` from C++ (invisible to Python's collector): were
+        # the interpreter (and so the graph module and the model's weights) in ``pack``'s closure,
+        # nothing would ever free them. Dropping the values that hold the autograd graph frees it.
+        interp.env.clear()
+        held.clear()
     out: dict[str, Any] = {}
     for key in saved - state - interp.constants:
         name, nbytes = (interp.producer[key], interp.nbytes[key]) if key in interp.producer else inside.get(key, ("", 0))

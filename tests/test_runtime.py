@@ -393,3 +393,75 @@ def test_repr_names_the_blocks_of_a_stage_that_is_not_one_run():
     assert split, "no stage of this plan has blocks out of one run; the test proves nothing"
     for blocks in split:
         assert f"blocks {format_ids(blocks)}," in text and f"blocks {min(blocks)}-{max(blocks)}," not in text, text
+
+
+class _SizeAcrossStages(torch.nn.Module):
+    """``b = x.shape[0]`` read once (one ``sym_size`` node under a symbolic batch) and used in the
+    first and the last layer: the size crosses every stage boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = torch.nn.Linear(8, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        h = torch.relu(self.l1(x.reshape(b, 8)))
+        h = torch.relu(self.l2(h))
+        return self.l3(h).reshape(b, 2, 4).sum(1)
+
+
+def test_a_symbolic_size_may_cross_stages_and_the_pipeline_trains_like_the_model():
+    """A ``SymInt`` boundary value (seen on torch 2.11's export of a Hugging Face BERT, where the
+    local codegen refused it) is an int at run time: it crosses, and loss and gradients match."""
+    from fxsplit.codegen.split import _check_sendable
+    from fxsplit.errors import PlanError
+
+    torch.manual_seed(0)
+    model = _SizeAcrossStages()
+    batch = torch.export.Dim("batch")
+    ep = torch.export.export(model, (torch.randn(8, 8),), dynamic_shapes=({0: batch},), strict=False)
+    sizes = [n for n in ep.graph.nodes if isinstance(n.meta.get("val"), torch.SymInt)]
+    assert sizes, "export read no symbolic size: the case tests nothing"
+    _check_sendable(sizes, 0)
+    bad = torch.fx.Graph().placeholder("bad")
+    bad.meta["val"] = {"not": "sendable"}
+    with pytest.raises(PlanError, match="would cross the boundary"):
+        _check_sendable([bad], 0)
+
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    pipe = fxsplit.compile(model, ["cpu"] * 3, (x,), microbatches=2, schedule="gpipe",
+                           options=fxsplit.CompileOptions(allow_idle_devices=False, capture_method="export"))
+    crossing = [n.name for st in pipe.program.stages[1:] for n in st.gm.graph.find_nodes(op="placeholder")]
+    assert any(name.startswith("sym_size") for name in crossing), crossing
+    loss = pipe.train_step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+    ref_loss = torch.nn.functional.mse_loss(reference(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach())
+    ref = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name].grad, msg=lambda m, n=name: f"gradient of {n}: {m}")
+
+
+@pytest.mark.parametrize(("model", "cost_model"), [("mlp", "analytic"), ("mlp", "profiled"), ("resnet", "profiled")])
+def test_a_dropped_pipeline_frees_the_model_weights(model, cost_model):
+    """Once the user drops the pipeline and the model, the weights are freed (on a GPU: the
+    memory comes back; found on an H100, where each compile kept the last model's weights). The
+    activation-memory pass's autograd hook, held from C++ by the fake autograd graph, had the
+    interpreter (the captured graph, every weight) in its closure: a cycle never collected."""
+    import gc
+    import weakref
+
+    def build() -> weakref.ref:
+        case = zoo.get(model, size="tiny", batch_size=8)
+        weight = weakref.ref(next(case.model.parameters()))
+        pipe = fxsplit.compile(case.model, ["cpu"] * 2, case.example_inputs, microbatches=2, schedule="gpipe",
+                               cost_model=cost_model,
+                               options=fxsplit.CompileOptions(allow_idle_devices=False, profile_cache_dir=False))
+        x, y = case.make_batch(8, 1)
+        pipe.train_step(*x, target=y, loss_fn=case.loss_fn)
+        return weight
+
+    weight = build()
+    gc.collect()
+    assert weight() is None, "a weight of the dropped pipeline is still alive"

@@ -137,7 +137,8 @@ def _boundaries(gm: torch.fx.GraphModule, stage: Mapping[torch.fx.Node, int], nu
 def _check_sendable(values: Sequence[torch.fx.Node], boundary: int) -> None:
     for node in values:
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor | int | float | bool) or val is None:
+        # A size read under a symbolic batch (SymInt) is a Python int when the stage runs.
+        if isinstance(val, torch.Tensor | int | float | bool | torch.SymInt | torch.SymFloat | torch.SymBool) or val is None:
             continue
         if isinstance(val, list | tuple) and all(isinstance(v, torch.Tensor) for v in val):
             continue

@@ -312,6 +312,8 @@ class DistributedPipeline(ParameterAPI):
                 start = time.perf_counter()
                 out = _m(chunk, *args, **kwargs)
                 k = "I" if _k == "B" and kwargs.get("full_backward") is False else _k  # a zero-bubble input half
+                if stage.device.type == "cuda":  # kernels run asynchronously: the action ends when they do
+                    torch.cuda.current_stream(stage.device).synchronize()
                 self.recorder.add(index, k, chunk + self._mb_offset, start, time.perf_counter())
                 return out
 

@@ -353,6 +353,8 @@ class Pipeline(ParameterAPI):
         else:
             self._backward(s, i, step, split=kind == "I")
         if self.recorder is not None:
+            if self._devices[s].type == "cuda":  # kernels run asynchronously: the action ends when they do
+                torch.cuda.current_stream(self._devices[s]).synchronize()
             self.recorder.add(s, kind, i, start, time.perf_counter())
 
     def _forward(self, s: int, i: int, step: _Step) -> None:
