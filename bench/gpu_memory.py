@@ -37,15 +37,17 @@ import fxsplit
 import fxsplit.models as zoo
 from fxsplit.api import CompileOptions
 
-# (name, zoo model, size, stages, micro-batches, batch)
+# (name, zoo model, size, stages, micro-batches, batch, autocast)
 CASES = [
-    ("gpt-base", "gpt", "base", 2, 4, 16),
-    ("resnet-base", "resnet", "base", 2, 4, 64),
-    ("mlp-base", "mlp", "base", 2, 4, 256),
+    ("gpt-base", "gpt", "base", 2, 4, 16, None),
+    ("gpt-base", "gpt", "base", 2, 4, 16, "bf16"),
+    ("resnet-base", "resnet", "base", 2, 4, 64, None),
+    ("resnet-base", "resnet", "base", 2, 4, 64, "bf16"),
+    ("mlp-base", "mlp", "base", 2, 4, 256, None),
 ]
 
 
-def run_case(name: str, model: str, size: str, p: int, m: int, batch: int, schedule: str,
+def run_case(name: str, model: str, size: str, p: int, m: int, batch: int, autocast: str | None, schedule: str,
              device: str) -> dict[str, Any]:
     """Compile on ``p`` stages of ``device``; the predicted and measured peak of one step."""
     gc.collect()
@@ -54,7 +56,7 @@ def run_case(name: str, model: str, size: str, p: int, m: int, batch: int, sched
     pipe = fxsplit.compile(case.model.to(device), [device] * p, case.example_inputs, case.example_kwargs or None,
                            microbatches=m, schedule=schedule, cost_model="analytic",
                            options=CompileOptions(allow_idle_devices=False, executor="sequential",
-                                                  profile_cache_dir=False))
+                                                  profile_cache_dir=False, autocast=autocast))
     x, y = case.make_batch(batch, 1)
     x = tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in x)
     y = y.to(device) if isinstance(y, torch.Tensor) else y
@@ -84,7 +86,7 @@ def run_case(name: str, model: str, size: str, p: int, m: int, batch: int, sched
     predicted = sum(st.memory_bytes for st in pipe.plan.stages)
     predicted_act = predicted - 4 * param_bytes - buffer_bytes
     measured_act = peak - before - param_bytes
-    return {"name": name, "schedule": schedule, "stages": p, "microbatches": m, "batch": batch,
+    return {"name": name if autocast is None else f"{name}, {autocast}", "schedule": schedule, "stages": p, "microbatches": m, "batch": batch,
             "param_bytes": param_bytes, "predicted_bytes": predicted, "peak_bytes": peak, "before_bytes": before,
             "peak_optimizer_bytes": peak_optimizer,
             "predicted_act_bytes": predicted_act, "measured_act_bytes": measured_act}

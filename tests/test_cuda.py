@@ -35,3 +35,59 @@ def test_threaded_cuda_pipeline_trains_like_the_original(schedule):
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad.to("cuda:0"), ref[name].grad, rtol=1e-3, atol=1e-4,
                                    msg=lambda m, n=name: f"gradient of {n}: {m}")
+
+
+def _close_to_max(actual: torch.Tensor, expected: torch.Tensor, rel: float, name: str) -> None:
+    scale = float(expected.abs().max()) or 1.0
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=0.0, atol=rel * scale,
+                               msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize(("m", "rel"), [(1, 1e-5), (4, 2e-2)])
+def test_bf16_autocast_on_cuda_trains_like_the_model_under_cuda_autocast(m, rel):
+    """CUDA's autocast op list (not the CPU's) runs in the stages: the loss, every gradient and the
+    forward's dtype match the unsplit model under ``torch.autocast("cuda", bfloat16)``."""
+    torch.manual_seed(0)
+    case = zoo.get("gpt", batch_size=8)
+    model = case.model.cuda()
+    reference = copy.deepcopy(model)
+    inputs, target = case.make_batch(8, 3)
+    inputs, target = tuple(x.cuda() for x in inputs), target.cuda()
+    pipe = fxsplit.compile(model, ["cuda:0"] * 2, inputs, microbatches=m, schedule="1f1b",
+                           options=fxsplit.CompileOptions(autocast="bf16", allow_idle_devices=False))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref_loss = case.loss_fn(reference(*inputs), target)
+    ref_loss.backward()
+    loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
+    _close_to_max(loss.to("cuda:0"), ref_loss.detach(), rel, "loss")
+    ref = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert p.dtype == torch.float32
+        _close_to_max(p.grad, ref[name].grad, rel, f"gradient of {name}")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = reference(*inputs)
+    assert pipe(*inputs).dtype == expected.dtype == torch.bfloat16
+
+
+def test_fp16_with_a_cuda_grad_scaler_steps_like_the_model():
+    torch.manual_seed(0)
+    case = zoo.get("mlp", batch_size=8)
+    model = case.model.cuda()
+    reference = copy.deepcopy(model)
+    inputs, target = case.make_batch(8, 5)
+    inputs, target = tuple(x.cuda() for x in inputs), target.cuda()
+    pipe = fxsplit.compile(model, ["cuda:0"] * 2, inputs, microbatches=1,
+                           options=fxsplit.CompileOptions(autocast="fp16", allow_idle_devices=False))
+    opts = [torch.optim.SGD(mod.parameters(), lr=0.1) for mod in (reference, pipe)]
+    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**10) for _ in range(2)]
+    with torch.autocast("cuda", dtype=torch.float16):
+        ref_loss = case.loss_fn(reference(*inputs), target)
+    scalers[0].scale(ref_loss).backward()
+    loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, grad_scaler=scalers[1])
+    torch.testing.assert_close(loss.to("cuda:0"), ref_loss.detach(), rtol=1e-3, atol=1e-4)
+    for opt, scaler in zip(opts, scalers, strict=True):
+        scaler.step(opt)
+        scaler.update()
+    state = reference.state_dict()
+    for k, v in pipe.state_dict().items():
+        torch.testing.assert_close(v.to("cuda:0"), state[k], rtol=1e-3, atol=1e-4)
