@@ -91,3 +91,31 @@ def test_fp16_with_a_cuda_grad_scaler_steps_like_the_model():
     state = reference.state_dict()
     for k, v in pipe.state_dict().items():
         torch.testing.assert_close(v.to("cuda:0"), state[k], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("autocast", [None, pytest.param("bf16", marks=pytest.mark.xfail(
+    strict=True, reason="issue 13: under CUDA autocast the saved activations measured 1.5-1.8x the charge on an "
+                        "H100 (fp32 and CPU bf16 match); the fake run of the activation-memory pass is the suspect"))])
+def test_each_cuda_stage_holds_at_most_what_the_memory_model_charges(autocast):
+    """The saved-tensor meter of test_memory_model on CUDA stages (GPipe, 4 micro-batches)."""
+    from test_memory_model import _SavedBytes
+
+    from fxsplit.schedule import simulate_plan
+
+    case = zoo.get("gpt", size="small", batch_size=16)
+    inputs, target = case.make_batch(16, 1)
+    inputs, target = tuple(x.cuda() for x in inputs), target.cuda()
+    pipe = fxsplit.compile(copy.deepcopy(case.model).cuda(), ["cuda:0"] * 2, inputs, microbatches=4, schedule="gpipe",
+                           cost_model="analytic",
+                           options=fxsplit.CompileOptions(executor="sequential", allow_idle_devices=False,
+                                                          recompute="none", autocast=autocast))
+    meter = _SavedBytes(pipe.num_stages, {p.untyped_storage().data_ptr() for p in pipe.parameters()})
+    for s, stage in enumerate(pipe.stages):
+        stage.gm.register_forward_pre_hook(lambda *_, s=s: setattr(meter, "stage", s))
+        stage.gm.register_forward_hook(lambda *_: setattr(meter, "stage", None))
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda h: h.t):
+        pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
+    flight = simulate_plan(pipe.plan, "gpipe", pipe.microbatches).peak_in_flight
+    for s, st in enumerate(pipe.plan.stages):
+        charged = (sum(pipe.plan.graph.blocks[b].activation_bytes for b in st.blocks) + st.in_bytes) * flight[s]
+        assert 0 < meter.peak[s] <= 1.02 * charged, f"stage {s}: measured {meter.peak[s]} B, charged {charged} B"
