@@ -43,18 +43,25 @@ def _close_to_max(actual: torch.Tensor, expected: torch.Tensor, rel: float, name
                                msg=lambda m: f"{name}: {m}")
 
 
+def _on_cuda(name: str, batch: int, seed: int, autocast: str, microbatches: int, schedule: str = "1f1b"):
+    """``(pipe, reference, inputs, target, case)``: ``name``'s model on ``cuda:0``, a copy of it,
+    a batch on the GPU and the pipeline compiled on two stages of ``cuda:0`` under ``autocast``."""
+    torch.manual_seed(0)
+    case = zoo.get(name, batch_size=batch)
+    model = case.model.cuda()
+    reference = copy.deepcopy(model)
+    inputs, target = case.make_batch(batch, seed)
+    inputs, target = tuple(x.cuda() for x in inputs), target.cuda()
+    pipe = fxsplit.compile(model, ["cuda:0"] * 2, inputs, microbatches=microbatches, schedule=schedule,
+                           options=fxsplit.CompileOptions(autocast=autocast, allow_idle_devices=False))
+    return pipe, reference, inputs, target, case
+
+
 @pytest.mark.parametrize(("m", "rel"), [(1, 1e-5), (4, 2e-2)])
 def test_bf16_autocast_on_cuda_trains_like_the_model_under_cuda_autocast(m, rel):
     """CUDA's autocast op list (not the CPU's) runs in the stages: the loss, every gradient and the
     forward's dtype match the unsplit model under ``torch.autocast("cuda", bfloat16)``."""
-    torch.manual_seed(0)
-    case = zoo.get("gpt", batch_size=8)
-    model = case.model.cuda()
-    reference = copy.deepcopy(model)
-    inputs, target = case.make_batch(8, 3)
-    inputs, target = tuple(x.cuda() for x in inputs), target.cuda()
-    pipe = fxsplit.compile(model, ["cuda:0"] * 2, inputs, microbatches=m, schedule="1f1b",
-                           options=fxsplit.CompileOptions(autocast="bf16", allow_idle_devices=False))
+    pipe, reference, inputs, target, case = _on_cuda("gpt", 8, 3, "bf16", m)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ref_loss = case.loss_fn(reference(*inputs), target)
     ref_loss.backward()
@@ -70,14 +77,7 @@ def test_bf16_autocast_on_cuda_trains_like_the_model_under_cuda_autocast(m, rel)
 
 
 def test_fp16_with_a_cuda_grad_scaler_steps_like_the_model():
-    torch.manual_seed(0)
-    case = zoo.get("mlp", batch_size=8)
-    model = case.model.cuda()
-    reference = copy.deepcopy(model)
-    inputs, target = case.make_batch(8, 5)
-    inputs, target = tuple(x.cuda() for x in inputs), target.cuda()
-    pipe = fxsplit.compile(model, ["cuda:0"] * 2, inputs, microbatches=1,
-                           options=fxsplit.CompileOptions(autocast="fp16", allow_idle_devices=False))
+    pipe, reference, inputs, target, case = _on_cuda("mlp", 8, 5, "fp16", 1)
     opts = [torch.optim.SGD(mod.parameters(), lr=0.1) for mod in (reference, pipe)]
     scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**10) for _ in range(2)]
     with torch.autocast("cuda", dtype=torch.float16):
