@@ -75,7 +75,7 @@ from fxsplit.runtime.microbatch import (
     target_batch_dim,
 )
 from fxsplit.runtime.state import ParameterAPI, check_loadable
-from fxsplit.runtime.trace import TraceEvent, TraceRecorder
+from fxsplit.runtime.trace import TraceEvent, TraceRecorder, action_end_s
 from fxsplit.schedule import make
 
 __all__ = ["DistributedPipeline", "RankStage", "TiedGroup", "from_rank0", "rank_of", "shard_name",
@@ -312,9 +312,7 @@ class DistributedPipeline(ParameterAPI):
                 start = time.perf_counter()
                 out = _m(chunk, *args, **kwargs)
                 k = "I" if _k == "B" and kwargs.get("full_backward") is False else _k  # a zero-bubble input half
-                if stage.device.type == "cuda":  # kernels run asynchronously: the action ends when they do
-                    torch.cuda.current_stream(stage.device).synchronize()
-                self.recorder.add(index, k, chunk + self._mb_offset, start, time.perf_counter())
+                self.recorder.add(index, k, chunk + self._mb_offset, start, action_end_s(stage.device))
                 return out
 
             setattr(stage, attr, timed)

@@ -45,7 +45,7 @@ from fxsplit.runtime.recompute import RecomputedForward
 from fxsplit.runtime.split_backward import PendingWeights, backward_input, backward_weight
 from fxsplit.runtime.state import ParameterAPI, StateMap
 from fxsplit.runtime.threads import run_threaded
-from fxsplit.runtime.trace import TraceRecorder
+from fxsplit.runtime.trace import TraceRecorder, action_end_s
 from fxsplit.schedule import Action, Schedule, make, simulate
 
 __all__ = ["Pipeline", "execution_order"]
@@ -353,9 +353,7 @@ class Pipeline(ParameterAPI):
         else:
             self._backward(s, i, step, split=kind == "I")
         if self.recorder is not None:
-            if self._devices[s].type == "cuda":  # kernels run asynchronously: the action ends when they do
-                torch.cuda.current_stream(self._devices[s]).synchronize()
-            self.recorder.add(s, kind, i, start, time.perf_counter())
+            self.recorder.add(s, kind, i, start, action_end_s(self._devices[s]))
 
     def _forward(self, s: int, i: int, step: _Step) -> None:
         received = step.inputs[i] if s == 0 else step.slots[(s - 1, i)].outputs

@@ -182,6 +182,16 @@ def span(recorder: TraceRecorder | None, stage: int, kind: str, microbatch: int)
     recorder.add(stage, kind, microbatch, start, time.perf_counter())
 
 
+def action_end_s(device: Any) -> float:
+    """``time.perf_counter()`` once an action that ran on ``device`` (a ``torch.device``) is
+    done: CUDA kernels run asynchronously, so there the current stream synchronises first."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.current_stream(device).synchronize()
+    return time.perf_counter()
+
+
 def write_trace(pipe: Any, path: str | Path) -> Path:
     """Write the Chrome trace of ``pipe``'s latest ``train_step`` (rows named by stage and device).
 
