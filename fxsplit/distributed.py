@@ -14,9 +14,12 @@ the device it runs on, and broadcasts the plan, which every rank checks against 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
+import math
 import os
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -35,18 +38,20 @@ from fxsplit.dist_build import (
     to_meta,
 )
 from fxsplit.dist_calibrate import CompiledDistributedPipeline, DistContext
-from fxsplit.dist_plan import example_batch, plan_on_rank0
-from fxsplit.errors import ConfigError, NotPerSampleWarning
-from fxsplit.frontend import with_batch_dim
-from fxsplit.ir import Plan
+from fxsplit.dist_plan import example_batch, plan_on_rank0, reference_spec
+from fxsplit.errors import ConfigError, FxsplitError, NotPerSampleWarning, PlanError
+from fxsplit.frontend import front_end, with_batch_dim
+from fxsplit.ir import DeviceSpec, LinkSpec, Plan
 from fxsplit.ir.problem import LOOPED_SCHEDULES
 from fxsplit.options import CompileOptions, autocast_dtype
 from fxsplit.runtime.dist_state import StageState, materialise
 from fxsplit.runtime.distributed import DistributedPipeline
+from fxsplit.runtime.links import probe_pipeline_links
+from fxsplit.runtime.tensor_parallel import ParallelGraph, ParallelPlan
 from fxsplit.schedule import available
 
-__all__ = ["compile", "load", "CompiledDistributedPipeline", "DistributedPipeline", "init_process_group",
-           "batched_flags"]
+__all__ = ["compile", "load", "parallelize", "CompiledDistributedPipeline", "DistributedPipeline", "ParallelGraph",
+           "init_process_group", "batched_flags", "STRATEGIES"]
 
 log = logging.getLogger(__name__)
 
@@ -315,3 +320,166 @@ def load(
     kwargs.setdefault("microbatches", max(saved_m, world) if schedule == "1f1b" else saved_m)
     log.info("loading a %d-stage checkpoint onto %d ranks", shards.meta.get("num_stages", 0), world)
     return compile(model_fn, example_inputs, example_kwargs, state_dict=shards, **kwargs)
+
+
+# -- per-layer strategies (PaSE) over all ranks ------------------------------------------------
+STRATEGIES = ("auto", "data-parallel", "megatron", "replicate")
+"""What :func:`parallelize` runs: the best per-node placements (PaSE), data parallelism, Megatron's
+column/row linear layers (the best plan of that family), every rank doing everything."""
+
+
+def parallelize(
+    model_fn: Callable[[], nn.Module],
+    example_inputs: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    strategy: str | Sequence[int] | Callable[[Any], Sequence[int]] = "auto",
+    backend: str | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    link: LinkSpec | None = None,
+    time_limit_s: float = 30.0,
+    timeout_s: float = 60.0,
+    options: CompileOptions | None = None,
+) -> ParallelGraph:
+    """Split every layer of a model over all ranks as a per-layer plan says (PaSE); call on every rank.
+
+    Every rank builds the model (``model_fn()``; rank 0's weights, or ``state_dict``, are
+    broadcast so all ranks agree) and captures it; each node's candidate placements come from
+    DTensor's sharding strategies (:func:`fxsplit.passes.parallel_strategies.strategy_graph`, on
+    a 1-D mesh of all ranks), rank 0 chooses one per node (PaSE's DP, CP-SAT past its table
+    limit; Elango, IPDPS 2021) on the analytic cost model of its device and the measured link to
+    its neighbour, and every rank runs the choice with DTensor
+    (:class:`~fxsplit.runtime.tensor_parallel.ParallelGraph`).
+
+    Args:
+        model_fn: Builds the model (on the CPU; gloo) with its weights.
+        example_inputs, example_kwargs: A representative batch (shapes fix the plan; a batch of
+            another size must split over the ranks the same way).
+        strategy: ``"auto"`` (the cheapest per-node plan), ``"data-parallel"``, ``"megatron"``
+            (the best plan whose linear layers alternate column and row splits, Shoeybi et al.
+            2019), ``"replicate"``, an explicit choice (one option index per vertex of the
+            strategy graph), or a function given the
+            :class:`~fxsplit.passes.parallel_strategies.NodeStrategies` that returns one (run on
+            rank 0).
+        backend: As :func:`compile`'s.
+        state_dict: The original model's weights (rank 0's are used); default: rank 0's
+            ``model_fn()``.
+        link: The link of the mesh for the costs; default: measured between ranks 0 and 1.
+        time_limit_s: CP-SAT's limit when the DP table is too large.
+        timeout_s: Seconds a collective waits.
+        options: Capture options (:class:`~fxsplit.api.CompileOptions`).
+
+    Returns:
+        This rank's :class:`~fxsplit.runtime.tensor_parallel.ParallelGraph`: ``pg(*inputs)``,
+        ``pg.train_step(*inputs, target=..., loss_fn=...)``, ``pg.parameters()`` for an
+        optimizer, ``pg.state_dict()`` (whole tensors, original names); ``pg.plan`` says what was
+        chosen and predicted.
+
+    Raises:
+        ConfigError: for one rank, an unknown ``strategy`` or a choice of the wrong length, or a
+            family with no finite plan for this model (on every rank).
+        PlanError: when the ranks captured different graphs.
+
+    Example:
+        >>> # on every rank, under torchrun --nproc_per_node=4:
+        >>> # pg = fxsplit.distributed.parallelize(lambda: GPT(cfg), (tokens,), strategy="megatron")
+        >>> # loss = pg.train_step(tokens, target=labels, loss_fn=F.cross_entropy)
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxsplit.passes.parallel_strategies import strategy_graph
+
+    if isinstance(strategy, str) and strategy not in STRATEGIES:
+        raise ConfigError(f"strategy={strategy!r}; choose one of {STRATEGIES} or give one option index per vertex")
+    rank, world, device = init_process_group(backend, timeout_s)
+    if world < 2:
+        raise ConfigError("parallelize splits layers over at least 2 ranks; launch with torchrun --nproc_per_node=2 or more")
+    if device.type != "cpu":
+        raise ConfigError(f"parallelize runs on CPU ranks (gloo) so far, not {device}; pass backend='gloo'")
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    model = model_fn()
+    _agree_on_weights(model, state_dict)
+    options = options or CompileOptions()
+    reference = reference_spec(device) if rank == 0 else DeviceSpec("cpu")
+    front = front_end(model, args, kwargs, reference=reference, cost_model="analytic", options=options,
+                      name=type(model).__name__)
+    gm = front.captured.gm
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, _structure_digest(gm))
+    if len(set(digests)) > 1:
+        raise PlanError(f"the ranks captured different graphs (digests {digests}); give every rank the same model "
+                        "and example inputs")
+    if link is None:
+        links = probe_pipeline_links(str(device))
+        link = links[0][2]
+    found = strategy_graph(gm, world, link=link)
+    chosen: list[Any] = [None]
+    if rank == 0:
+        chosen[0] = _try(lambda: _choose_strategies(found, gm, strategy, time_limit_s))
+    dist.broadcast_object_list(chosen, src=0)
+    plan, failure = chosen[0]
+    if failure is not None:
+        raise failure
+    mesh = init_device_mesh("cpu", (world,))
+    pg = ParallelGraph(gm, found.layout(plan.choice), mesh, trainable=front.captured.trainable,
+                       aliases=front.captured.aliases, fallback=found.fallback,
+                       flatten=lambda a, k: front.captured.flatten_inputs(a, k),
+                       unflatten=front.captured.unflatten_outputs, state_order=list(model.state_dict()))
+    pg.plan = plan
+    if rank == 0:
+        log.info("per-layer plan over %d ranks (%s): predicted %.3g s per step, %s", world, plan.strategy,
+                 plan.predicted_step_s, dict(Counter(pg.placements().values())))
+    return pg
+
+
+def _agree_on_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None) -> None:
+    """Load ``state_dict`` (when given) and make every rank hold rank 0's tensors."""
+    if state_dict is not None:
+        model.load_state_dict(dict(state_dict))
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+
+def _structure_digest(gm: torch.fx.GraphModule) -> str:
+    rows = [(n.name, n.op, str(n.target), str(getattr(n.meta.get("val"), "shape", ""))) for n in gm.graph.nodes]
+    return hashlib.sha256(repr(rows).encode()).hexdigest()[:16]
+
+
+def _try(call: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    try:
+        return call(), None
+    except FxsplitError as exc:
+        return None, exc
+
+
+def _choose_strategies(found: Any, gm: torch.fx.GraphModule, strategy: str | Sequence[int] | Callable[[Any], Sequence[int]],
+                       time_limit_s: float) -> ParallelPlan:
+    """Rank 0's pick: the option per vertex for ``strategy``, its predicted seconds and bytes."""
+    from fxsplit.passes.parallel_strategies import megatron_placements
+    from fxsplit.solvers.pase import solve_strategies
+
+    g = found.graph
+    if callable(strategy):
+        strategy = strategy(found)
+    if not isinstance(strategy, str):
+        choice = tuple(int(c) for c in strategy)
+        g.cost_s(choice)  # ConfigError for a wrong length or index
+        name, solver, proven = "given", "given", False
+    elif strategy == "auto":
+        best = solve_strategies(g, time_limit_s=time_limit_s)
+        choice, name, solver, proven = best.choice, "auto", best.solver, best.proven
+    elif strategy == "megatron":
+        best = solve_strategies(g.restricted(found.allowing(megatron_placements(gm))), time_limit_s=time_limit_s)
+        choice, name, solver, proven = best.choice, "megatron", best.solver, best.proven
+    elif strategy == "data-parallel":
+        choice, name, solver, proven = found.data_parallel_choice(), "data-parallel", "rule", False
+    else:
+        choice, name, solver, proven = found.choice_of(("R",)), "replicate", "rule", False
+    cost = g.cost_s(choice)
+    if not math.isfinite(cost):
+        raise ConfigError(f"strategy {name!r} has no finite plan for this model over {found.mesh_size} ranks "
+                          "(a pair of placements no collective joins); try strategy='auto'")
+    return ParallelPlan(name, choice, cost, g.memory_bytes(choice), solver, proven,
+                        {"data-parallel": g.cost_s(found.data_parallel_choice()),
+                         "replicate": g.cost_s(found.choice_of(("R",)))})

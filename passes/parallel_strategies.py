@@ -49,9 +49,19 @@ from fxsplit.passes.dtensor_strategies import (
     tensor_inputs,
 )
 
-__all__ = ["NodeStrategies", "megatron_placements", "strategy_graph", "placement_name", "redistribute_s"]
+__all__ = ["NodeLayout", "NodeStrategies", "is_trainable", "megatron_placements", "strategy_graph", "placement_name", "redistribute_s"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Where one node's values live: its output's placement (``"S(0)"``, ``"R"``, ``"P"``; a
+    multi-output op: ``"(S(0),S(0))"``) and the placement it expects of each tensor operand, in
+    the order of :attr:`NodeStrategies.inputs`."""
+
+    output: str
+    inputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,12 @@ class NodeStrategies:
         parameters: ``[num_vertices]`` whether the vertex is a trainable parameter.
         item_of: ``[num_vertices]`` for an output of a multi-output op, the op's vertex (its
             options are the op's), else -1.
+        inputs: ``[num_vertices]`` the vertex's tensor operands (vertex indices) in the order
+            DTensor lists them (the node's args then kwargs, depth first; a value read twice is
+            listed twice).
+        input_placements: ``[num_vertices][options][len(inputs)]`` the placement each option
+            expects of each operand (``"R"``, ``"S(1)"``, ``"P"``), what the runtime
+            redistributes an operand to before the op runs.
     """
 
     graph: StrategyGraph
@@ -76,6 +92,22 @@ class NodeStrategies:
     mesh_size: int
     parameters: tuple[bool, ...] = ()
     item_of: tuple[int, ...] = ()
+    inputs: tuple[tuple[int, ...], ...] = ()
+    input_placements: tuple[tuple[tuple[str, ...], ...], ...] = ()
+
+    def layout(self, choice: Sequence[int]) -> dict[str, NodeLayout]:
+        """Node name -> its placements under ``choice`` (one option per vertex): what
+        :class:`fxsplit.runtime.tensor_parallel.ParallelGraph` runs.
+
+        Raises:
+            ConfigError: for a choice of the wrong length or an option out of range.
+        """
+        if len(choice) != len(self.nodes) or any(not 0 <= c < len(p) for c, p in zip(choice, self.placements, strict=True)):
+            raise ConfigError(f"choice of {len(choice)} options does not pick one option of each of the "
+                              f"{len(self.nodes)} vertices")
+        return {name: NodeLayout(self.placements[v][c],
+                                 self.input_placements[v][c] if self.input_placements else ())
+                for v, (name, c) in enumerate(zip(self.nodes, choice, strict=True))}
 
     def choice_of(self, prefer: Sequence[str]) -> tuple[int, ...]:
         """Per vertex, the first option whose output placement (each output's, for a
@@ -130,10 +162,20 @@ def megatron_placements(gm: torch.fx.GraphModule) -> dict[str, set[str]]:
                 placements[bias.name] = {"S(0)" if column else "R"}
             column = not column
     for node in gm.graph.nodes:  # the rest replicated
-        val = node.meta.get("val")
-        if node.op == "get_attr" and isinstance(val, torch.Tensor) and val.requires_grad:
+        if is_trainable(gm, node):
             placements.setdefault(node.name, {"R"})
     return placements
+
+
+def is_trainable(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether ``node`` reads a trainable parameter of ``gm`` (the module's own tensor decides:
+    shape propagation may leave ``requires_grad`` out of ``node.meta["val"]``)."""
+    if node.op != "get_attr":
+        return False
+    value: Any = gm
+    for part in str(node.target).split("."):
+        value = getattr(value, part, None)
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 def _all_are(name: str, want: str) -> bool:
@@ -235,7 +277,8 @@ def strategy_graph(
     if not order:
         raise ConfigError("the graph has no tensor values with shapes; capture and annotate it first")
     outputs = {a for a in flatten_args(next(n for n in gm.graph.nodes if n.op == "output").args) if isinstance(a, torch.fx.Node)}
-    return _assemble(order, strategies, inputs_of, outputs, items, mesh_size, training, state_bytes_per_param_byte,
+    trainable = {node for node in order if is_trainable(gm, node)}
+    return _assemble(order, strategies, inputs_of, outputs, items, trainable, mesh_size, training, state_bytes_per_param_byte,
                      link, tuple(fallback))
 
 
@@ -249,17 +292,18 @@ def _item_strategy(parent: Any, i: int) -> Any:
 
 def _assemble(order: list[torch.fx.Node], strategies: dict[torch.fx.Node, Any],
               inputs_of: dict[torch.fx.Node, list[torch.fx.Node]], outputs: set[torch.fx.Node],
-              items: dict[torch.fx.Node, tuple[torch.fx.Node, int]], n: int, training: bool, state_factor: float,
-              link: LinkSpec, fallback: tuple[str, ...]) -> NodeStrategies:
+              items: dict[torch.fx.Node, tuple[torch.fx.Node, int]], trainable: set[torch.fx.Node], n: int,
+              training: bool, state_factor: float, link: LinkSpec, fallback: tuple[str, ...]) -> NodeStrategies:
     index = {node: i for i, node in enumerate(order)}
     vertices, placements = [], []
+    wants: list[tuple[tuple[str, ...], ...]] = []
     edges: dict[tuple[int, int], list[list[float]]] = {}
     for v, node in enumerate(order):
         specs = strategies[node].strategies
         cost = node.meta.get("fxsplit.cost")
         work_s = (cost.fwd_s + (cost.bwd_s if training else 0.0)) if cost is not None else 0.0
         val = node.meta["val"]
-        is_param = node.op == "get_attr" and isinstance(val, torch.Tensor) and val.requires_grad
+        is_param = node in trainable
         nbytes = value_bytes(val)
         if node in items:
             work_s = 0.0  # the op did the work
@@ -275,6 +319,11 @@ def _assemble(order: list[torch.fx.Node], strategies: dict[torch.fx.Node, Any],
         vertices.append(StrategyVertex(node.name, tuple(options)))
         placements.append(tuple(placement_name(s.output_specs) for s in specs))
         inputs = inputs_of.get(node, [])
+        if node in items:  # the op's option gives it; nothing to redistribute
+            wants.append(((),) * len(specs))
+        else:
+            wants.append(tuple(tuple(placement_name(w) for w in spec.input_specs) if spec.input_specs
+                               else ("R",) * len(inputs) for spec in specs))
         if node in items:  # the op's option k gives this output's option k
             rows = len(strategies[inputs[0]].strategies)
             edges[index[inputs[0]], v] = [[0.0 if k == j else math.inf for j in range(len(specs))] for k in range(rows)]
@@ -293,12 +342,14 @@ def _assemble(order: list[torch.fx.Node], strategies: dict[torch.fx.Node, Any],
                         matrix[k][j] = math.inf
                         continue
                     matrix[k][j] += redistribute_s(src_names[k], want, nbytes, n, link) * (2.0 if training else 1.0)
-                    if training and _grad_all_reduce(src, strategies[src].strategies[k], spec, i):
+                    if training and src in trainable and _grad_all_reduce(strategies[src].strategies[k], spec, i):
                         matrix[k][j] += _all_reduce_s(src.meta["val"], n, link)
     graph = StrategyGraph(tuple(vertices), tuple(StrategyEdge(u, v, tuple(map(tuple, m))) for (u, v), m in edges.items()))
-    params = tuple(node.op == "get_attr" and bool(node.meta["val"].requires_grad) for node in order)
+    params = tuple(node in trainable for node in order)
     item_of = tuple(index[items[node][0]] if node in items else -1 for node in order)
-    return NodeStrategies(graph, tuple(node.name for node in order), tuple(placements), fallback, n, params, item_of)
+    operands = tuple(tuple(index[a] for a in inputs_of.get(node, [])) if node not in items else () for node in order)
+    return NodeStrategies(graph, tuple(node.name for node in order), tuple(placements), fallback, n, params, item_of,
+                          operands, tuple(wants))
 
 
 def redistribute_s(src: str, dst: str, nbytes: float, n: int, link: LinkSpec) -> float:
@@ -329,11 +380,10 @@ def redistribute_s(src: str, dst: str, nbytes: float, n: int, link: LinkSpec) ->
     return math.inf
 
 
-def _grad_all_reduce(src: torch.fx.Node, src_spec: Any, consumer: Any, i: int) -> bool:
+def _grad_all_reduce(src_spec: Any, consumer: Any, i: int) -> bool:
     """Whether a parameter read replicated by a consumer that splits its other operands gets a
     partial gradient on each device (data parallelism: summed by an all-reduce)."""
-    val = src.meta["val"]
-    if src.op != "get_attr" or not val.requires_grad or placement_name(src_spec.output_specs) != "R":
+    if placement_name(src_spec.output_specs) != "R":
         return False
     others = [s for k, s in enumerate(consumer.input_specs or []) if k != i]
     return any(not placement_name(s).startswith("R") for s in others if s is not None)

@@ -111,6 +111,9 @@ def register(app: typer.Typer) -> None:
         distributed: Annotated[bool, typer.Option(help="one stage per process, under torchrun (see compile_dist)")] = False,
         backend: Annotated[str, typer.Option(help="--distributed: gloo, nccl or auto")] = "auto",
         timeout_s: Annotated[float, typer.Option(help="--distributed: seconds before a silent peer is an error")] = 60.0,
+        parallel: Annotated[str, typer.Option(help="--distributed: pipeline (one stage per process), or split every "
+                                              "layer over all processes (DTensor, gloo): layers (PaSE's best plan), "
+                                              "data-parallel, megatron, replicate")] = "pipeline",
         recompute: Annotated[str, typer.Option(help=RECOMPUTE_HELP)] = "auto",
         autocast: Annotated[str | None, typer.Option(help="mixed precision: bf16, fp16, or auto (plan the model's dtypes and bf16, run the faster; local only); default: the model's dtypes")] = None,
     ) -> None:
@@ -122,10 +125,19 @@ def register(app: typer.Typer) -> None:
         console = Console()
         recompute_name = cast(RecomputeName, recompute)  # Problem.check refuses any other name
         # -- distributed path (issue 5): everything lives in fxsplit/cli/compile_dist.py -------
+        if parallel != "pipeline" and not distributed:
+            from fxsplit.errors import ConfigError
+
+            exit_with_error(console, ConfigError(f"--parallel {parallel} splits layers over processes: add --distributed "
+                                                 "and launch with torchrun"), 2)
         if distributed:
-            from fxsplit.cli.compile_dist import run_distributed
+            from fxsplit.cli.compile_dist import run_distributed, run_layers
 
             try:
+                if parallel != "pipeline":
+                    run_layers(model, steps=steps, strategy=parallel, size=size, batch_size=batch_size, lr=lr,
+                               timeout_s=timeout_s)
+                    return
                 run_distributed(model, steps=steps, microbatches=microbatches, schedule=schedule, size=size,
                                 batch_size=batch_size, lr=lr, backend=backend, timeout_s=timeout_s,
                                 calibrate=calibrate, recompute=recompute_name, autocast=autocast)

@@ -150,3 +150,72 @@ def run_distributed(
     console.print(_summary(pipe, result, world))
     pipe.close()
     dist.destroy_process_group()
+
+
+def run_layers(model: str, *, steps: int, strategy: str, size: str, batch_size: int, lr: float, timeout_s: float) -> None:
+    """Split every layer of ``model`` over the processes torchrun launched (``strategy``:
+    ``layers`` for PaSE's best plan, or ``data-parallel``, ``megatron``, ``replicate``), train it
+    beside the unsplit model with SGD, and print the plan, the measured step and the largest loss
+    and gradient differences (rank 0).
+
+    Raises:
+        FxsplitError: as :func:`fxsplit.distributed.parallelize` (the caller prints it).
+    """
+    import copy
+    from collections import Counter
+
+    import torch
+    import torch.distributed as dist
+
+    import fxsplit.distributed as fxd
+    from fxsplit.api import load_model
+    from fxsplit.errors import ConfigError
+
+    names = {"layers": "auto", "data-parallel": "data-parallel", "megatron": "megatron", "replicate": "replicate"}
+    if strategy not in names:
+        raise ConfigError(f"--parallel {strategy}: choose pipeline, {', '.join(names)}")
+    torch.manual_seed(0)
+    rank, world, _ = fxd.init_process_group("gloo", timeout_s)
+    console = Console(quiet=rank != 0)
+    case = load_model(model, size=size, batch_size=batch_size)
+    reference = case.model
+    with console.status(f"capturing {model}, choosing each layer's placement over {world} processes ..."):
+        pg = fxd.parallelize(lambda: copy.deepcopy(reference), case.example_inputs, strategy=names[strategy],
+                             timeout_s=timeout_s)
+    opt, opt_ref = torch.optim.SGD(pg.parameters(), lr=lr), torch.optim.SGD(reference.parameters(), lr=lr)
+    loss_diff = grad_diff = 0.0
+    step_s = []
+    for step in range(steps):
+        inputs, target = case.make_batch(batch_size, 1000 + step)
+        opt.zero_grad(set_to_none=True)
+        opt_ref.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss = pg.train_step(*inputs, target=target, loss_fn=case.loss_fn)
+        step_s.append(time.perf_counter() - start)
+        ref_loss = case.loss_fn(reference(*inputs), target)
+        ref_loss.backward()
+        grads = pg.grads()
+        for name, p in reference.named_parameters(remove_duplicate=False):
+            if p.grad is not None and grads.get(name) is not None:
+                grad_diff = max(grad_diff, float((grads[name] - p.grad).abs().max()))
+        loss_diff = max(loss_diff, abs(float(loss) - float(ref_loss.detach())))
+        opt.step()
+        opt_ref.step()
+        console.print(f"step {step + 1}/{steps} loss {float(loss):.4f} ({format_seconds(step_s[-1])})")
+    plan = pg.plan
+    assert plan is not None  # parallelize sets it
+    table = Table(title=f"{model}: every layer split over {world} processes ({plan.strategy}, solved by {plan.solver})")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("parameter placements", ", ".join(f"{k} x{n}" for k, n in Counter(pg.placements().values()).most_common()))
+    table.add_row("predicted step (compute + collectives)", format_seconds(plan.predicted_step_s))
+    for name, seconds in plan.baselines.items():
+        table.add_row(f"predicted step, {name}", format_seconds(seconds))
+    measured = step_s[1:] or step_s
+    table.add_row("measured step time (median, rank 0)", format_seconds(sorted(measured)[len(measured) // 2]))
+    table.add_row("largest loss difference vs original", f"{loss_diff:.3e}")
+    table.add_row("largest gradient difference vs original", f"{grad_diff:.3e}")
+    if pg.run_whole or pg.fallback:
+        table.add_row("ops run on whole tensors", str(len(pg.run_whole | set(pg.fallback))))
+    console.print(table)
+    dist.destroy_process_group()

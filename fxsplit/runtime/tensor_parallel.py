@@ -1,0 +1,386 @@
+"""Run a captured graph with a placement per node over a device mesh (DTensor): PaSE's plans executed.
+
+:func:`fxsplit.passes.parallel_strategies.strategy_graph` gives every node candidate placements
+from DTensor's own sharding strategies and :func:`fxsplit.solvers.pase.solve_strategies` picks
+one per node; :class:`ParallelGraph` runs that choice on ``torch.distributed``:
+
+* every parameter and buffer becomes a DTensor with its node's planned placement (a trainable
+  one an ``nn.Parameter`` the optimizer steps; each rank holds its shard);
+* the graph's inputs are distributed as planned (each rank takes its piece of the batch it was
+  given: every rank passes the same batch);
+* before each op, each tensor operand is redistributed to the placement the chosen strategy
+  expects (``DTensor.redistribute``: its backward moves the gradient back the opposite way), the
+  op runs on DTensors, and its output is moved to its planned placement when DTensor's own
+  propagation chose another (:attr:`ParallelGraph.relayouts` counts those);
+* an op DTensor has no strategy for (the planner's fallback, or one that fails sharded at run
+  time) runs on whole tensors: operands gathered, the op run locally, the result replicated;
+* every output of the model comes back whole (plain tensors, the same on every rank), so any
+  loss function applies; every gradient reaches the parameter shards, whose ``full_tensor()``
+  is the unsplit model's gradient.
+
+Each node's output passes through an autograd identity whose backward gives the gradient the
+placement of the value in forward: DTensor's backward rules are written for those (a view's
+backward on a gradient sharded another way can need an uneven split DTensor refuses).
+
+References:
+    Elango, "Automatic Parallelization Strategies for Efficient DNN Training" (PaSE), IPDPS 2021;
+    torch.distributed.tensor (DTensor: ``distribute_tensor``, ``redistribute``, ``full_tensor``).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fxsplit.errors import ConfigError
+from fxsplit.passes.parallel_strategies import NodeLayout
+from fxsplit.runtime.state import ParameterAPI
+
+__all__ = ["ParallelGraph", "ParallelPlan", "placement_of", "same_on_every_rank"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What a :class:`ParallelGraph` runs and what the planner predicted for it.
+
+    Attributes:
+        strategy: ``"auto"``, ``"data-parallel"``, ``"megatron"``, ``"replicate"`` or ``"given"``.
+        choice: ``[num_vertices]`` the option index per vertex of the strategy graph.
+        predicted_step_s: Compute plus redistribution per device and step, seconds (the
+            strategy graph's cost model).
+        memory_bytes: Per-device bytes of the choice (parameters with their gradients and
+            optimizer state, activations, after sharding).
+        solver: ``"pase-dp"``, ``"pase-cpsat"``, ``"rule"`` or ``"given"``.
+        proven: An exact solver proved the choice optimal for its family.
+        baselines: Predicted seconds of ``"data-parallel"`` and ``"replicate"`` on the same model.
+    """
+
+    strategy: str
+    choice: tuple[int, ...]
+    predicted_step_s: float
+    memory_bytes: float
+    solver: str
+    proven: bool
+    baselines: dict[str, float] = field(default_factory=dict)
+
+
+def placement_of(name: str) -> Any:
+    """The DTensor placement of a name :func:`~fxsplit.passes.parallel_strategies.placement_name`
+    gives: ``"R"`` -> ``Replicate()``, ``"S(d)"`` -> ``Shard(d)``, ``"P"`` -> ``Partial()``; None for
+    one this runtime does not build (a strided shard, a multi-output op's tuple).
+
+    Example:
+        >>> placement_of("S(1)")
+        Shard(dim=1)
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if name == "R":
+        return Replicate()
+    if name == "P":
+        return Partial()
+    if name.startswith("S(") and name.endswith(")") and name[2:-1].lstrip("-").isdigit():
+        return Shard(int(name[2:-1]))
+    return None
+
+
+class _KeepGradLayout(torch.autograd.Function):
+    """Identity in forward; in backward, the gradient redistributed to the placements the value
+    had in forward (when it arrives otherwise), a partial sum's as a replica (the gradient of
+    each addend is the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Any) -> Any:
+        from torch.distributed.tensor import Replicate
+
+        ctx.placements = tuple(Replicate() if p.is_partial() else p for p in value.placements)
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(ctx.placements):
+            grad = grad.redistribute(grad.device_mesh, ctx.placements)
+        return grad
+
+
+class ParallelGraph(ParameterAPI):
+    """A graph run over a 1-D device mesh with one placement per node; call on every rank.
+
+    Args:
+        gm: The captured graph (``torch.export``'s flat graph, parameters and buffers as
+            ``get_attr`` nodes), with this rank's copy of every weight (the same on every rank).
+        layout: Node name -> :class:`~fxsplit.passes.parallel_strategies.NodeLayout`
+            (:meth:`NodeStrategies.layout` of the chosen strategies); nodes not named run on
+            whatever placements their operands have.
+        mesh: The ``DeviceMesh`` (1-D) the placements are over.
+        trainable: Graph names (``get_attr`` targets) of trainable parameters.
+        aliases: Graph name -> every original name of that tensor (tied weights have several).
+        fallback: Nodes to run on whole tensors (no DTensor strategy).
+        unflatten: Builds the model's output structure from the graph's flat outputs.
+        flatten: Flattens ``(args, kwargs)`` into the graph's inputs.
+        state_order: Original names in the model's ``state_dict`` order.
+
+    Raises:
+        ConfigError: for a layout naming a node the graph lacks.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, layout: Mapping[str, NodeLayout], mesh: Any, *,
+                 trainable: frozenset[str], aliases: Mapping[str, tuple[str, ...]],
+                 fallback: Sequence[str] = (),
+                 flatten: Callable[[Sequence[Any], Mapping[str, Any]], list[Any]],
+                 unflatten: Callable[[Sequence[Any]], Any],
+                 state_order: Sequence[str] = ()) -> None:
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        names = {n.name for n in gm.graph.nodes}
+        unknown = sorted(set(layout) - names)
+        if unknown:
+            raise ConfigError(f"the layout names nodes {unknown[:5]} the graph does not have; build it from "
+                              "strategy_graph(gm, ...) of this graph")
+        self.gm, self.layout, self.mesh = gm, dict(layout), mesh
+        self.fallback = frozenset(fallback)
+        self.aliases = dict(aliases)
+        self._flatten, self._unflatten = flatten, unflatten
+        self.state_order = list(state_order)
+        self.relayouts: Counter[str] = Counter()
+        self.run_whole: set[str] = set()
+        self.values: dict[str, Any] = {}  # get_attr target -> DTensor (Parameter when trainable)
+        self.plan: ParallelPlan | None = None
+        for node in gm.graph.find_nodes(op="get_attr"):
+            tensor = _attr(gm, str(node.target))
+            if not isinstance(tensor, torch.Tensor) or node.target in self.values:
+                continue
+            want = placement_of(self.layout[node.name].output) if node.name in self.layout else None
+            value = distribute_tensor(tensor.detach(), mesh, [want or Replicate()], src_data_rank=None)
+            self.values[str(node.target)] = nn.Parameter(value) if node.target in trainable else value
+
+    # -- running -----------------------------------------------------------------------------
+    def run_flat(self, flat: Sequence[Any]) -> list[Any]:
+        """Run the graph on its flat inputs (the whole batch, the same on every rank); return the
+        flat outputs, whole. Collective.
+
+        Raises:
+            ConfigError: on every rank, when the ranks were given different inputs.
+        """
+        same_on_every_rank(flat, "inputs")
+        return _Runner(self).run(*flat)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's output for the whole batch (every rank passes the same inputs), whole on
+        every rank. Collective."""
+        return self._unflatten(self.run_flat(self._flatten(args, kwargs)))
+
+    def train_step(self, *args: Any, target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor],
+                   **kwargs: Any) -> torch.Tensor:
+        """Forward, ``loss_fn(output, target)`` and backward on every rank (the same batch and
+        target everywhere); gradients accumulate in the parameter shards. Returns the loss,
+        detached, on every rank. Collective.
+
+        Raises:
+            ConfigError: for a ``loss_fn`` that is not callable or returns no scalar tensor; on
+                every rank, when the ranks were given different inputs or targets (each rank
+                would otherwise train on its own batch and the shards would disagree silently).
+        """
+        if not callable(loss_fn):
+            raise ConfigError(f"train_step needs loss_fn=callable(output, target) -> scalar, got {loss_fn!r}")
+        same_on_every_rank([target], "target")
+        loss = loss_fn(self(*args, **kwargs), target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ConfigError(f"loss_fn returned {type(loss).__name__} {getattr(loss, 'shape', '')}; give a scalar tensor")
+        loss.backward()
+        return loss.detach()
+
+    # -- state ---------------------------------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(original name, DTensor parameter)``; a tied parameter once, under its first name."""
+        for target, value in self.values.items():
+            if isinstance(value, nn.Parameter):
+                yield self.aliases.get(target, (target,))[0], value
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer, whole, under every original name: the unsplit model's keys in
+        its order (``state_order``; every graph tensor when that is empty). Collective: gathers
+        the shards on every rank."""
+        out: dict[str, torch.Tensor] = {}
+        for target, value in self.values.items():
+            whole = value.detach().full_tensor()
+            for name in self.aliases.get(target, (target,)):
+                out[name] = whole
+        if not self.state_order:
+            return out
+        return {k: out[k] for k in self.state_order if k in out}  # the model's keys (no non-persistent buffers)
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        """Every trainable parameter's gradient, whole, under its original names. Collective."""
+        out: dict[str, torch.Tensor | None] = {}
+        for target, value in self.values.items():
+            if isinstance(value, nn.Parameter):
+                grad: Any = value.grad  # a DTensor
+                whole = None if grad is None else grad.full_tensor()
+                for name in self.aliases.get(target, (target,)):
+                    out[name] = whole
+        return out
+
+    def placements(self) -> dict[str, str]:
+        """Original parameter name -> its placement (``"S(0)"``, ``"R"``)."""
+        from fxsplit.passes.parallel_strategies import placement_name
+
+        return {name: placement_name(getattr(value, "_spec", None)) for name, value in self.named_parameters()}
+
+
+def same_on_every_rank(values: Sequence[Any], what: str) -> None:
+    """Check that every rank holds the same ``values`` (shapes, dtypes and a float64 checksum of
+    each tensor; other values by ``repr``); one ``all_gather_object``.
+
+    Raises:
+        ConfigError: on every rank, naming the first value that differs and the ranks' digests.
+    """
+    import torch.distributed as dist
+
+    def digest(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            t = torch.view_as_real(v.detach()) if v.is_complex() else v.detach()
+            t = t.cpu().double()  # the same tensor gives the same sums, bit for bit
+            return (tuple(v.shape), str(v.dtype), float(t.sum()), float((t * t).sum()))
+        return repr(v)
+
+    mine = [digest(v) for v in values]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for i in range(len(mine)):
+        seen = [d[i] if i < len(d) else None for d in every]
+        if any(d != seen[0] for d in seen):
+            raise ConfigError(f"the ranks were given different {what} (value {i}: {seen}); a per-layer plan splits one "
+                              "batch over the ranks, so every rank must pass the same batch and target")
+
+
+def _attr(gm: torch.nn.Module, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+class _Runner(torch.fx.Interpreter):
+    """One forward of a :class:`ParallelGraph` (an FX interpreter over DTensors)."""
+
+    def __init__(self, owner: ParallelGraph) -> None:
+        super().__init__(owner.gm)
+        self.owner = owner
+        self.node: torch.fx.Node | None = None
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.node = n
+        return super().run_node(n)
+
+    def _planned(self) -> NodeLayout | None:
+        assert self.node is not None
+        return self.owner.layout.get(self.node.name)
+
+    def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        value = super().placeholder(target, args, kwargs)
+        if not isinstance(value, torch.Tensor):
+            return value
+        plan = self._planned()
+        want = placement_of(plan.output) if plan else None
+        return distribute_tensor(value, self.owner.mesh, [want or Replicate()], src_data_rank=None)
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        value = self.owner.values.get(str(target))
+        return value if value is not None else super().get_attr(target, args, kwargs)
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        node = self.node
+        assert node is not None
+        if target is operator.getitem or not any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs))):
+            out = super().call_function(target, args, kwargs)
+            return self._settle(out, node) if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else out
+        if node.name in self.owner.fallback or node.name in self.owner.run_whole:
+            return self._whole(target, args, kwargs)
+        args, kwargs = self._operands(node, args, kwargs)
+        try:
+            out = super().call_function(target, args, kwargs)
+        except (NotImplementedError, RuntimeError) as exc:
+            if "DTensor" not in str(exc) and "shard" not in str(exc).lower():
+                raise
+            log.warning("%s (%s) fails sharded on DTensor (%s); it runs on whole tensors", node.name, target,
+                        str(exc).splitlines()[0])
+            self.owner.run_whole.add(node.name)
+            return self._whole(target, args, kwargs)
+        return self._settle(out, node)
+
+    def _operands(self, node: torch.fx.Node, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Plain tensors (constants) replicated; each DTensor operand moved to the placement the
+        chosen strategy expects of it (operands in DTensor's order: args, then kwargs, depth first)."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        plan = self.owner.layout.get(node.name)
+        wants = list(plan.inputs) if plan else []
+        position = 0
+
+        def move(value: Any) -> Any:
+            nonlocal position
+            if not isinstance(value, torch.Tensor):
+                return value
+            if not isinstance(value, DTensor):
+                return DTensor.from_local(value, self.owner.mesh, [Replicate()], run_check=False)
+            want = placement_of(wants[position]) if position < len(wants) else None
+            position += 1
+            if want is not None and tuple(value.placements) != (want,):
+                return value.redistribute(value.device_mesh, [want])
+            return value
+
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        moved = [move(v) for v in flat]
+        return pytree.tree_unflatten(moved, spec)
+
+    def _settle(self, out: Any, node: torch.fx.Node) -> Any:
+        """The op's output at its planned placement, its gradient kept at that placement."""
+        from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+        plan = self.owner.layout.get(node.name)
+        want = placement_of(plan.output) if plan else None
+        if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):  # a factory (arange, zeros)
+            out = distribute_tensor(out, self.owner.mesh, [want or Replicate()], src_data_rank=None)
+        if not isinstance(out, DTensor):
+            return out
+        if want is not None and tuple(out.placements) != (want,):
+            self.owner.relayouts[node.name] += 1
+            out = out.redistribute(out.device_mesh, [want])
+        return _KeepGradLayout.apply(out) if out.requires_grad else out
+
+    def _whole(self, target: Any, args: Any, kwargs: Any) -> Any:
+        """Run an op on whole tensors: DTensor operands gathered, the result replicated."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = self.owner.mesh
+
+        def gather(value: Any) -> Any:
+            return value.full_tensor() if isinstance(value, DTensor) else value
+
+        out = target(*pytree.tree_map(gather, args), **pytree.tree_map(gather, kwargs))
+        return pytree.tree_map_only(torch.Tensor, lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False),
+                                    out)
+
+    def output(self, target: Any, args: Any, kwargs: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        flat = args[0]
+        return [v.full_tensor() if isinstance(v, DTensor) else v for v in flat]

@@ -1,0 +1,99 @@
+"""Issue 11 (runtime): per-layer plans (PaSE) run with DTensor over gloo ranks compute what the
+unsplit model computes: outputs, loss, every gradient by original name, and the state after an
+optimizer step; a random valid plan (the optimum under random costs) as well as the named ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tp_workers as w
+from dist_utils import check_ok, launch
+
+from fxsplit.errors import ConfigError
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_per_layer_plans_train_like_the_unsplit_model(tmp_path, world):
+    """GPT (attention, tied embedding) and an MLP; data parallelism, Megatron's column/row
+    linear layers, PaSE's pick and two random valid plans per model."""
+    runs = [(name, s) for name in ("gpt", "mlp") for s in ("data-parallel", "megatron", "auto", ("random", 0),
+                                                          ("random", 1))]
+    if world == 2:
+        runs = [r for r in runs if r[0] == "gpt" and r[1] in ("megatron", ("random", 2))] + [("gpt", ("random", 2))]
+    results = launch(w.train_like_unsplit, world, tmp_path, runs, deadline_s=240)
+    check_ok(results)
+    shown = results[0]["result"]
+    for tag, r in shown.items():
+        assert r["out_diff"] < 1e-5, (tag, r)
+        assert r["loss_diff"] < 1e-5, (tag, r)
+        assert r["grad_rel_diff"] < 1e-4, (tag, r)
+        assert r["grads_named"] == r["params_named"], (tag, r)  # every gradient, tied names too
+        assert r["keys"], f"{tag}: state_dict keys differ from the model's"
+        assert r["state_diff"] < 1e-5, (tag, r)
+        for other in results.values():  # every rank sees the same whole tensors
+            assert other["result"][tag]["loss_diff"] == r["loss_diff"]
+    if world == 4:
+        assert shown["gpt-data-parallel"]["placements"] == ["R"]  # parameters replicated, batch split
+        assert {"S(0)", "S(1)"} <= set(shown["gpt-megatron"]["placements"])  # column and row splits ran
+        assert any(set(r["placements"]) - {"R"} for t, r in shown.items() if "random" in t)
+
+
+def test_ranks_with_different_targets_are_refused_on_every_rank(tmp_path):
+    """A per-layer plan splits one batch: a rank given another target would train on another
+    batch and the shards would silently disagree; every rank refuses before backward."""
+    results = launch(w.different_targets, 2, tmp_path, deadline_s=120)
+    check_ok(results)
+    for r in results.values():
+        assert r["result"]["refused"] and "different target" in r["result"]["refused"]
+        assert r["result"]["grads"] == []  # nothing trained
+
+
+def test_placement_names_and_layout_errors():
+    from fxsplit.runtime.tensor_parallel import placement_of
+
+    assert placement_of("R").is_replicate()
+    assert placement_of("S(2)").dim == 2
+    assert placement_of("P").is_partial()
+    assert placement_of("SS(0)") is None and placement_of("(S(0),S(0))") is None
+    import torch
+
+    import fxsplit
+    from fxsplit.passes.parallel_strategies import strategy_graph
+
+    ins = fxsplit.inspect(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)),
+                          (torch.randn(4, 8),))
+    found = strategy_graph(ins.captured.gm, 2)
+    layout = found.layout(found.data_parallel_choice())
+    for v, name in enumerate(found.nodes):  # one expected placement per operand, under every option
+        assert all(len(p) == len(found.inputs[v]) for p in found.input_placements[v]), name
+    assert layout[ins.captured.input_names[0]].output == "S(0)"  # the batch split
+    assert {layout[n].output for n, is_param in zip(found.nodes, found.parameters, strict=True) if is_param} == {"R"}
+    with pytest.raises(ConfigError, match="does not pick one option"):
+        found.layout((0,))
+
+
+def test_cli_trains_every_layer_split_beside_the_unsplit_model(tmp_path):
+    """``torchrun -m fxsplit compile mlp --distributed --parallel layers``: rank 0 prints the plan,
+    the predicted and measured step and differences of 0 against the unsplit model."""
+    import re
+
+    results = launch(w.cli_layers, 2, tmp_path, "megatron", deadline_s=120)
+    check_ok(results)
+    text = results[0]["result"]
+    assert "every layer split over 2 processes (megatron" in text, text
+    grad = float(re.search(r"largest gradient difference vs original\s*│\s*([0-9.e+-]+)", text).group(1))
+    loss = float(re.search(r"largest loss difference vs original\s*│\s*([0-9.e+-]+)", text).group(1))
+    assert grad < 1e-5 and loss < 1e-5, text
+    assert results[1]["result"] == "" or "step" not in results[1]["result"]  # only rank 0 prints
+
+
+def test_cli_parallel_needs_distributed():
+    from typer.testing import CliRunner
+
+    from fxsplit.cli import _register_all, app
+
+    _register_all()
+    out = CliRunner().invoke(app, ["compile", "mlp", "--parallel", "megatron"])
+    assert out.exit_code == 2 and "add --distributed" in out.output, out.output
