@@ -340,6 +340,7 @@ def parallelize(
     time_limit_s: float = 30.0,
     timeout_s: float = 60.0,
     options: CompileOptions | None = None,
+    op_overhead_s: float = 0.0,
 ) -> ParallelGraph:
     """Split every layer of a model over all ranks as a per-layer plan says (PaSE); call on every rank.
 
@@ -347,8 +348,8 @@ def parallelize(
     broadcast so all ranks agree) and captures it; each node's candidate placements come from
     DTensor's sharding strategies (:func:`fxsplit.passes.parallel_strategies.strategy_graph`, on
     a 1-D mesh of all ranks), rank 0 chooses one per node (PaSE's DP, CP-SAT past its table
-    limit; Elango, IPDPS 2021) on the analytic cost model of its device and the measured link to
-    its neighbour, and every rank runs the choice with DTensor
+    limit; Elango, IPDPS 2021) on the analytic cost model of its device, the measured link to its
+    neighbour and ``op_overhead_s``, and every rank runs the choice with DTensor
     (:class:`~fxsplit.runtime.tensor_parallel.ParallelGraph`).
 
     Args:
@@ -368,6 +369,9 @@ def parallelize(
         time_limit_s: CP-SAT's limit when the DP table is too large.
         timeout_s: Seconds a collective waits.
         options: Capture options (:class:`~fxsplit.api.CompileOptions`).
+        op_overhead_s: Seconds each op pays for running on DTensors (forward; twice in
+            backward), added to every option that splits a value: on a CPU this dispatch
+            dominates small models (``bench/layers.py`` measures it; 0 by default).
 
     Returns:
         This rank's :class:`~fxsplit.runtime.tensor_parallel.ParallelGraph`: ``pg(*inputs)``,
@@ -412,7 +416,7 @@ def parallelize(
     if link is None:
         links = probe_pipeline_links(str(device))
         link = links[0][2]
-    found = strategy_graph(gm, world, link=link)
+    found = strategy_graph(gm, world, link=link, op_overhead_s=op_overhead_s)
     chosen: list[Any] = [None]
     if rank == 0:
         chosen[0] = _try(lambda: _choose_strategies(found, gm, strategy, time_limit_s))

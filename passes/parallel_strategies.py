@@ -205,6 +205,12 @@ def _sharded(spec: Any) -> bool:
     return spec is not None and placement_name(spec).startswith(("S", "SS"))
 
 
+def _all_replicated(spec: Any) -> bool:
+    """Whether the op's output and every operand are whole on every device (it runs plain)."""
+    outs = spec.output_specs if isinstance(spec.output_specs, list | tuple) else [spec.output_specs]
+    return all(s is None or placement_name(s) == "R" for s in [*outs, *(spec.input_specs or [])])
+
+
 def _split(spec: Any) -> bool:
     """Whether each device does ``1/N`` of the op's work: an operand or the output is sharded
     (partial sums alone do not shrink the work)."""
@@ -219,6 +225,7 @@ def strategy_graph(
     training: bool = True,
     state_bytes_per_param_byte: float = 4.0,
     link: LinkSpec | None = None,
+    op_overhead_s: float = 0.0,
 ) -> NodeStrategies:
     """The strategy graph of ``gm`` (annotated: ``"val"`` and ``"fxsplit.cost"``) over ``mesh_size``
     devices.
@@ -230,6 +237,10 @@ def strategy_graph(
         state_bytes_per_param_byte: Parameters + gradients + optimizer state per parameter byte
             (Adam in fp32: 4).
         link: The mesh's links for the gradient all-reduce (default :class:`LinkSpec`).
+        op_overhead_s: Seconds of dispatch each op pays when it runs on DTensors (any operand or
+            its output split or partial; an all-replicated op runs plain), in forward and twice
+            in backward: what :class:`~fxsplit.runtime.tensor_parallel.ParallelGraph` pays per
+            op beyond the op itself (``bench/layers.py`` measures it).
 
     Returns:
         The :class:`NodeStrategies`.
@@ -279,7 +290,7 @@ def strategy_graph(
     outputs = {a for a in flatten_args(next(n for n in gm.graph.nodes if n.op == "output").args) if isinstance(a, torch.fx.Node)}
     trainable = {node for node in order if is_trainable(gm, node)}
     return _assemble(order, strategies, inputs_of, outputs, items, trainable, mesh_size, training, state_bytes_per_param_byte,
-                     link, tuple(fallback))
+                     link, tuple(fallback), op_overhead_s)
 
 
 def _item_strategy(parent: Any, i: int) -> Any:
@@ -293,7 +304,8 @@ def _item_strategy(parent: Any, i: int) -> Any:
 def _assemble(order: list[torch.fx.Node], strategies: dict[torch.fx.Node, Any],
               inputs_of: dict[torch.fx.Node, list[torch.fx.Node]], outputs: set[torch.fx.Node],
               items: dict[torch.fx.Node, tuple[torch.fx.Node, int]], trainable: set[torch.fx.Node], n: int,
-              training: bool, state_factor: float, link: LinkSpec, fallback: tuple[str, ...]) -> NodeStrategies:
+              training: bool, state_factor: float, link: LinkSpec, fallback: tuple[str, ...],
+              op_overhead_s: float = 0.0) -> NodeStrategies:
     index = {node: i for i, node in enumerate(order)}
     vertices, placements = [], []
     wants: list[tuple[tuple[str, ...], ...]] = []
@@ -315,7 +327,10 @@ def _assemble(order: list[torch.fx.Node], strategies: dict[torch.fx.Node, Any],
             # a model output ends whole, or split on the batch (the loss reads it there)
             finish = min(redistribute_s(out, "R", nbytes, n, link), redistribute_s(out, "S(0)", nbytes, n, link)) \
                 if node in outputs else 0.0
-            options.append(StrategyOption(f"{k}:{out}", work_s / shards + finish * (2.0 if training else 1.0), memory))
+            dispatch = 0.0 if node in items or node.op != "call_function" or _all_replicated(spec) else \
+                op_overhead_s * (3.0 if training else 1.0)
+            options.append(StrategyOption(f"{k}:{out}", work_s / shards + finish * (2.0 if training else 1.0) + dispatch,
+                                          memory))
         vertices.append(StrategyVertex(node.name, tuple(options)))
         placements.append(tuple(placement_name(s.output_specs) for s in specs))
         inputs = inputs_of.get(node, [])

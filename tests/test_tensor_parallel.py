@@ -46,7 +46,7 @@ def test_ranks_with_different_targets_are_refused_on_every_rank(tmp_path):
     results = launch(w.different_targets, 2, tmp_path, deadline_s=120)
     check_ok(results)
     for r in results.values():
-        assert r["result"]["refused"] and "different target" in r["result"]["refused"]
+        assert r["result"]["refused"] and "different inputs and targets" in r["result"]["refused"]
         assert r["result"]["grads"] == []  # nothing trained
 
 
@@ -97,3 +97,40 @@ def test_cli_parallel_needs_distributed():
     _register_all()
     out = CliRunner().invoke(app, ["compile", "mlp", "--parallel", "megatron"])
     assert out.exit_code == 2 and "add --distributed" in out.output, out.output
+
+
+def test_dispatch_overhead_is_charged_to_split_ops_only():
+    """``op_overhead_s`` adds 3x (forward, twice in backward) to every option of an op that runs
+    on DTensors and nothing to an all-replicated one, so with a large overhead the replicated
+    plan wins and with none a split plan can."""
+    import math
+
+    import torch
+
+    import fxsplit
+    from fxsplit.passes.parallel_strategies import strategy_graph
+    from fxsplit.solvers.pase import solve_strategies
+
+    ins = fxsplit.inspect(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)),
+                          (torch.randn(32, 64),))
+    plain = strategy_graph(ins.captured.gm, 2)
+    taxed = strategy_graph(ins.captured.gm, 2, op_overhead_s=1.0)
+    ops = {n.name for n in ins.captured.gm.graph.nodes if n.op == "call_function"}
+    for v, name in enumerate(plain.nodes):
+        for k, (a, b) in enumerate(zip(plain.graph.vertices[v].options, taxed.graph.vertices[v].options, strict=True)):
+            if math.isinf(a.compute_s):
+                continue
+            whole = plain.placements[v][k] == "R" and set(plain.input_placements[v][k]) <= {"R"}
+            assert b.compute_s - a.compute_s == pytest.approx(0.0 if whole or name not in ops else 3.0), (name, k)
+    best = solve_strategies(taxed.graph)
+    assert set(taxed.layout(best.choice)[n].output for n in ops) == {"R"}
+
+
+def test_outputs_dtensor_places_otherwise_are_moved_to_the_plan_and_train_alike(tmp_path):
+    """When DTensor's propagation gives an op's output another placement than the plan's, the
+    runtime moves it (``relayouts`` counts them) and the gradients stay the unsplit model's."""
+    results = launch(w.relayout_equal, 2, tmp_path, deadline_s=120)
+    check_ok(results)
+    for r in results.values():
+        assert r["result"]["relayouts"] > 0
+        assert r["result"]["loss_diff"] < 1e-6 and r["result"]["grad_diff"] < 1e-6, r["result"]

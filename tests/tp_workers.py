@@ -121,3 +121,35 @@ def cli_layers(rank: int, world: int, out_dir: str, strategy: str) -> str:
     with contextlib.redirect_stdout(buf):
         run_layers("mlp", steps=2, strategy=strategy, size="tiny", batch_size=8, lr=0.1, timeout_s=60.0)
     return buf.getvalue()
+
+
+def relayout_equal(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """A plan whose output placements differ from what DTensor's propagation gives (every op
+    of the data-parallel plan told to leave its output whole while its operands stay split):
+    each output is moved to the plan's placement, and the model still trains like the unsplit one."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    import fxsplit.distributed as fxd
+    from fxsplit.api import load_model
+
+    torch.manual_seed(0)
+    case = load_model("mlp", size="tiny", batch_size=8)
+    reference = case.model
+    pg = fxd.parallelize(lambda: copy.deepcopy(reference), case.example_inputs, strategy="data-parallel")
+    ops = {n.name for n in pg.gm.graph.nodes if n.op == "call_function"}
+    for name, plan in list(pg.layout.items()):
+        if name in ops and plan.output == "S(0)" and "S(0)" in plan.inputs:
+            pg.layout[name] = dataclasses.replace(plan, output="R")
+    target = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(y: Any, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(_first(y), t % _first(y).shape[-1])
+
+    loss = pg.train_step(*case.example_inputs, target=target, loss_fn=loss_fn)
+    ref_loss = loss_fn(reference(*case.example_inputs), target)
+    ref_loss.backward()
+    grads = pg.grads()
+    return {"relayouts": sum(pg.relayouts.values()), "loss_diff": abs(float(loss) - float(ref_loss.detach())),
+            "grad_diff": max(float((grads[n] - p.grad).abs().max()) for n, p in reference.named_parameters())}

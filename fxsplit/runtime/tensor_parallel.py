@@ -4,14 +4,17 @@
 from DTensor's own sharding strategies and :func:`fxsplit.solvers.pase.solve_strategies` picks
 one per node; :class:`ParallelGraph` runs that choice on ``torch.distributed``:
 
-* every parameter and buffer becomes a DTensor with its node's planned placement (a trainable
-  one an ``nn.Parameter`` the optimizer steps; each rank holds its shard);
+* a value planned replicated stays a plain tensor (every rank holds it whole) and an op whose
+  output and operands are all replicated runs as the op itself, with no DTensor dispatch;
+* every other parameter and buffer becomes a DTensor with its node's planned placement (a
+  trainable one an ``nn.Parameter`` the optimizer steps; each rank holds its shard);
 * the graph's inputs are distributed as planned (each rank takes its piece of the batch it was
   given: every rank passes the same batch);
-* before each op, each tensor operand is redistributed to the placement the chosen strategy
-  expects (``DTensor.redistribute``: its backward moves the gradient back the opposite way), the
-  op runs on DTensors, and its output is moved to its planned placement when DTensor's own
-  propagation chose another (:attr:`ParallelGraph.relayouts` counts those);
+* before each other op, each tensor operand is redistributed to the placement the chosen strategy
+  expects (``DTensor.redistribute``: its backward moves the gradient back the opposite way; a
+  plain one enters as a replicated DTensor, whose backward all-reduces the partial gradients a
+  split op gives it), the op runs on DTensors, and its output is moved to its planned placement
+  when DTensor's own propagation chose another (:attr:`ParallelGraph.relayouts` counts those);
 * an op DTensor has no strategy for (the planner's fallback, or one that fails sharded at run
   time) runs on whole tensors: operands gathered, the op run locally, the result replicated;
 * every output of the model comes back whole (plain tensors, the same on every rank), so any
@@ -143,7 +146,7 @@ class ParallelGraph(ParameterAPI):
                  flatten: Callable[[Sequence[Any], Mapping[str, Any]], list[Any]],
                  unflatten: Callable[[Sequence[Any]], Any],
                  state_order: Sequence[str] = ()) -> None:
-        from torch.distributed.tensor import Replicate, distribute_tensor
+        from torch.distributed.tensor import distribute_tensor
 
         names = {n.name for n in gm.graph.nodes}
         unknown = sorted(set(layout) - names)
@@ -164,18 +167,20 @@ class ParallelGraph(ParameterAPI):
             if not isinstance(tensor, torch.Tensor) or node.target in self.values:
                 continue
             want = placement_of(self.layout[node.name].output) if node.name in self.layout else None
-            value = distribute_tensor(tensor.detach(), mesh, [want or Replicate()], src_data_rank=None)
+            value = tensor.detach() if want is None or want.is_replicate() else distribute_tensor(
+                tensor.detach(), mesh, [want], src_data_rank=None)  # a replica: a plain tensor, whole
             self.values[str(node.target)] = nn.Parameter(value) if node.target in trainable else value
 
     # -- running -----------------------------------------------------------------------------
-    def run_flat(self, flat: Sequence[Any]) -> list[Any]:
-        """Run the graph on its flat inputs (the whole batch, the same on every rank); return the
-        flat outputs, whole. Collective.
+    def run_flat(self, flat: Sequence[Any], *, check: bool = True) -> list[Any]:
+        """Run the graph on its flat inputs (the whole batch, the same on every rank; ``check``:
+        verify that with one ``all_gather_object``); return the flat outputs, whole. Collective.
 
         Raises:
             ConfigError: on every rank, when the ranks were given different inputs.
         """
-        same_on_every_rank(flat, "inputs")
+        if check:
+            same_on_every_rank(flat, "inputs")
         return _Runner(self).run(*flat)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -196,8 +201,9 @@ class ParallelGraph(ParameterAPI):
         """
         if not callable(loss_fn):
             raise ConfigError(f"train_step needs loss_fn=callable(output, target) -> scalar, got {loss_fn!r}")
-        same_on_every_rank([target], "target")
-        loss = loss_fn(self(*args, **kwargs), target)
+        flat = self._flatten(args, kwargs)
+        same_on_every_rank([*flat, target], "inputs and targets")  # one collective for both
+        loss = loss_fn(self._unflatten(self.run_flat(flat, check=False)), target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ConfigError(f"loss_fn returned {type(loss).__name__} {getattr(loss, 'shape', '')}; give a scalar tensor")
         loss.backward()
@@ -216,7 +222,7 @@ class ParallelGraph(ParameterAPI):
         the shards on every rank."""
         out: dict[str, torch.Tensor] = {}
         for target, value in self.values.items():
-            whole = value.detach().full_tensor()
+            whole = _whole_value(value.detach())
             for name in self.aliases.get(target, (target,)):
                 out[name] = whole
         if not self.state_order:
@@ -228,17 +234,30 @@ class ParallelGraph(ParameterAPI):
         out: dict[str, torch.Tensor | None] = {}
         for target, value in self.values.items():
             if isinstance(value, nn.Parameter):
-                grad: Any = value.grad  # a DTensor
-                whole = None if grad is None else grad.full_tensor()
+                whole = None if value.grad is None else _whole_value(value.grad)
                 for name in self.aliases.get(target, (target,)):
                     out[name] = whole
         return out
+
+    @property
+    def split_ops(self) -> int:
+        """Ops that run on DTensors (an operand or the output split or partial); the rest run plain."""
+        return sum(1 for n in self.gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem
+                   and not _replicated(self.layout.get(n.name)) and n.name not in self.fallback)
 
     def placements(self) -> dict[str, str]:
         """Original parameter name -> its placement (``"S(0)"``, ``"R"``)."""
         from fxsplit.passes.parallel_strategies import placement_name
 
-        return {name: placement_name(getattr(value, "_spec", None)) for name, value in self.named_parameters()}
+        return {name: placement_name(value._spec) if hasattr(value, "_spec") else "R"
+                for name, value in self.named_parameters()}
+
+
+def _whole_value(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (collective); a plain tensor (a replica) as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def same_on_every_rank(values: Sequence[Any], what: str) -> None:
@@ -274,8 +293,14 @@ def _attr(gm: torch.nn.Module, target: str) -> Any:
     return value
 
 
+def _replicated(plan: NodeLayout | None) -> bool:
+    """Whether a node runs on whole values everywhere: its output and every operand replicated."""
+    return plan is None or (plan.output == "R" and all(p == "R" for p in plan.inputs))
+
+
 class _Runner(torch.fx.Interpreter):
-    """One forward of a :class:`ParallelGraph` (an FX interpreter over DTensors)."""
+    """One forward of a :class:`ParallelGraph`: an FX interpreter over plain tensors (replicated
+    values: every rank holds the whole value) and DTensors (split or partial values)."""
 
     def __init__(self, owner: ParallelGraph) -> None:
         super().__init__(owner.gm)
@@ -286,19 +311,15 @@ class _Runner(torch.fx.Interpreter):
         self.node = n
         return super().run_node(n)
 
-    def _planned(self) -> NodeLayout | None:
-        assert self.node is not None
-        return self.owner.layout.get(self.node.name)
-
     def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
-        from torch.distributed.tensor import Replicate, distribute_tensor
+        from torch.distributed.tensor import distribute_tensor
 
         value = super().placeholder(target, args, kwargs)
-        if not isinstance(value, torch.Tensor):
+        assert self.node is not None
+        want = _want(self.owner.layout.get(self.node.name))
+        if not isinstance(value, torch.Tensor) or want is None or want.is_replicate():
             return value
-        plan = self._planned()
-        want = placement_of(plan.output) if plan else None
-        return distribute_tensor(value, self.owner.mesh, [want or Replicate()], src_data_rank=None)
+        return distribute_tensor(value, self.owner.mesh, [want], src_data_rank=None)
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
         value = self.owner.values.get(str(target))
@@ -309,11 +330,14 @@ class _Runner(torch.fx.Interpreter):
 
         node = self.node
         assert node is not None
-        if target is operator.getitem or not any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs))):
-            out = super().call_function(target, args, kwargs)
-            return self._settle(out, node) if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else out
-        if node.name in self.owner.fallback or node.name in self.owner.run_whole:
-            return self._whole(target, args, kwargs)
+        plan = self.owner.layout.get(node.name)
+        if target is operator.getitem:
+            return super().call_function(target, args, kwargs)
+        if node.name in self.owner.fallback or node.name in self.owner.run_whole or (
+                _replicated(plan) and not isinstance(self.node.meta.get("val"), list | tuple)):
+            return self._whole(target, args, kwargs)  # replicated: the op itself, on whole values
+        if not any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs))) and plan is None:
+            return super().call_function(target, args, kwargs)
         args, kwargs = self._operands(node, args, kwargs)
         try:
             out = super().call_function(target, args, kwargs)
@@ -327,12 +351,12 @@ class _Runner(torch.fx.Interpreter):
         return self._settle(out, node)
 
     def _operands(self, node: torch.fx.Node, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        """Plain tensors (constants) replicated; each DTensor operand moved to the placement the
+        """Plain tensors (whole values) replicated; each DTensor operand moved to the placement the
         chosen strategy expects of it (operands in DTensor's order: args, then kwargs, depth first)."""
         from torch.distributed.tensor import DTensor, Replicate
 
         plan = self.owner.layout.get(node.name)
-        wants = list(plan.inputs) if plan else []
+        wants = [placement_of(p) for p in plan.inputs] if plan else []
         position = 0
 
         def move(value: Any) -> Any:
@@ -340,47 +364,49 @@ class _Runner(torch.fx.Interpreter):
             if not isinstance(value, torch.Tensor):
                 return value
             if not isinstance(value, DTensor):
-                return DTensor.from_local(value, self.owner.mesh, [Replicate()], run_check=False)
-            want = placement_of(wants[position]) if position < len(wants) else None
+                value = DTensor.from_local(value, self.owner.mesh, [Replicate()], run_check=False)
+            want = wants[position] if position < len(wants) else None
             position += 1
             if want is not None and tuple(value.placements) != (want,):
                 return value.redistribute(value.device_mesh, [want])
             return value
 
         flat, spec = pytree.tree_flatten((args, kwargs))
-        moved = [move(v) for v in flat]
-        return pytree.tree_unflatten(moved, spec)
+        return pytree.tree_unflatten([move(v) for v in flat], spec)
 
     def _settle(self, out: Any, node: torch.fx.Node) -> Any:
-        """The op's output at its planned placement, its gradient kept at that placement."""
-        from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+        """The op's output at its planned placement (a whole value as a plain tensor), its
+        gradient kept at that placement."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
-        plan = self.owner.layout.get(node.name)
-        want = placement_of(plan.output) if plan else None
+        want = _want(self.owner.layout.get(node.name))
         if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):  # a factory (arange, zeros)
-            out = distribute_tensor(out, self.owner.mesh, [want or Replicate()], src_data_rank=None)
+            return out if want is None or want.is_replicate() else distribute_tensor(out, self.owner.mesh, [want],
+                                                                                     src_data_rank=None)
         if not isinstance(out, DTensor):
             return out
         if want is not None and tuple(out.placements) != (want,):
             self.owner.relayouts[node.name] += 1
             out = out.redistribute(out.device_mesh, [want])
+        if want is not None and want.is_replicate():
+            return out.to_local()  # whole on every rank: plain from here on
         return _KeepGradLayout.apply(out) if out.requires_grad else out
 
     def _whole(self, target: Any, args: Any, kwargs: Any) -> Any:
-        """Run an op on whole tensors: DTensor operands gathered, the result replicated."""
-        from torch.distributed.tensor import DTensor, Replicate
-
-        mesh = self.owner.mesh
+        """Run an op on whole values: DTensor operands gathered; the result is plain (whole on
+        every rank)."""
+        from torch.distributed.tensor import DTensor
 
         def gather(value: Any) -> Any:
             return value.full_tensor() if isinstance(value, DTensor) else value
 
-        out = target(*pytree.tree_map(gather, args), **pytree.tree_map(gather, kwargs))
-        return pytree.tree_map_only(torch.Tensor, lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False),
-                                    out)
+        return target(*pytree.tree_map(gather, args), **pytree.tree_map(gather, kwargs))
 
     def output(self, target: Any, args: Any, kwargs: Any) -> Any:
         from torch.distributed.tensor import DTensor
 
-        flat = args[0]
-        return [v.full_tensor() if isinstance(v, DTensor) else v for v in flat]
+        return [v.full_tensor() if isinstance(v, DTensor) else v for v in args[0]]
+
+
+def _want(plan: NodeLayout | None) -> Any:
+    return placement_of(plan.output) if plan is not None else None
