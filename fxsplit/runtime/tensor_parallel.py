@@ -326,18 +326,17 @@ class _Runner(torch.fx.Interpreter):
         return value if value is not None else super().get_attr(target, args, kwargs)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        from torch.distributed.tensor import DTensor
 
         node = self.node
         assert node is not None
         plan = self.owner.layout.get(node.name)
         if target is operator.getitem:
             return super().call_function(target, args, kwargs)
-        if node.name in self.owner.fallback or node.name in self.owner.run_whole or (
-                _replicated(plan) and not isinstance(self.node.meta.get("val"), list | tuple)):
-            return self._whole(target, args, kwargs)  # replicated: the op itself, on whole values
-        if not any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs))) and plan is None:
+        if plan is None:  # no vertex (sizes, non-tensor values): as it comes; DTensor gives global sizes
             return super().call_function(target, args, kwargs)
+        if node.name in self.owner.fallback or node.name in self.owner.run_whole or (
+                _replicated(plan) and not isinstance(node.meta.get("val"), list | tuple)):
+            return self._whole(target, args, kwargs)  # replicated: the op itself, on whole values
         args, kwargs = self._operands(node, args, kwargs)
         try:
             out = super().call_function(target, args, kwargs)
