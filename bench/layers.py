@@ -3,7 +3,8 @@
 Every rank (gloo on 127.0.0.1, one thread each) builds the same model and four
 :func:`fxsplit.distributed.parallelize` plans of it over all ranks: every rank doing everything
 (``replicate``), data parallelism, Megatron's column/row linear layers, and PaSE's pick
-(``auto``); then times one training step (forward, loss, backward, SGD step) of each in
+(``auto``), and PaSE's pick after ``calibrate`` (the DTensor dispatch per op fitted from 3
+measured steps of it and of the replicated plan, re-planned); then times one training step (forward, loss, backward, SGD step) of each in
 alternating rounds (a barrier before each), and the unsplit model in one process with one thread
 on rank 0 while the others wait. Reported per plan: the planner's predicted step (compute plus
 collectives, the strategy graph's cost model on rank 0's measured CPU and the measured gloo
@@ -48,6 +49,8 @@ def _rank(rank: int, world: int, port: int, queue: Any, args: argparse.Namespace
     plans = {name: fxd.parallelize(lambda: copy.deepcopy(reference), case.example_inputs, strategy=name)
              for name in PLANS}
     inputs, target = case.make_batch(args.batch, 7)
+    calibrated, report = plans["auto"].calibrate(*inputs, target=target, loss_fn=case.loss_fn, steps=3)
+    plans["auto, calibrated"] = calibrated
     grad_diff: dict[str, float] = {}
     ref_loss = case.loss_fn(reference(*inputs), target)
     ref_loss.backward()
@@ -58,7 +61,7 @@ def _rank(rank: int, world: int, port: int, queue: Any, args: argparse.Namespace
         grad_diff[name] = max(float((grads[n] - p.grad).abs().max()) for n, p in ref_grads.items())
     optimizers = {name: torch.optim.SGD(pg.parameters(), lr=1e-3) for name, pg in plans.items()}
     ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-3)
-    times: dict[str, list[float]] = {name: [] for name in (*PLANS, "unsplit")}
+    times: dict[str, list[float]] = {name: [] for name in (*plans, "unsplit")}
     for _ in range(args.rounds):
         for name, pg in plans.items():
             dist.barrier()
@@ -77,7 +80,7 @@ def _rank(rank: int, world: int, port: int, queue: Any, args: argparse.Namespace
             times["unsplit"].append(time.perf_counter() - start)
         dist.barrier()
     if rank == 0:
-        queue.put({"times": times, "grad_diff": grad_diff,
+        queue.put({"times": times, "grad_diff": grad_diff, "calibration": report.__dict__,
                    "plans": {n: (pg.plan.predicted_step_s, dict(pg.plan.baselines), sorted(pg.run_whole | set(pg.fallback)),
                                  dict(sorted(_counts(pg.placements().values()).items())), pg.split_ops)
                              for n, pg in plans.items()}})
@@ -119,7 +122,7 @@ def main() -> None:
                 "vs unsplit (1 process)", "ops on DTensors", "implied overhead per DTensor op", "ops run whole",
                 "grad diff vs unsplit"):
         table.add_column(col, justify="left" if col in ("plan", "parameter placements") else "right")
-    for name in PLANS:
+    for name in result["plans"]:
         predicted, _, whole, counts, split_ops = result["plans"][name]
         measured = statistics.median(times[name])
         extra = (measured - statistics.median(times["replicate"])) / (3 * split_ops) if split_ops else 0.0
@@ -128,6 +131,12 @@ def main() -> None:
                       str(split_ops), f"{extra * 1e6:.0f} us" if split_ops else "-", str(len(whole)), f"{result['grad_diff'][name]:.1e}")
     table.add_row("unsplit (rank 0 alone)", "-", "-", f"{unsplit * 1e3:.1f} ms", "-", "1.00x", "-", "-", "-", "-")
     show(table, console(), args.markdown)
+    cal = result["calibration"]
+    console().print(f"calibrate (auto, 3 steps): fitted {cal['op_overhead_s'] * 1e6:.0f} us per DTensor op; before "
+                    f"{cal['before_predicted_s'] * 1e3:.1f} ms predicted / {cal['before_measured_s'] * 1e3:.1f} ms measured, "
+                    f"replicated {cal['replicated_predicted_s'] * 1e3:.1f} / {cal['replicated_measured_s'] * 1e3:.1f} ms, "
+                    f"after {cal['after_predicted_s'] * 1e3:.1f} / {cal['after_measured_s'] * 1e3:.1f} ms"
+                    f"{' (re-planned)' if cal['changed'] else ' (plan kept)'}", markup=False, highlight=False)
 
 
 if __name__ == "__main__":

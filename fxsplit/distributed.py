@@ -377,7 +377,8 @@ def parallelize(
         This rank's :class:`~fxsplit.runtime.tensor_parallel.ParallelGraph`: ``pg(*inputs)``,
         ``pg.train_step(*inputs, target=..., loss_fn=...)``, ``pg.parameters()`` for an
         optimizer, ``pg.state_dict()`` (whole tensors, original names); ``pg.plan`` says what was
-        chosen and predicted.
+        chosen and predicted; ``pg, report = pg.calibrate(*inputs, target=y, loss_fn=f)``
+        measures DTensor's dispatch, re-plans with it and rebuilds when the plan changes.
 
     Raises:
         ConfigError: for one rank, an unknown ``strategy`` or a choice of the wrong length, or a
@@ -416,19 +417,27 @@ def parallelize(
     if link is None:
         links = probe_pipeline_links(str(device))
         link = links[0][2]
-    found = strategy_graph(gm, world, link=link, op_overhead_s=op_overhead_s)
-    chosen: list[Any] = [None]
-    if rank == 0:
-        chosen[0] = _try(lambda: _choose_strategies(found, gm, strategy, time_limit_s))
-    dist.broadcast_object_list(chosen, src=0)
-    plan, failure = chosen[0]
-    if failure is not None:
-        raise failure
+    mesh_link = link
+
+    def replan(overhead_s: float) -> tuple[Any, Any, ParallelPlan]:
+        """The strategy graph with ``overhead_s`` per split op, rank 0's choice on it (collective)."""
+        found = strategy_graph(gm, world, link=mesh_link, op_overhead_s=overhead_s)
+        chosen: list[Any] = [None]
+        if rank == 0:
+            chosen[0] = _try(lambda: _choose_strategies(found, gm, strategy, time_limit_s, overhead_s))
+        dist.broadcast_object_list(chosen, src=0)
+        plan, failure = chosen[0]
+        if failure is not None:
+            raise failure
+        return found.layout(plan.choice), found.fallback, plan
+
+    layout, fallback, plan = replan(op_overhead_s)
     mesh = init_device_mesh("cpu", (world,))
-    pg = ParallelGraph(gm, found.layout(plan.choice), mesh, trainable=front.captured.trainable,
-                       aliases=front.captured.aliases, fallback=found.fallback,
+    pg = ParallelGraph(gm, layout, mesh, trainable=front.captured.trainable,
+                       aliases=front.captured.aliases, fallback=fallback,
                        flatten=lambda a, k: front.captured.flatten_inputs(a, k),
                        unflatten=front.captured.unflatten_outputs, state_order=list(model.state_dict()))
+    pg.replanner = replan
     pg.plan = plan
     if rank == 0:
         log.info("per-layer plan over %d ranks (%s): predicted %.3g s per step, %s", world, plan.strategy,
@@ -458,7 +467,7 @@ def _try(call: Callable[[], Any]) -> tuple[Any, BaseException | None]:
 
 
 def _choose_strategies(found: Any, gm: torch.fx.GraphModule, strategy: str | Sequence[int] | Callable[[Any], Sequence[int]],
-                       time_limit_s: float) -> ParallelPlan:
+                       time_limit_s: float, op_overhead_s: float = 0.0) -> ParallelPlan:
     """Rank 0's pick: the option per vertex for ``strategy``, its predicted seconds and bytes."""
     from fxsplit.passes.parallel_strategies import megatron_placements
     from fxsplit.solvers.pase import solve_strategies
@@ -486,4 +495,4 @@ def _choose_strategies(found: Any, gm: torch.fx.GraphModule, strategy: str | Seq
                           "(a pair of placements no collective joins); try strategy='auto'")
     return ParallelPlan(name, choice, cost, g.memory_bytes(choice), solver, proven,
                         {"data-parallel": g.cost_s(found.data_parallel_choice()),
-                         "replicate": g.cost_s(found.choice_of(("R",)))})
+                         "replicate": g.cost_s(found.choice_of(("R",)))}, op_overhead_s)

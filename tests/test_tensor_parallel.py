@@ -134,3 +134,24 @@ def test_outputs_dtensor_places_otherwise_are_moved_to_the_plan_and_train_alike(
     for r in results.values():
         assert r["result"]["relayouts"] > 0
         assert r["result"]["loss_diff"] < 1e-6 and r["result"]["grad_diff"] < 1e-6, r["result"]
+
+
+def test_calibrate_fits_the_dispatch_overhead_replans_and_keeps_training_alike(tmp_path):
+    """``pg.calibrate``: measures the plan and the replicated one, fits DTensor's per-op price,
+    re-plans with it (PaSE's pick, starting from no price); the gradients of before the call
+    stay, the returned graph holds the same weights and trains like the unsplit model. When the
+    fitted price is positive the new plan splits no more ops than the old one."""
+    import math
+
+    results = launch(w.calibrate_equal, 2, tmp_path, deadline_s=150)
+    check_ok(results)
+    reports = [r["result"]["report"] for r in results.values()]
+    assert all(rep == reports[0] for rep in reports)  # every rank made the same decision
+    for r in results.values():
+        res, rep = r["result"], r["result"]["report"]
+        assert rep["op_overhead_s"] >= 0 and all(math.isfinite(v) for v in rep.values() if isinstance(v, float))
+        assert res["grads_kept"] == 0.0, res
+        assert res["state_same"] == 0.0, res
+        assert res["loss_diff"] < 1e-5 and res["grad_diff"] < 1e-5, res
+        if rep["op_overhead_s"] > 0:
+            assert res["split_after"] <= res["split_before"], res

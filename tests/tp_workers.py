@@ -153,3 +153,44 @@ def relayout_equal(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     grads = pg.grads()
     return {"relayouts": sum(pg.relayouts.values()), "loss_diff": abs(float(loss) - float(ref_loss.detach())),
             "grad_diff": max(float((grads[n] - p.grad).abs().max()) for n, p in reference.named_parameters())}
+
+
+def calibrate_equal(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """``calibrate`` on PaSE's pick for the GPT: the report's numbers, gradients left as before the call,
+    and the returned graph (rebuilt or not) holding the same weights and training like the
+    unsplit model."""
+    import torch.nn.functional as F
+
+    import fxsplit.distributed as fxd
+    from fxsplit.api import load_model
+
+    torch.manual_seed(0)
+    case = load_model("gpt", size="tiny", batch_size=8)
+    reference = case.model
+    pg = fxd.parallelize(lambda: copy.deepcopy(reference), case.example_inputs, strategy="auto")
+    gen = torch.Generator().manual_seed(1)
+    out = _first(reference(*case.example_inputs))
+    target = torch.randint(0, out.shape[-1], out.shape[:-1], generator=gen)
+
+    def loss_fn(y: Any, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(_first(y).flatten(0, -2), t.flatten())
+
+    pg.train_step(*case.example_inputs, target=target, loss_fn=loss_fn)  # gradients calibrate must keep
+    kept = {n: g.clone() for n, g in pg.grads().items() if g is not None}
+    state = pg.state_dict()
+    split_before = pg.split_ops
+    graph, report = pg.calibrate(*case.example_inputs, target=target, loss_fn=loss_fn, steps=2)
+    after_grads = pg.grads()
+    graph.zero_grad(set_to_none=True)
+    loss = graph.train_step(*case.example_inputs, target=target, loss_fn=loss_fn)
+    ref_loss = loss_fn(reference(*case.example_inputs), target)
+    ref_loss.backward()
+    grads = graph.grads()
+    return {
+        "report": report.__dict__,
+        "split_before": split_before, "split_after": graph.split_ops,
+        "grads_kept": max(float((after_grads[n] - g).abs().max()) for n, g in kept.items()),
+        "state_same": max(float((graph.state_dict()[k] - v).abs().max()) for k, v in state.items()),
+        "loss_diff": abs(float(loss) - float(ref_loss.detach())),
+        "grad_diff": max(float((grads[n] - p.grad).abs().max()) for n, p in reference.named_parameters()),
+    }

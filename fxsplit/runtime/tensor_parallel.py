@@ -48,7 +48,7 @@ from fxsplit.errors import ConfigError
 from fxsplit.passes.parallel_strategies import NodeLayout
 from fxsplit.runtime.state import ParameterAPI
 
-__all__ = ["ParallelGraph", "ParallelPlan", "placement_of", "same_on_every_rank"]
+__all__ = ["LayersCalibration", "ParallelGraph", "ParallelPlan", "placement_of", "same_on_every_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,31 @@ class ParallelPlan:
     solver: str
     proven: bool
     baselines: dict[str, float] = field(default_factory=dict)
+    op_overhead_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayersCalibration:
+    """What :meth:`ParallelGraph.calibrate` measured and chose (seconds per training step, the
+    slowest rank's median).
+
+    Attributes:
+        op_overhead_s: The DTensor dispatch per split op fitted (forward; backward twice).
+        before_predicted_s, before_measured_s: The plan it started from.
+        replicated_predicted_s, replicated_measured_s: Every rank doing everything (plain).
+        after_predicted_s, after_measured_s: The plan re-chosen with ``op_overhead_s`` (the same
+            plan when nothing changed).
+        changed: Whether the plan changed (a new :class:`ParallelGraph` was built).
+    """
+
+    op_overhead_s: float
+    before_predicted_s: float
+    before_measured_s: float
+    replicated_predicted_s: float
+    replicated_measured_s: float
+    after_predicted_s: float
+    after_measured_s: float
+    changed: bool
 
 
 def placement_of(name: str) -> Any:
@@ -154,6 +179,7 @@ class ParallelGraph(ParameterAPI):
             raise ConfigError(f"the layout names nodes {unknown[:5]} the graph does not have; build it from "
                               "strategy_graph(gm, ...) of this graph")
         self.gm, self.layout, self.mesh = gm, dict(layout), mesh
+        self.trainable = frozenset(trainable)
         self.fallback = frozenset(fallback)
         self.aliases = dict(aliases)
         self._flatten, self._unflatten = flatten, unflatten
@@ -162,6 +188,9 @@ class ParallelGraph(ParameterAPI):
         self.run_whole: set[str] = set()
         self.values: dict[str, Any] = {}  # get_attr target -> DTensor (Parameter when trainable)
         self.plan: ParallelPlan | None = None
+        self.replanner: Callable[[float], tuple[Mapping[str, NodeLayout], Sequence[str], ParallelPlan]] | None = None
+        """Set by :func:`fxsplit.distributed.parallelize`: the plan again for a dispatch overhead
+        (collective), for :meth:`calibrate`."""
         for node in gm.graph.find_nodes(op="get_attr"):
             tensor = _attr(gm, str(node.target))
             if not isinstance(tensor, torch.Tensor) or node.target in self.values:
@@ -209,6 +238,59 @@ class ParallelGraph(ParameterAPI):
         loss.backward()
         return loss.detach()
 
+    def calibrate(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], steps: int = 3,
+                  **kwargs: Any) -> tuple[ParallelGraph, LayersCalibration]:
+        """Measure this plan and the replicated one, fit the dispatch each op run on DTensors
+        costs, re-plan with it and rebuild when the plan changes; collective.
+
+        ``steps`` training steps of each (after one warm-up) on the given batch; the fitted
+        overhead is ``((measured - replicated measured) - (predicted - replicated predicted)) /
+        (3 x split ops)`` on top of the overhead the plan was made with. Gradients are left as
+        they were before the call, and a rebuilt plan starts from this one's weights: make the
+        optimizer over the returned graph's parameters.
+
+        Returns:
+            ``(graph, report)``: ``self`` when the plan did not change, else a new
+            :class:`ParallelGraph`; the :class:`LayersCalibration`.
+
+        Raises:
+            ConfigError: for ``steps < 1``, or a graph :func:`fxsplit.distributed.parallelize`
+                did not make (no re-planner).
+        """
+        if steps < 1:
+            raise ConfigError(f"calibrate(steps={steps}): measure at least 1 step")
+        if self.replanner is None or self.plan is None:
+            raise ConfigError("calibrate needs a graph made by fxsplit.distributed.parallelize (it re-plans)")
+        saved = self._stash_grads()
+        try:
+            replicated = self._sibling({}, ())
+            before = _median_step_s(self, args, kwargs, target, loss_fn, steps)
+            whole = _median_step_s(replicated, args, kwargs, target, loss_fn, steps)
+            plan = self.plan
+            replicated_predicted = plan.baselines.get("replicate", plan.predicted_step_s)
+            extra = (before - whole) - (plan.predicted_step_s - replicated_predicted)
+            overhead = max(0.0, plan.op_overhead_s + extra / (3 * self.split_ops)) if self.split_ops else plan.op_overhead_s
+            layout, fallback, new_plan = self.replanner(overhead)
+            graph = self
+            if new_plan.choice != plan.choice:
+                graph = self._sibling(layout, fallback)
+                graph.load_state_dict(self.state_dict())
+                graph.plan, graph.replanner = new_plan, self.replanner
+                after = _median_step_s(graph, args, kwargs, target, loss_fn, steps)
+            else:
+                self.plan = new_plan
+                after = before
+        finally:
+            self._unstash_grads(saved, ok=False)  # this graph's gradients as before the call
+        return graph, LayersCalibration(overhead, plan.predicted_step_s, before, replicated_predicted, whole,
+                                        new_plan.predicted_step_s, after, graph is not self)
+
+    def _sibling(self, layout: Mapping[str, NodeLayout], fallback: Sequence[str]) -> ParallelGraph:
+        """Another plan of the same graph (weights from the graph's own tensors)."""
+        return ParallelGraph(self.gm, layout, self.mesh, trainable=self.trainable, aliases=self.aliases,
+                             fallback=fallback, flatten=self._flatten, unflatten=self._unflatten,
+                             state_order=self.state_order)
+
     # -- state ---------------------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(original name, DTensor parameter)``; a tied parameter once, under its first name."""
@@ -228,6 +310,32 @@ class ParallelGraph(ParameterAPI):
         if not self.state_order:
             return out
         return {k: out[k] for k in self.state_order if k in out}  # the model's keys (no non-persistent buffers)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy whole tensors (original names, e.g. another plan's :meth:`state_dict`) into this
+        plan's shards and replicas; every rank passes the same ones.
+
+        Raises:
+            ConfigError: naming the trainable parameters no key of ``state_dict`` fills (a buffer
+                it leaves out, a non-persistent one, keeps its value).
+        """
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        found = {t: next((n for n in self.aliases.get(t, (t,)) if n in state_dict), None) for t in self.values}
+        missing = [t for t, n in found.items() if n is None and t in self.trainable]
+        if missing:
+            raise ConfigError(f"state_dict has no value for {missing[:5]} ({len(missing)} graph tensors); pass the "
+                              "model's whole state dict")
+        with torch.no_grad():
+            for target, value in self.values.items():
+                if found[target] is None:
+                    continue  # a buffer the state dict leaves out (non-persistent): keeps its value
+                whole = state_dict[str(found[target])]
+                if isinstance(value, DTensor):
+                    piece = distribute_tensor(whole.detach(), value.device_mesh, value.placements, src_data_rank=None)
+                    value.to_local().copy_(piece.to_local())
+                else:
+                    value.copy_(whole)
 
     def grads(self) -> dict[str, torch.Tensor | None]:
         """Every trainable parameter's gradient, whole, under its original names. Collective."""
@@ -251,6 +359,29 @@ class ParallelGraph(ParameterAPI):
 
         return {name: placement_name(value._spec) if hasattr(value, "_spec") else "R"
                 for name, value in self.named_parameters()}
+
+
+def _median_step_s(graph: ParallelGraph, args: Sequence[Any], kwargs: Mapping[str, Any], target: Any,
+                   loss_fn: Callable[[Any, Any], torch.Tensor], steps: int) -> float:
+    """The slowest rank's median seconds of ``graph.train_step`` (a barrier before and after each
+    step; one warm-up step first); gradients set to None after each."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    times = []
+    for i in range(steps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        graph.train_step(*args, target=target, loss_fn=loss_fn, **kwargs)
+        dist.barrier()
+        if i:
+            times.append(time.perf_counter() - start)
+        graph.zero_grad(set_to_none=True)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
 
 
 def _whole_value(value: torch.Tensor) -> torch.Tensor:
@@ -294,8 +425,12 @@ def _attr(gm: torch.nn.Module, target: str) -> Any:
 
 
 def _replicated(plan: NodeLayout | None) -> bool:
-    """Whether a node runs on whole values everywhere: its output and every operand replicated."""
-    return plan is None or (plan.output == "R" and all(p == "R" for p in plan.inputs))
+    """Whether a node runs on whole values everywhere: its output (each output of a multi-output
+    op, ``"(R,R)"``) and every operand replicated."""
+    if plan is None:
+        return True
+    outputs = plan.output[1:-1].split(",") if plan.output.startswith("(") else [plan.output]
+    return all(p == "R" for p in [*outputs, *plan.inputs])
 
 
 class _Runner(torch.fx.Interpreter):
@@ -334,8 +469,7 @@ class _Runner(torch.fx.Interpreter):
             return super().call_function(target, args, kwargs)
         if plan is None:  # no vertex (sizes, non-tensor values): as it comes; DTensor gives global sizes
             return super().call_function(target, args, kwargs)
-        if node.name in self.owner.fallback or node.name in self.owner.run_whole or (
-                _replicated(plan) and not isinstance(node.meta.get("val"), list | tuple)):
+        if node.name in self.owner.fallback or node.name in self.owner.run_whole or _replicated(plan):
             return self._whole(target, args, kwargs)  # replicated: the op itself, on whole values
         args, kwargs = self._operands(node, args, kwargs)
         try:
