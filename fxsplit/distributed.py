@@ -46,7 +46,7 @@ from fxsplit.ir.problem import LOOPED_SCHEDULES
 from fxsplit.options import CompileOptions, autocast_dtype
 from fxsplit.runtime.dist_state import StageState, materialise
 from fxsplit.runtime.distributed import DistributedPipeline
-from fxsplit.runtime.links import probe_pipeline_links
+from fxsplit.runtime.links import probe_collective_link
 from fxsplit.runtime.tensor_parallel import ParallelGraph, ParallelPlan
 from fxsplit.schedule import available
 
@@ -348,8 +348,8 @@ def parallelize(
     broadcast so all ranks agree) and captures it; each node's candidate placements come from
     DTensor's sharding strategies (:func:`fxsplit.passes.parallel_strategies.strategy_graph`, on
     a 1-D mesh of all ranks), rank 0 chooses one per node (PaSE's DP, CP-SAT past its table
-    limit; Elango, IPDPS 2021) on the analytic cost model of its device, the measured link to its
-    neighbour and ``op_overhead_s``, and every rank runs the choice with DTensor
+    limit; Elango, IPDPS 2021) on the analytic cost model of its device, the link its all-gathers
+    measure and ``op_overhead_s``, and every rank runs the choice with DTensor
     (:class:`~fxsplit.runtime.tensor_parallel.ParallelGraph`).
 
     Args:
@@ -365,7 +365,8 @@ def parallelize(
         backend: As :func:`compile`'s.
         state_dict: The original model's weights (rank 0's are used); default: rank 0's
             ``model_fn()``.
-        link: The link of the mesh for the costs; default: measured between ranks 0 and 1.
+        link: The link of the mesh for the costs; default: all-gathers over every rank timed
+            and read as a ring's link (:func:`~fxsplit.runtime.links.probe_collective_link`).
         time_limit_s: CP-SAT's limit when the DP table is too large.
         timeout_s: Seconds a collective waits.
         options: Capture options (:class:`~fxsplit.api.CompileOptions`).
@@ -414,10 +415,7 @@ def parallelize(
     if len(set(digests)) > 1:
         raise PlanError(f"the ranks captured different graphs (digests {digests}); give every rank the same model "
                         "and example inputs")
-    if link is None:
-        links = probe_pipeline_links(str(device))
-        link = links[0][2]
-    mesh_link = link
+    mesh_link = link or probe_collective_link(device=str(device))
 
     def replan(overhead_s: float) -> tuple[Any, Any, ParallelPlan]:
         """The strategy graph with ``overhead_s`` per split op, rank 0's choice on it (collective)."""

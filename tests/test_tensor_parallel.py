@@ -155,3 +155,16 @@ def test_calibrate_fits_the_dispatch_overhead_replans_and_keeps_training_alike(t
         assert res["loss_diff"] < 1e-5 and res["grad_diff"] < 1e-5, res
         if rep["op_overhead_s"] > 0:
             assert res["split_after"] <= res["split_before"], res
+
+
+def test_collective_probe_gives_every_rank_one_ring_link(tmp_path):
+    """All-gathers over 3 ranks, read back as a ring's bandwidth and per-step latency: finite,
+    positive, and the same on every rank (the slowest rank's timings)."""
+    import math
+
+    results = launch(w.collective_link, 3, tmp_path, deadline_s=90)
+    check_ok(results)
+    links = {r["result"] for r in results.values()}
+    assert len(links) == 1, links
+    bandwidth, latency = links.pop()
+    assert 0 < bandwidth and (math.isfinite(bandwidth) or latency > 0) and 0 <= latency < 1.0

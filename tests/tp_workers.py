@@ -194,3 +194,13 @@ def calibrate_equal(rank: int, world: int, out_dir: str) -> dict[str, Any]:
         "loss_diff": abs(float(loss) - float(ref_loss.detach())),
         "grad_diff": max(float((grads[n] - p.grad).abs().max()) for n, p in reference.named_parameters()),
     }
+
+
+def collective_link(rank: int, world: int, out_dir: str) -> tuple[float, float]:
+    """The ring link all-gathers over every rank measure (every rank returns it)."""
+    import fxsplit.distributed as fxd
+    from fxsplit.runtime.links import probe_collective_link
+
+    fxd.init_process_group("gloo", 60.0)
+    link = probe_collective_link(repeats=3)
+    return link.bytes_per_s, link.latency_s

@@ -7,6 +7,8 @@ copy between two GPUs of this machine does; these probes measure it:
 * :func:`probe_devices`: copies between two devices of one process (``tensor.to(dst)``).
 * :func:`probe_ranks`: a ping-pong of ``send``/``recv`` between two ranks of a process group
   (gloo or NCCL), one-way time = half the round trip; call it on both ranks.
+* :func:`probe_collective_link`: all-gathers over every rank of the group, read back as the
+  link of a ring (what the per-layer strategies' collective formulas take).
 
 Both time each size ``repeats`` times after a warm-up, keep the median and fit the line by least
 squares with non-negative intercept and slope (:func:`fit_link`).
@@ -32,8 +34,8 @@ from fxsplit.ir.devices import LinkSpec
 from fxsplit.passes.measure import median_time_s
 from fxsplit.passes.profile import fit_affine
 
-__all__ = ["fit_link", "probe_devices", "probe_ranks", "probe_pipeline_links", "pipeline_links", "DEFAULT_PROBE_BYTES",
-           "SAME_DEVICE_LINK"]
+__all__ = ["fit_link", "probe_devices", "probe_ranks", "probe_pipeline_links", "pipeline_links", "probe_collective_link",
+           "DEFAULT_PROBE_BYTES", "SAME_DEVICE_LINK"]
 
 log = logging.getLogger(__name__)
 
@@ -221,3 +223,49 @@ def probe_pipeline_links(device: str = "cpu", sizes_bytes: Sequence[int] = DEFAU
     gathered: list[list[tuple[int, int, LinkSpec]] | None] = [None] * world
     dist.all_gather_object(gathered, mine)
     return tuple(sorted((e for part in gathered if part for e in part), key=lambda e: e[0]))
+
+
+def probe_collective_link(sizes_bytes: Sequence[int] = DEFAULT_PROBE_BYTES, repeats: int = 5,
+                          device: str = "cpu") -> LinkSpec:
+    """Time ``all_gather_into_tensor`` of several whole sizes over every rank of the world and
+    return the ring link that explains it: a ring all-gather of ``B`` bytes over ``n`` ranks takes
+    ``(n-1)/n * B / bandwidth + (n-1) * latency``, so the fit ``t(B) = a + b * B`` gives
+    ``bandwidth = (n-1) / (n * b)`` and ``latency = a / (n-1)``. Call on every rank (collective);
+    every rank returns the slowest rank's timings' link.
+
+    Gloo's collectives on one machine are slower than its send/recv between two ranks (more
+    copies, every rank at once): per-layer plans costed on the ping-pong link underprice them.
+
+    Args:
+        sizes_bytes: Whole (gathered) sizes to time.
+        repeats: Timed all-gathers per size (after two warm-up ones); the median is kept.
+        device: Where the buffers live (``"cuda:0"`` for NCCL).
+
+    Raises:
+        ConfigError: without an initialised process group of at least 2 ranks, or bad sizes.
+    """
+    import torch.distributed as dist
+
+    _check(sizes_bytes, repeats)
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        raise ConfigError("probe_collective_link needs an initialised process group of at least 2 ranks")
+    n = dist.get_world_size()
+    pieces = [max(1, size // (4 * n)) for size in sizes_bytes]
+    samples: list[list[float]] = [[] for _ in sizes_bytes]
+    for rep in range(2 + repeats):
+        for k, piece in enumerate(pieces):
+            local = torch.zeros(piece, dtype=torch.float32, device=device)
+            whole = torch.empty(piece * n, dtype=torch.float32, device=device)
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_gather_into_tensor(whole, local)
+            if rep >= 2:
+                samples[k].append(time.perf_counter() - start)
+    times = torch.tensor([statistics.median(s) for s in samples], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    fit = _robust_fit([p * 4 * n for p in pieces], [float(t) for t in times])
+    per_byte = 1.0 / fit.bytes_per_s if fit.bytes_per_s > 0 else 0.0
+    link = LinkSpec(bytes_per_s=(n - 1) / (n * per_byte) if per_byte > 0 else math.inf,
+                    latency_s=fit.latency_s / (n - 1))
+    log.info("collective link over %d ranks: %.3g GB/s, %.3g us per step", n, link.bytes_per_s / 1e9, link.latency_s * 1e6)
+    return link
