@@ -168,3 +168,15 @@ def test_collective_probe_gives_every_rank_one_ring_link(tmp_path):
     assert len(links) == 1, links
     bandwidth, latency = links.pop()
     assert 0 < bandwidth and (math.isfinite(bandwidth) or latency > 0) and 0 <= latency < 1.0
+
+
+def test_state_moves_between_layouts_by_original_names(tmp_path):
+    """Resharding: a Megatron plan's state after an SGD step (original names, whole tensors)
+    loads into a data-parallel plan of the same model and both continue alike."""
+    results = launch(w.reshard_equal, 2, tmp_path, deadline_s=120)
+    check_ok(results)
+    for r in results.values():
+        res = r["result"]
+        assert res["moved"] > 0  # the step changed the weights, so the load carried something
+        assert res["state_diff"] == 0.0 and res["loss_diff"] < 1e-6 and res["grad_diff"] < 1e-6, res
+        assert res["layouts"][0] != res["layouts"][1], res

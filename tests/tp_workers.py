@@ -204,3 +204,39 @@ def collective_link(rank: int, world: int, out_dir: str) -> tuple[float, float]:
     fxd.init_process_group("gloo", 60.0)
     link = probe_collective_link(repeats=3)
     return link.bytes_per_s, link.latency_s
+
+
+def reshard_equal(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """A Megatron plan trained one SGD step, its whole state loaded into a data-parallel plan of
+    the same model (another layout): the same state, the same loss and gradients next step."""
+    import torch.nn.functional as F
+
+    import fxsplit.distributed as fxd
+    from fxsplit.api import load_model
+
+    torch.manual_seed(0)
+    case = load_model("gpt", size="tiny", batch_size=8)
+    reference = case.model
+    megatron = fxd.parallelize(lambda: copy.deepcopy(reference), case.example_inputs, strategy="megatron")
+    out = _first(reference(*case.example_inputs))
+    target = torch.randint(0, out.shape[-1], out.shape[:-1], generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(y: Any, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(_first(y).flatten(0, -2), t.flatten())
+
+    megatron.train_step(*case.example_inputs, target=target, loss_fn=loss_fn)
+    torch.optim.SGD(megatron.parameters(), lr=0.5).step()
+    state = megatron.state_dict()
+    dp = fxd.parallelize(lambda: copy.deepcopy(reference), case.example_inputs, strategy="data-parallel")
+    dp.load_state_dict(state)
+    megatron.zero_grad(set_to_none=True)
+    losses = [float(g.train_step(*case.example_inputs, target=target, loss_fn=loss_fn)) for g in (megatron, dp)]
+    a, b = megatron.grads(), dp.grads()
+    fresh = fxd.parallelize(lambda: copy.deepcopy(reference), case.example_inputs, strategy="megatron")
+    fresh.load_state_dict(dp.state_dict())  # back into shards
+    return {"state_diff": max(max(float((g.state_dict()[k] - v).abs().max()) for k, v in state.items())
+                              for g in (dp, fresh)),
+            "moved": max(float((state[k] - v).abs().max()) for k, v in reference.state_dict().items()),
+            "loss_diff": abs(losses[0] - losses[1]),
+            "grad_diff": max(float((a[n] - b[n]).abs().max()) for n in a if a[n] is not None),
+            "layouts": (sorted(set(megatron.placements().values())), sorted(set(dp.placements().values())))}
