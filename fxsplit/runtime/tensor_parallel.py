@@ -461,17 +461,16 @@ class _Runner(torch.fx.Interpreter):
         return value if value is not None else super().get_attr(target, args, kwargs)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-
         node = self.node
         assert node is not None
         plan = self.owner.layout.get(node.name)
-        if target is operator.getitem:
-            return super().call_function(target, args, kwargs)
-        if plan is None:  # no vertex (sizes, non-tensor values): as it comes; DTensor gives global sizes
+        if target is operator.getitem or plan is None:
+            # an item of a multi-output op, or no vertex (sizes, non-tensor values): as it comes
+            # (DTensor answers sizes with the global ones)
             return super().call_function(target, args, kwargs)
         if node.name in self.owner.fallback or node.name in self.owner.run_whole or _replicated(plan):
             return self._whole(target, args, kwargs)  # replicated: the op itself, on whole values
-        args, kwargs = self._operands(node, args, kwargs)
+        args, kwargs = self._operands(plan, args, kwargs)
         try:
             out = super().call_function(target, args, kwargs)
         except (NotImplementedError, RuntimeError) as exc:
@@ -481,15 +480,14 @@ class _Runner(torch.fx.Interpreter):
                         str(exc).splitlines()[0])
             self.owner.run_whole.add(node.name)
             return self._whole(target, args, kwargs)
-        return self._settle(out, node)
+        return self._settle(out, plan, node.name)
 
-    def _operands(self, node: torch.fx.Node, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def _operands(self, plan: NodeLayout, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Plain tensors (whole values) replicated; each DTensor operand moved to the placement the
         chosen strategy expects of it (operands in DTensor's order: args, then kwargs, depth first)."""
         from torch.distributed.tensor import DTensor, Replicate
 
-        plan = self.owner.layout.get(node.name)
-        wants = [placement_of(p) for p in plan.inputs] if plan else []
+        wants = [placement_of(p) for p in plan.inputs]
         position = 0
 
         def move(value: Any) -> Any:
@@ -507,19 +505,19 @@ class _Runner(torch.fx.Interpreter):
         flat, spec = pytree.tree_flatten((args, kwargs))
         return pytree.tree_unflatten([move(v) for v in flat], spec)
 
-    def _settle(self, out: Any, node: torch.fx.Node) -> Any:
+    def _settle(self, out: Any, plan: NodeLayout, name: str) -> Any:
         """The op's output at its planned placement (a whole value as a plain tensor), its
         gradient kept at that placement."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
-        want = _want(self.owner.layout.get(node.name))
+        want = _want(plan)
         if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):  # a factory (arange, zeros)
             return out if want is None or want.is_replicate() else distribute_tensor(out, self.owner.mesh, [want],
                                                                                      src_data_rank=None)
         if not isinstance(out, DTensor):
             return out
         if want is not None and tuple(out.placements) != (want,):
-            self.owner.relayouts[node.name] += 1
+            self.owner.relayouts[name] += 1
             out = out.redistribute(out.device_mesh, [want])
         if want is not None and want.is_replicate():
             return out.to_local()  # whole on every rank: plain from here on
