@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +49,7 @@ from fxsplit.options import CompileOptions
 from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime.dist_state import StageState, get_tensor, materialise
 from fxsplit.runtime.distributed import DistributedPipeline, from_rank0
+from fxsplit.runtime.trace import barrier_timed_s
 from fxsplit.schedule import plan_step_s
 
 __all__ = ["CompiledDistributedPipeline", "DistContext", "exchange_state"]
@@ -228,12 +228,9 @@ class CompiledDistributedPipeline(DistributedPipeline):
         """
         walls, per_step = [], []
         for i in range(steps + 1):  # the first step warms up (runners, buffers, allocator)
-            dist.barrier()
-            start = time.perf_counter()
-            self.train_step(*args, target=target, loss_fn=loss_fn, **kwargs)
-            dist.barrier()
+            wall = barrier_timed_s(lambda: self.train_step(*args, target=target, loss_fn=loss_fn, **kwargs))
             if i:
-                walls.append(time.perf_counter() - start)
+                walls.append(wall)
                 per_step.append(self.stage_times_s())
         return walls, per_step
 

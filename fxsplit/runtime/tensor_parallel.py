@@ -366,18 +366,16 @@ def _median_step_s(graph: ParallelGraph, args: Sequence[Any], kwargs: Mapping[st
     """The slowest rank's median seconds of ``graph.train_step`` (a barrier before and after each
     step; one warm-up step first); gradients set to None after each."""
     import statistics
-    import time
 
     import torch.distributed as dist
 
+    from fxsplit.runtime.trace import barrier_timed_s
+
     times = []
     for i in range(steps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        graph.train_step(*args, target=target, loss_fn=loss_fn, **kwargs)
-        dist.barrier()
+        wall = barrier_timed_s(lambda: graph.train_step(*args, target=target, loss_fn=loss_fn, **kwargs))
         if i:
-            times.append(time.perf_counter() - start)
+            times.append(wall)
         graph.zero_grad(set_to_none=True)
     slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

@@ -36,7 +36,7 @@ from typing import Any
 
 from fxsplit.errors import ConfigError
 
-__all__ = ["TraceEvent", "TraceRecorder", "span", "write_trace", "load_chrome_trace"]
+__all__ = ["TraceEvent", "TraceRecorder", "span", "write_trace", "load_chrome_trace", "barrier_timed_s"]
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +190,18 @@ def action_end_s(device: Any) -> float:
 
         torch.cuda.current_stream(device).synchronize()
     return time.perf_counter()
+
+
+def barrier_timed_s(step: Any) -> float:
+    """Seconds of ``step()`` between two barriers of the default process group, so the wall is
+    the slowest rank's; collective (every rank calls it)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    dist.barrier()
+    return time.perf_counter() - start
 
 
 def write_trace(pipe: Any, path: str | Path) -> Path:
