@@ -96,15 +96,16 @@ def reference_spec(device: torch.device) -> DeviceSpec:
     return measure_cpu_spec("cpu")
 
 
-def graph_digest(gm: torch.fx.GraphModule) -> str:
-    """SHA-256 of a captured, condensed graph: every node's name, op, target, shape and block."""
+def graph_digest(gm: torch.fx.GraphModule, *, blocks: bool = True) -> str:
+    """SHA-256 of a captured, condensed graph: every node's name, op, target, shape and (with
+    ``blocks``) block; without blocks the digest does not depend on the costs condensation saw."""
     rows = [
         (
             n.name,
             n.op,
             str(n.target),
             str(getattr(n.meta.get("val"), "shape", "")),
-            n.meta.get("fxsplit.block"),
+            n.meta.get("fxsplit.block") if blocks else None,
         )
         for n in gm.graph.nodes
     ]

@@ -14,7 +14,6 @@ the device it runs on, and broadcasts the plan, which every rank checks against 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import logging
 import math
 import os
@@ -38,7 +37,7 @@ from fxsplit.dist_build import (
     to_meta,
 )
 from fxsplit.dist_calibrate import CompiledDistributedPipeline, DistContext
-from fxsplit.dist_plan import example_batch, plan_on_rank0, reference_spec
+from fxsplit.dist_plan import example_batch, graph_digest, plan_on_rank0, reference_spec
 from fxsplit.errors import ConfigError, FxsplitError, NotPerSampleWarning, PlanError
 from fxsplit.frontend import front_end, with_batch_dim
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan
@@ -411,7 +410,7 @@ def parallelize(
                       name=type(model).__name__)
     gm = front.captured.gm
     digests: list[Any] = [None] * world
-    dist.all_gather_object(digests, _structure_digest(gm))
+    dist.all_gather_object(digests, graph_digest(gm, blocks=False))  # each rank's own costs condensed it
     if len(set(digests)) > 1:
         raise PlanError(f"the ranks captured different graphs (digests {digests}); give every rank the same model "
                         "and example inputs")
@@ -450,11 +449,6 @@ def _agree_on_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor] |
     with torch.no_grad():
         for tensor in model.state_dict().values():
             dist.broadcast(tensor, src=0)
-
-
-def _structure_digest(gm: torch.fx.GraphModule) -> str:
-    rows = [(n.name, n.op, str(n.target), str(getattr(n.meta.get("val"), "shape", ""))) for n in gm.graph.nodes]
-    return hashlib.sha256(repr(rows).encode()).hexdigest()[:16]
 
 
 def _try(call: Callable[[], Any]) -> tuple[Any, BaseException | None]:
