@@ -16,12 +16,13 @@ from fxsplit import errors
 from fxsplit.errors import FxsplitError
 
 __version__ = "0.1.0"
-__all__ = ["errors", "FxsplitError", "__version__", "compile", "inspect", "capture", "load", "CompileOptions", "train_many",
+__all__ = ["errors", "FxsplitError", "__version__", "compile", "inspect", "plan_hybrid", "capture", "load", "CompileOptions", "train_many",
            "Task"]
 
 _LAZY = {
     "compile": ("fxsplit.api", "compile"),
     "inspect": ("fxsplit.api", "inspect"),
+    "plan_hybrid": ("fxsplit.api", "plan_hybrid"),
     "CompileOptions": ("fxsplit.api", "CompileOptions"),
     "capture": ("fxsplit.passes.capture", "capture"),
     "load": ("fxsplit.distributed", "load"),

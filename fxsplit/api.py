@@ -25,7 +25,7 @@ from fxsplit.ir.names import ObjectiveName
 from fxsplit.options import CompileOptions
 from fxsplit.passes.costs import cuda_spec, measure_cpu_spec
 
-__all__ = ["Inspection", "inspect", "load_model", "analyze", "resolve_cost_model"]
+__all__ = ["Inspection", "inspect", "load_model", "analyze", "plan_hybrid", "resolve_cost_model"]
 
 log = logging.getLogger(__name__)
 
@@ -376,3 +376,78 @@ def resolve_cost_model(model: nn.Module, inputs: Any, reference: DeviceSpec) -> 
     tensors = [*model.parameters(), *model.buffers(), *(x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor))]
     real = all(not t.is_meta and not isinstance(t, FakeTensor) for t in tensors)
     return "profiled" if present and real else "analytic"
+
+
+def plan_hybrid(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    devices: int | str | Path | Any = 8,
+    microbatches: int = 8,
+    device: DeviceSpec | None = None,
+    link: Any = None,
+    families: Sequence[str] = ("pase", "megatron"),
+    max_tp: int | None = None,
+    schedule: str = "1f1b",
+    time_limit_s: float = 10.0,
+    cost_model: str = "analytic",
+    name: str = "model",
+) -> tuple[Any, Inspection]:
+    """Choose pipeline depth, stage replicas and per-layer strategies together for ``devices``.
+
+    The model is captured once on ``example_inputs`` (one micro-batch), its per-layer plans solved
+    over ``2, 4, ...`` devices (:func:`fxsplit.passes.layer_costs.layer_parallel_costs`, one per
+    family), and every ``[pp, dp, tp]`` mesh costed (:func:`fxsplit.solvers.hybrid.plan_hybrid`).
+
+    Args:
+        model, example_inputs, example_kwargs: The model and one micro-batch (meta tensors plan
+            a model too big for this machine).
+        devices: ``N`` identical ``device`` s joined by ``link``, or a cluster (a
+            :class:`~fxsplit.ir.cluster.Cluster` or its JSON/YAML file): links from the file, the
+            node's links inside a ``tp`` group, ``tp`` at most one node.
+        microbatches: ``m`` per step: the global batch is ``m`` micro-batches.
+        device: The devices' spec (default: this machine's CPU; a cluster's own kinds otherwise).
+        link: :class:`~fxsplit.ir.LinkSpec` between the devices when ``devices`` is a count.
+        families: Per-layer plan families to try (``"pase"``, ``"megatron"``).
+        max_tp: Largest ``tp`` (default: a cluster's largest node, else ``N``).
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        time_limit_s: Per solve (strategies, pipeline), seconds.
+        cost_model: ``"analytic"`` or ``"profiled"``.
+
+    Returns:
+        ``(HybridPlan, Inspection)``.
+
+    Raises:
+        ConfigError: for a device count below 1, an unknown family, a cluster whose devices differ.
+        InfeasibleError: when no mesh fits.
+    """
+    from fxsplit.ir import LinkSpec, Problem
+    from fxsplit.ir.cluster import Cluster, load_cluster
+    from fxsplit.passes.layer_costs import layer_parallel_costs
+    from fxsplit.solvers.hybrid import plan_hybrid as search
+
+    if isinstance(devices, str | Path):
+        devices = load_cluster(devices)
+    if isinstance(devices, Cluster):
+        reference = device or devices.devices[0].with_(speed=1.0)
+        specs = devices.relative_to(reference)
+        inter, links, tp_link = devices.inter_node, devices.link_overrides(), devices.intra_node
+        per_node = max(devices.node_of.count(k) for k in set(devices.node_of))
+        max_tp = max_tp or per_node
+    elif isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
+        reference = device or measure_cpu_spec()
+        specs = tuple(reference.with_(name=f"{reference.name}:{i}") for i in range(devices))
+        inter = tp_link = link or LinkSpec()
+        links = ()
+    else:
+        raise ConfigError(f"devices={devices!r}; give a device count >= 1, a Cluster or a cluster file's path")
+    ins = front_end(model, example_inputs, dict(example_kwargs or {}), reference=reference, cost_model=cost_model,
+                    options=CompileOptions(), name=name, measure_device="cpu")
+    graph = ins.condensed.graph
+    degrees = [t for t in range(2, len(specs) + 1) if len(specs) % t == 0 and (max_tp is None or t <= max_tp)]
+    costs = [layer_parallel_costs(ins.captured.gm, graph, t, family=f, link=tp_link, time_limit_s=time_limit_s)
+             for t in degrees for f in families]
+    problem = Problem(graph, tuple(specs), link=inter, links=links, microbatches=microbatches,
+                      schedule=schedule, objective="makespan")  # type: ignore[arg-type]
+    return search(problem, costs, time_limit_s=time_limit_s, max_tp=max_tp), ins

@@ -39,7 +39,7 @@ def exit_with_error(console: Any, exc: BaseException, code: int = 2, label: str 
     raise typer.Exit(code) from exc
 
 
-_SUBCOMMANDS = ("solve", "inspect", "compile", "plan", "sweep", "strategies")
+_SUBCOMMANDS = ("solve", "inspect", "compile", "plan", "sweep", "strategies", "hybrid")
 _registered = False
 
 
