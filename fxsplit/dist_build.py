@@ -18,12 +18,13 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fxsplit.codegen.place import get_state
+from fxsplit.errors import ConfigError
 from fxsplit.ir import Plan
 from fxsplit.options import autocast_dtype
 from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState
-from fxsplit.runtime.distributed import DistributedPipeline, RankStage, TiedGroup, rank_of
+from fxsplit.runtime.distributed import DistributedPipeline, RankStage, Replicas, TiedGroup, rank_of
 from fxsplit.runtime.microbatch import batch_size_of, microbatch_sizes
 
 __all__ = ["batched_flags", "broadcast_tied", "build_pipeline", "rank_stages", "to_meta", "tied_groups"]
@@ -41,10 +42,38 @@ def rank_stages(program: Any, rank: int, world: int) -> list[Any]:
     return [st for st in program.stages if rank_of(st.index, world) == rank]
 
 
-def tied_groups(program: Any, world: int) -> list[TiedGroup]:
+def replica_groups(world: int, replicas: int) -> Replicas | None:
+    """The ``[pp, dp]`` mesh of ``world`` ranks with ``replicas`` (``dp``) copies of every stage:
+    rank ``r`` runs pipeline rank ``r // dp`` of replica ``r % dp`` (the replicas of a stage on
+    neighbouring ranks, as a ``DeviceMesh`` with ``dp`` inner lays them out). Creates every
+    pipeline's and every stage's process group on every rank, in one order (``new_group`` is
+    collective); None for ``replicas == 1``.
+
+    Raises:
+        ConfigError: when ``replicas`` does not divide ``world``.
+    """
+    if replicas < 1 or world % replicas:
+        raise ConfigError(f"replicas={replicas} does not divide the {world} ranks; give a divisor of {world} "
+                          "(each replica of the pipeline needs world / replicas ranks)")
+    if replicas == 1:
+        return None
+    rank, pp = dist.get_rank(), world // replicas
+    mine: dict[str, Any] = {}
+    for d in range(replicas):  # the pipelines
+        group = dist.new_group(ranks=[s * replicas + d for s in range(pp)])
+        if rank % replicas == d:
+            mine["pipeline"] = group
+    for s in range(pp):  # each stage's replicas
+        group = dist.new_group(ranks=[s * replicas + d for d in range(replicas)])
+        if rank // replicas == s:
+            mine["stage"] = group
+    return Replicas(replicas, rank % replicas, mine["stage"], mine["pipeline"])
+
+
+def tied_groups(program: Any, world: int, replicas: int = 1) -> list[TiedGroup]:
     """The tensors read by several stages that this rank holds a copy of; one subgroup per
-    tensor held on several ranks, created on every rank in name order (``new_group`` is
-    collective)."""
+    tensor held on several ranks (per replica of the pipeline, :func:`replica_groups`), created
+    on every rank in name order (``new_group`` is collective)."""
     holders: dict[str, list[int]] = {}
     for st in program.stages:
         for name in st.state:
@@ -52,13 +81,15 @@ def tied_groups(program: Any, world: int) -> list[TiedGroup]:
             if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:  # buffers need no sum
                 holders.setdefault(name, []).append(st.index)
     groups = []
+    pp = world // replicas
     for name in sorted(holders):
         if len(holders[name]) < 2:
             continue
-        ranks = tuple(sorted({rank_of(s, world) for s in holders[name]}))
-        group = dist.new_group(ranks=list(ranks)) if len(ranks) > 1 else None
-        if dist.get_rank() in ranks:
-            groups.append(TiedGroup(name, ranks, group))
+        for d in range(replicas):
+            ranks = tuple(sorted({rank_of(s, pp) * replicas + d for s in holders[name]}))
+            group = dist.new_group(ranks=list(ranks)) if len(ranks) > 1 else None
+            if dist.get_rank() in ranks:
+                groups.append(TiedGroup(name, ranks, group))
     return groups
 
 
@@ -88,9 +119,10 @@ def batched_flags(captured: Any, flat: Sequence[Any]) -> list[bool]:
 def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inputs: tuple[tuple, dict],
                    num_stages: int, device: torch.device, schedule: str, m: int, tied: list[TiedGroup], *,
                    plan: Plan, autocast: str | None, meta: dict[str, Any], state_order: list[str], timeout_s: float,
-                   watchdog: bool, cls: type[P]) -> P:
+                   watchdog: bool, cls: type[P], replicas: Replicas | None = None) -> P:
     """This rank's runtime (``cls``, a :class:`DistributedPipeline`) around its materialised
-    stages, ``(stage, state)`` pairs (:func:`rank_stages`); ``inputs`` is ``(args, kwargs)``."""
+    stages, ``(stage, state)`` pairs (:func:`rank_stages`); ``inputs`` is ``(args, kwargs)``,
+    one replica's share of a batch."""
     flat = captured.flatten_inputs(*inputs)
     batched = batched_flags(captured, flat)
     batch = batch_size_of([x for x, b in zip(flat, batched, strict=True) if b] or flat)
@@ -113,5 +145,5 @@ def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inpu
         held, num_stages=num_stages, device=device, schedule_kind=schedule,
         microbatches=m, in_spec=captured.in_spec, out_spec=captured.out_spec, tied=tied,
         state_order=state_order, plan=plan, autocast=autocast, meta=meta, timeout_s=timeout_s, watchdog=watchdog,
-        batched_inputs=batched, batched_outputs=captured.batched_outputs, layout=captured.layout,
+        batched_inputs=batched, batched_outputs=captured.batched_outputs, layout=captured.layout, replicas=replicas,
     )

@@ -184,11 +184,15 @@ class CompiledDistributedPipeline(DistributedPipeline):
             ``train_step`` walls between barriers, per-stage times the ranks' runtime traces.
 
         Raises:
-            ConfigError: for ``steps < 1``, a negative ``min_gain``, ``rounds < 1``, or a pipeline
+            ConfigError: for replicated stages, ``steps < 1``, a negative ``min_gain``, ``rounds < 1``, or a pipeline
                 without its compile context (built by hand) or without a trace recorder.
             PlanError: on every rank, when rank 0 could not re-plan (its message).
         """
         check_calibrate_args(steps, min_gain, rounds)
+        if self.replicas is not None:
+            raise ConfigError(f"calibrate re-plans one pipeline over every rank; this one has {self.replicas.count} "
+                              "replicas of each stage (compile(replicas=...)): calibrating replicated stages is not "
+                              "supported yet, compile with replicas=1 to calibrate")
         if self.context is None:
             raise ConfigError("calibrate needs the pipeline fxsplit.distributed.compile returns (it keeps what it "
                               "planned from)")

@@ -179,10 +179,13 @@ def _error(exc: BaseException | None) -> str:
 
 def _problem(graph: CondensedGraph, reference: DeviceSpec, links: tuple[tuple[int, int, LinkSpec], ...],
              world: int, options: CompileOptions) -> Problem:
-    """Rank 0's planning problem: ``world`` stages on copies of ``reference``, over the measured links."""
+    """Rank 0's planning problem: ``world`` stages on copies of ``reference``, over the measured
+    links (those between ranks ``i`` and ``i + 1`` below ``world``: with replicated stages, a
+    pipeline's neighbours are further apart, and the hop of the first pair stands for theirs)."""
     specs = tuple(reference.with_(name=f"rank{i}") for i in range(world))
     link = options.link
     default = link if isinstance(link, LinkSpec) else LinkSpec()
+    links = tuple(e for e in links if e[0] < world and e[1] < world)
     return Problem(graph, specs, default, links=links, allow_idle_devices=False, recompute=options.recompute).check()
 
 
@@ -263,6 +266,7 @@ def plan_on_rank0(
     plan: Plan | None,
     options: CompileOptions,
     cost_model: str = "auto",
+    devices: int | None = None,
 ) -> DistPlan:
     """Capture on every rank, plan on rank 0, check the plan on every rank; collective.
 
@@ -282,6 +286,7 @@ def plan_on_rank0(
             model fits rank 0's device (:func:`fits_device`). Links between neighbouring ranks
             are measured (:func:`~fxsplit.runtime.links.probe_pipeline_links`) unless
             ``options.link`` is a ``LinkSpec``.
+        devices: The pipeline's ranks (stages), default ``world`` (fewer: replicated stages).
 
     Returns:
         The :class:`DistPlan` of this rank.
@@ -312,12 +317,12 @@ def plan_on_rank0(
     found: dict[str, Any] = {"cost_model": None, "not_per_sample": None}
     if rank == 0 and front is not None and plan is None:
         solved, failure = _try(
-            lambda: _plan(front, inputs, device, cost_model, links, reference, world, schedule, microbatches,
-                          solver, options)
+            lambda: _plan(front, inputs, device, cost_model, links, reference, devices or world, schedule,
+                          microbatches, solver, options)
         )
         plan, problem, found = solved if solved is not None else (None, None, found)
     elif rank == 0 and front is not None:  # the user's plan; the analytic problem, for calibrate only
-        problem, unused = _try(lambda: _problem(front.condensed.graph, reference, links, world, options))
+        problem, unused = _try(lambda: _problem(front.condensed.graph, reference, links, devices or world, options))
         if unused is not None:
             log.info("no planning problem for calibrate: %s", _error(unused))
     notes: dict[str, Any] = {

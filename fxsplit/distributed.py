@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit.checkpoint import load_shard, read_index
@@ -33,6 +34,7 @@ from fxsplit.dist_build import (
     broadcast_tied,
     build_pipeline,
     rank_stages,
+    replica_groups,
     tied_groups,
     to_meta,
 )
@@ -137,6 +139,42 @@ def _warn_if_not_per_sample(gm: torch.fx.GraphModule, m: int, rank: int, checked
             f"of forward{unchecked}", NotPerSampleWarning, stacklevel=3)
 
 
+def _check_replicas(replicas: int, world: int, schedule: str) -> None:
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1 or world % replicas:
+        raise ConfigError(f"replicas={replicas!r} for {world} ranks; give a divisor of {world} (each of the "
+                          f"replicas runs a pipeline of world / replicas ranks)")
+    if replicas > 1 and schedule in LOOPED_SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r} with replicas={replicas}: replicated stages run gpipe or 1f1b")
+
+
+def _replica_example(args: tuple, kwargs: dict, replicas: int) -> tuple[tuple, dict]:
+    """One replica's share of the example batch: every tensor whose dim 0 is the first tensor's
+    batch, cut to ``1 / replicas`` (what one replica's pipeline runs and is planned for)."""
+    if replicas == 1:
+        return args, kwargs
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not tensors:
+        raise ConfigError("replicas > 1 needs example inputs with a batch dimension (a tensor input)")
+    batch = tensors[0].shape[0]
+    if batch % replicas:
+        raise ConfigError(f"the example batch of {batch} samples does not split over replicas={replicas}; "
+                          f"give a multiple of {replicas} samples (each replica's share is what it plans for)")
+    share = [x[: batch // replicas] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else x
+             for x in flat]
+    out_args, out_kwargs = pytree.tree_unflatten(share, spec)
+    return tuple(out_args), dict(out_kwargs)
+
+
+def same_as_first_replica(stages: Sequence[Any], replicas: Any, first: int) -> None:
+    """Give every replica of a stage replica 0's values (each initialised its own; global rank
+    ``first`` holds replica 0 of this rank's stage); collective over the stage's replicas."""
+    with torch.no_grad():
+        for stage in stages:
+            for t in [*stage.gm.parameters(), *stage.gm.buffers()]:
+                dist.broadcast(t.data, src=first, group=replicas.group)
+
+
 def _barrier(timeout_s: float) -> None:
     if dist.get_backend() == "gloo":
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
@@ -161,6 +199,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     options: CompileOptions | None = None,
     cost_model: str = "auto",
     batch_dim: int | None = None,
+    replicas: int = 1,
 ) -> CompiledDistributedPipeline:
     """Build this rank's stage of a pipeline over all ranks; call on every rank.
 
@@ -204,6 +243,14 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
             measured in every case (a send/recv ping-pong, collective).
         batch_dim: The batch dimension of the first input, as :func:`fxsplit.compile`'s (default
             ``options.batch_dim``).
+        replicas: ``dp``, copies of the whole pipeline (PipeDream's stage replication as a
+            ``[pp, dp]`` mesh, the replicas of a stage on neighbouring ranks: rank ``r`` runs stage
+            ``r // dp`` of replica ``r % dp``). Each replica trains ``1/dp`` of every batch (the
+            example inputs too: the plan is costed on one replica's share) in ``microbatches``
+            micro-batches, and each stage's gradients are averaged over its replicas after the
+            step, so the gradients are the unsplit model's on the whole batch. ``world / dp``
+            stages; the batch must split evenly. Not yet with ``calibrate``, loss scaling or an
+            interleaved schedule.
 
     Returns:
         The :class:`~fxsplit.dist_calibrate.CompiledDistributedPipeline` of this rank (a
@@ -228,31 +275,37 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     options = with_batch_dim(options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0), batch_dim)
     autocast_dtype(options.autocast)  # an unknown name fails here, on every rank, before any work
     rank, world, device = init_process_group(backend, timeout_s)
-    asked = microbatches if microbatches is not None else ("auto" if schedule == "auto" else world)
-    _check_args(schedule, asked, world, None)
-    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    _check_replicas(replicas, world, schedule)
+    pp = world // replicas  # the ranks of one pipeline
+    asked = microbatches if microbatches is not None else ("auto" if schedule == "auto" else pp)
+    _check_args(schedule, asked, pp, None)
+    args, kwargs = _replica_example(tuple(example_inputs), dict(example_kwargs or {}), replicas)
     if plan is not None:
-        _check_args(*_chosen(schedule, asked, plan), world, plan.num_stages)  # before any collective
+        _check_args(*_chosen(schedule, asked, plan), pp, plan.num_stages)  # before any collective
     with torch.device("meta"):
         meta_model = model_fn()
     planned = plan_on_rank0(meta_model, (args, kwargs), rank=rank, world=world, device=device, schedule=schedule,
-                            microbatches=asked, solver=solver, plan=plan, options=options, cost_model=cost_model)
+                            microbatches=asked, solver=solver, plan=plan, options=options, cost_model=cost_model,
+                            devices=pp)
     captured, plan = planned.captured, planned.plan
     schedule, m = _chosen(schedule, asked, plan)
-    _check_args(schedule, m, world, plan.num_stages)
+    _check_args(schedule, m, pp, plan.num_stages)
     _warn_if_not_per_sample(captured.gm, m, rank, planned.not_per_sample)
     program = split_graph(captured.gm, plan.stage_of_block(), [str(device)] * plan.num_stages)
-    tied = tied_groups(program, world)
-    mine = [(stage, StageState(stage.state, captured.aliases)) for stage in rank_stages(program, rank, world)]
+    mesh = replica_groups(world, replicas)
+    tied = tied_groups(program, world, replicas)
+    mine = [(stage, StageState(stage.state, captured.aliases)) for stage in rank_stages(program, rank // replicas, pp)]
     for stage, state in mine:
         origin = materialise(stage.gm, state, device, state_dict=state_dict, init_fn=init_fn,
                              meta_model=meta_model, model_fn=model_fn)
         log.info("rank %d: stage %d state from %s", rank, stage.index, sorted(set(origin.values())))
     broadcast_tied([stage for stage, _ in mine], tied)
+    if mesh is not None:
+        same_as_first_replica([stage for stage, _ in mine], mesh, rank - mesh.index)
     meta = {"model": type(meta_model).__name__, "reference": planned.reference.to_dict(), "cost_model": planned.cost_model}
     pipe = build_pipeline(mine, captured, (args, kwargs), plan.num_stages, device, schedule, m, tied,
                           plan=plan, autocast=options.autocast, meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s,
-                          watchdog=watchdog, cls=CompiledDistributedPipeline)
+                          watchdog=watchdog, cls=CompiledDistributedPipeline, replicas=mesh)
     pipe.context = DistContext(model_fn, meta_model, captured, to_meta((args, kwargs)), planned.problem,
                                example_batch(captured, (args, kwargs))[2], solver, options)
     _barrier(timeout_s)

@@ -16,9 +16,11 @@ per step (the global batch; each replica trains ``m / dp`` of them):
 * per-layer strategies over ``tp`` devices turn each block's times, parameter and activation
   bytes into the plan's (:class:`LayerParallelCosts`: compute divided by the shards, the
   collectives each placement change needs and the gradient all-reduce inside the group added);
-* ``pp = 1``: data parallelism over the ``dp`` groups (:func:`~fxsplit.solvers.data_parallel.data_parallel`:
-  ``forward + max(backward, all-reduce)``, one pass over the replica's samples);
-* ``pp > 1``: the exact pipeline split of the transformed graph over ``pp`` devices with
+* ``pp = 1``: data parallelism over the ``dp`` groups, the faster of one pass over the replica's
+  samples (:func:`~fxsplit.solvers.data_parallel.data_parallel`: ``forward + max(backward,
+  all-reduce)``, where its activations fit) and accumulating its ``m / dp`` micro-batches one by one
+  (the formula below with one stage);
+* ``pp >= 1``: the exact pipeline split of the transformed graph over ``pp`` devices with
   ``m / dp`` micro-batches (GPipe/1F1B step, ``Σ stage times + (m/dp - 1) · bottleneck``), then
   each stage's gradient all-reduce over its ``dp`` replicas (ring: ``2 (dp-1)/dp · bytes / B +
   2 (dp-1) α``), which starts when the stage's last backward ends: stage ``j`` ends its backward
@@ -259,17 +261,30 @@ def _layout(problem: Problem, pp: int, dp: int, tp: int, costs: LayerParallelCos
         return HybridLayout(pp, dp, tp, family, math.inf, placements=placements,
                             note=f"{m} micro-batches do not divide over {dp} replicas")
     group = dp * tp  # ranks between one stage's device and the next's
-    if pp == 1:
-        ring = _ring_link(problem, [d * tp for d in range(dp)])
-        est = data_parallel(Problem(graph, (device,) * dp, link=ring, microbatches=m, training=problem.training,
-                                    optimizer_state_factor=problem.optimizer_state_factor,
-                                    grad_factor=problem.grad_factor))
-        step = est.step_s if est.fits else math.inf
-        row = {"stage": 0, "ranks": [0, group - 1], "replicas": dp, "tp": tp,
-               "split_nodes": sum(costs.split_nodes) if costs is not None else 0, "compute_s": est.compute_s,
-               "comm_s": 0.0, "allreduce_s": est.allreduce_s, "memory_bytes": est.memory_bytes}
-        return HybridLayout(pp, dp, tp, family, step, est.compute_s, max(0.0, est.step_s - est.compute_s),
-                            est.memory_bytes, 1, None, placements, (row,), "" if est.fits else "does not fit")
+    piped = _pipelined(problem, graph, pp, dp, tp, costs, solver, time_limit_s)
+    if pp > 1:
+        return piped
+    # one stage: the replica's samples in one pass (data parallelism), or accumulated micro-batch by micro-batch
+    ring = _ring_link(problem, [d * tp for d in range(dp)])
+    est = data_parallel(Problem(graph, (device,) * dp, link=ring, microbatches=m, training=problem.training,
+                                optimizer_state_factor=problem.optimizer_state_factor,
+                                grad_factor=problem.grad_factor))
+    if not est.fits or est.step_s > piped.step_s:
+        return piped
+    row = {"stage": 0, "ranks": [0, group - 1], "replicas": dp, "tp": tp,
+           "split_nodes": sum(costs.split_nodes) if costs is not None else 0, "compute_s": est.compute_s,
+           "comm_s": 0.0, "allreduce_s": est.allreduce_s, "memory_bytes": est.memory_bytes}
+    return HybridLayout(pp, dp, tp, family, est.step_s, est.compute_s, max(0.0, est.step_s - est.compute_s),
+                        est.memory_bytes, 1, None, placements, (row,), "one pass")
+
+
+def _pipelined(problem: Problem, graph: CondensedGraph, pp: int, dp: int, tp: int, costs: LayerParallelCosts | None,
+               solver: str, time_limit_s: float | None) -> HybridLayout:
+    """The layout as a pipeline of ``pp`` stages (one: gradient accumulation) of ``m / dp``
+    micro-batches per replica, each stage's all-reduce after its last backward."""
+    family = costs.family if costs is not None else "none"
+    placements = dict(costs.placements) if costs is not None else {}
+    m, device, group = problem.microbatches, problem.devices[0], dp * tp
     links = tuple((i, j, problem.link_between(i * group, j * group)) for i in range(pp) for j in range(i + 1, pp))
     sub = Problem(graph, (device,) * pp, link=problem.link, links=links, microbatches=m // dp,
                   schedule=problem.schedule, objective="makespan", training=problem.training,

@@ -738,3 +738,43 @@ def _fp16_overflow(rank: int, batch: int) -> dict[str, Any]:
     out["params"] = len(list(pipe.parameters()))
     pipe.close()
     return out
+
+
+def replicas_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, str, int, int, int]]) -> dict[str, Any]:
+    """For each ``(model, schedule, replicas, microbatches, batch)``: a pipeline of ``world /
+    replicas`` stages, each stage replicated: one step's loss and every gradient equal the unsplit
+    model's on the whole batch; the replicas hold equal weights after an SGD step; a forward
+    gives the whole batch's output; a checkpoint merges into the model's state dict."""
+    out: dict[str, Any] = {}
+    for name, schedule, replicas, m, batch in runs:
+        tag = f"{name}/{schedule}/dp={replicas}/m={m}"
+        case = _case(name, batch)
+        inputs, target = case.make_batch(batch, 5)
+        ref_loss, ref_grads = reference(case, inputs, target)
+        # no state dict: each replica initialises its own stage, replica 0's values reach the others
+        pipe = fxd.compile(_model_fn(name, batch), case.example_inputs, schedule=schedule, microbatches=m,
+                           timeout_s=30, cost_model="analytic", options=CompileOptions(link=LinkSpec()),
+                           replicas=replicas)
+        gathered: list[Any] = [None] * world
+        torch.distributed.all_gather_object(gathered, pipe.state_dict())
+        out[tag] = {"initial": [part for part in gathered]}
+        merged = {k: v for part in gathered for k, v in part.items()}
+        case.model.load_state_dict(merged)  # the reference starts where the stages do
+        ref_loss, ref_grads = reference(case, inputs, target)
+        loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
+        out[tag].update(compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag))
+        out[tag].update(broadcast=float(loss), stages=list(pipe.stage_indices), replica=pipe.replicas.index,
+                        num_stages=pipe.num_stages)
+        with torch.no_grad():
+            y = pipe(*inputs)
+            want = case.model(*inputs)
+        if pipe.is_last:
+            torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+        with torch.no_grad():
+            for p in pipe.parameters():
+                p -= 0.1 * p.grad
+        out[tag]["weights"] = {k: v.clone() for k, v in pipe.state_dict().items()}
+        ckpt = os.path.join(out_dir, f"ckpt-{name}-{replicas}")
+        pipe.save(ckpt)
+        pipe.close()
+    return out

@@ -453,3 +453,29 @@ def test_fp16_loss_scaling_trains_like_the_unsplit_model_and_skips_together(tmp_
         assert r["scale"] == [2.0**9, 2.0**9], r  # backed off once, the same on every rank
     for r in (r0["overflow"], r1["overflow"]):
         assert r["refused"] is not None and "pipe.grad_scaler()" in r["refused"], r
+
+
+def test_replicated_stages_train_like_the_unsplit_model_on_the_whole_batch(tmp_path):
+    """Issue 11 (stage replication, PipeDream): 4 ranks as 2 stages x 2 replicas, the tied GPT
+    and the MLP, GPipe and 1F1B; every rank's loss and every gradient (by name) equal the
+    unsplit model's on the whole batch; a stage's replicas hold the same weights after SGD; the
+    checkpoint merges into the whole state dict."""
+    import fxsplit.models as zoo
+    from fxsplit.checkpoint import consolidate
+
+    runs = [("gpt", "1f1b", 2, 2, 8), ("mlp", "gpipe", 2, 2, 8)]
+    results = launch(w.replicas_equal, 4, tmp_path, runs, deadline_s=150)
+    check_ok(results)
+    for tag in results[0]["result"]:
+        rows = {rank: r["result"][tag] for rank, r in results.items()}
+        assert {rank: (row["stages"], row["replica"]) for rank, row in rows.items()} == {
+            0: ([0], 0), 1: ([0], 1), 2: ([1], 0), 3: ([1], 1)}, tag
+        assert len({row["broadcast"] for row in rows.values()}) == 1, tag
+        for a, b in ((0, 1), (2, 3)):  # replicas of one stage
+            assert rows[a]["checked"] == rows[b]["checked"] and rows[a]["checked"], tag
+            initial = rows[a]["initial"]  # each initialised its own; replica 0's values reached the other
+            assert all(torch.equal(initial[a][k], initial[b][k]) for k in initial[a]), tag
+            for key, value in rows[a]["weights"].items():
+                assert torch.equal(value, rows[b]["weights"][key]), f"{tag}: {key} differs between replicas"
+    merged = consolidate(tmp_path / "ckpt-gpt-2")
+    assert set(merged) == set(zoo.get("gpt", batch_size=8).model.state_dict())

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from fxsplit.errors import ConfigError
 from fxsplit.runtime.dist_stage import Layout, decode, encode
 from fxsplit.runtime.dist_state import StageState, parameters_on_meta, retarget_meta_devices
 
@@ -299,3 +300,22 @@ def test_rank0_profiles_a_meta_capture_of_a_hugging_face_bert():
     graph = profiled_blocks(captured.gm, condensed.graph, flat, flags, torch.device("cpu"), 2, options)
     assert len(graph.blocks) == len(condensed.graph.blocks)
     assert sum(b.fwd_s for b in graph.blocks) > 0 and sum(b.bwd_s for b in graph.blocks) > 0
+
+
+@pytest.mark.parametrize(("replicas", "world", "schedule", "match"), [
+    (3, 4, "1f1b", "divisor of 4"), (0, 4, "1f1b", "divisor"), (2, 4, "interleaved-1f1b", "gpipe or 1f1b")])
+def test_replicas_that_do_not_fit_the_launch_are_refused_before_any_collective(replicas, world, schedule, match) -> None:
+    from fxsplit.distributed import _check_replicas
+
+    with pytest.raises(ConfigError, match=match):
+        _check_replicas(replicas, world, schedule)
+
+
+def test_one_replicas_share_of_the_example_batch() -> None:
+    from fxsplit.distributed import _replica_example
+
+    x, lengths = torch.arange(24.0).reshape(8, 3), torch.tensor([3, 1])
+    args, kwargs = _replica_example((x,), {"lengths": lengths, "scale": 2.0}, 4)
+    assert torch.equal(args[0], x[:2]) and torch.equal(kwargs["lengths"], lengths) and kwargs["scale"] == 2.0
+    with pytest.raises(ConfigError, match="multiple of 3"):
+        _replica_example((x,), {}, 3)

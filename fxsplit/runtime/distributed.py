@@ -78,7 +78,7 @@ from fxsplit.runtime.state import ParameterAPI, check_loadable
 from fxsplit.runtime.trace import TraceEvent, TraceRecorder, action_end_s
 from fxsplit.schedule import make
 
-__all__ = ["DistributedPipeline", "RankStage", "TiedGroup", "from_rank0", "rank_of", "shard_name",
+__all__ = ["DistributedPipeline", "RankStage", "Replicas", "TiedGroup", "from_rank0", "rank_of", "shard_name",
            "PLAN_FILE"]
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,26 @@ class TiedGroup:
     name: str
     ranks: tuple[int, ...]
     group: Any
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """This rank's place among the replicas of its stage(s) (PipeDream's stage replication, a
+    ``[pp, dp]`` mesh): ``count`` pipelines run side by side on their own ``pipeline_group``, each on
+    its ``1/count`` share of every batch, and the gradients of each stage are averaged over its
+    replicas' ``group`` after each step (as DDP does).
+
+    Attributes:
+        count: ``dp``, the replicas of every stage.
+        index: This rank's replica, ``0 <= index < count`` (its share of the batch).
+        group: The process group of this rank's stage replicas (gradient all-reduce).
+        pipeline_group: The process group of this rank's pipeline (point-to-point, loss).
+    """
+
+    count: int
+    index: int
+    group: Any
+    pipeline_group: Any
 
 
 @dataclass(frozen=True)
@@ -155,6 +175,10 @@ class DistributedPipeline(ParameterAPI):
             None: those whose dim 0 is the micro-batch size).
         layout: ``Captured.layout``: where the batch is in the model's own inputs, outputs and
             target when not on dim 0; the stages run batch-first.
+        replicas: This rank's :class:`Replicas` when every stage is replicated (``train_step``
+            then trains this replica's share of the batch and averages the gradients over the
+            replicas; ``__call__`` runs the whole batch on every replica); None: one pipeline over
+            every rank.
     """
 
     def __init__(
@@ -177,11 +201,14 @@ class DistributedPipeline(ParameterAPI):
         batched_inputs: Sequence[bool] | None = None,
         batched_outputs: Sequence[bool] | None = None,
         layout: BatchLayout | None = None,
+        replicas: Replicas | None = None,
     ) -> None:
         if not stages:
             raise ConfigError("a DistributedPipeline needs at least one stage on this rank")
         self.stages = sorted(stages, key=lambda st: st.index)
-        self.num_stages, self.num_ranks, self.device = num_stages, dist.get_world_size(), device
+        self.replicas = replicas
+        self.group = replicas.pipeline_group if replicas is not None else None  # None: every rank
+        self.num_stages, self.num_ranks, self.device = num_stages, dist.get_world_size(self.group), device
         self.schedule_kind, self.microbatches = schedule_kind, microbatches
         self.in_spec, self.out_spec = in_spec, out_spec
         self.tied, self.state_order = tuple(tied), list(state_order)
@@ -268,7 +295,7 @@ class DistributedPipeline(ParameterAPI):
             for st in self.stages:
                 ins, outs = st.shapes.example_args(size, train) if st.shapes is not None else (None, None)
                 stage = SplitBackwardStage(st.module, st.index, self.num_stages, self.device, input_args=ins,
-                                           output_args=outs)
+                                           output_args=outs, group=self.group)
                 self._instrument(stage, st.index)
                 stages.append(stage)
             schedule: Any
@@ -341,10 +368,13 @@ class DistributedPipeline(ParameterAPI):
         d = self._target_dim
         return target.movedim(0, d) if d and isinstance(target, torch.Tensor) else target
 
-    def _check_batch(self, flat: Sequence[Any]) -> int:
+    def _check_batch_size(self, flat: Sequence[Any]) -> int:
         flags = self.batched_inputs
         sized = [x for x, b in zip(flat, flags, strict=True) if b] if flags is not None else flat
-        batch = batch_size_of(sized)
+        return batch_size_of(sized)
+
+    def _check_batch(self, flat: Sequence[Any]) -> int:
+        batch = self._check_batch_size(flat)
         check_splittable(batch, self.microbatches)
         return batch
 
@@ -438,9 +468,14 @@ class DistributedPipeline(ParameterAPI):
         """
         if not callable(loss_fn):
             raise ConfigError(f"train_step needs loss_fn=callable(output, target) -> scalar, got {loss_fn!r}")
+        if grad_scaler is not None and self.replicas is not None:
+            raise ConfigError("loss scaling (grad_scaler) with replicated stages is not supported yet; "
+                              "train bf16 or fp32, or compile without replicas")
         if grad_scaler is not None:
             prepare_grad_scaler(grad_scaler, self.device, self.num_ranks)
         flat = self._flatten(args, kwargs)
+        if self.replicas is not None:
+            flat, target = self._replica_share(flat, target)
         batch = self._check_batch(flat)
         if self.is_last and not isinstance(target, torch.Tensor):
             raise ConfigError(f"target must be a tensor with the batch on dim 0, got {type(target).__name__}")
@@ -462,6 +497,8 @@ class DistributedPipeline(ParameterAPI):
                 self._train_group(flat, target, start, size, count, batch)
                 self._mb_offset += count
             self._run("the tied-weight all-reduce", self._sync_tied)
+            if self.replicas is not None:
+                self._run("the replicas' gradient all-reduce", self._average_replicas)
         except BaseException:
             self._unstash_grads(saved, ok=False)  # this rank's gradients are as before the step
             raise
@@ -469,6 +506,8 @@ class DistributedPipeline(ParameterAPI):
             self._recording, self._scaler = False, None
         self._unstash_grads(saved, ok=True)
         loss = torch.stack(self._losses).sum() if self.is_last else None
+        if loss is not None and self.replicas is not None:  # the batch's loss: the replicas' mean (or sum)
+            loss = self._run("the replicas' loss all-reduce", functools.partial(self._replicas_loss, loss))
         if broadcast_loss:
             loss = self._run("the loss broadcast", lambda: self._broadcast(loss))
         return loss
@@ -516,7 +555,7 @@ class DistributedPipeline(ParameterAPI):
         """
         times = self._recorder_or_raise().per_stage_s(self.num_stages)
         rows: list[Any] = [None] * self.num_ranks
-        dist.all_gather_object(rows, [(s, times[s]) for s in self.stage_indices])
+        dist.all_gather_object(rows, [(s, times[s]) for s in self.stage_indices], group=self.group)
         out = [{"fwd_s": 0.0, "bwd_s": 0.0, "bwd_weight_s": 0.0} for _ in range(self.num_stages)]
         for stage, row in (pair for held in rows for pair in held):
             out[stage] = row
@@ -534,7 +573,7 @@ class DistributedPipeline(ParameterAPI):
         """
         events = self._recorder_or_raise().events
         parts: list[Any] = [None] * self.num_ranks
-        dist.all_gather_object(parts, (self._wall_t0, events))
+        dist.all_gather_object(parts, (self._wall_t0, events), group=self.group)
         t0 = min(w for w, _ in parts)
         out = [TraceEvent(e.stage, e.kind, e.microbatch, e.start_s + w - t0, e.duration_s) for w, evs in parts for e in evs]
         return sorted(out, key=lambda e: (e.start_s, e.stage))
@@ -561,8 +600,51 @@ class DistributedPipeline(ParameterAPI):
 
     def _broadcast(self, loss: torch.Tensor | None) -> torch.Tensor:
         buf = loss.clone() if loss is not None else torch.zeros((), device=self.device)
-        dist.broadcast(buf, src=rank_of(self.num_stages - 1, self.num_ranks))
+        dist.broadcast(buf, src=self._global_rank(rank_of(self.num_stages - 1, self.num_ranks)), group=self.group)
         return buf
+
+    def _replicas_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        assert self.replicas is not None  # (internal: only called with replicas)
+        total = loss.clone()
+        dist.all_reduce(total, group=self.replicas.group)
+        return total if self._reduction == "sum" else total / self.replicas.count
+
+    def _global_rank(self, pipeline_rank: int) -> int:
+        """The global rank of this pipeline's rank ``pipeline_rank``."""
+        return pipeline_rank if self.group is None else dist.get_global_rank(self.group, pipeline_rank)
+
+    def _replica_share(self, flat: Sequence[Any], target: Any) -> tuple[list[Any], Any]:
+        """This replica's ``1/dp`` of the batch: each batched input's and the target's slice."""
+        assert self.replicas is not None  # (internal: only called with replicas)
+        count, index = self.replicas.count, self.replicas.index
+        batch = self._check_batch_size(flat)
+        if batch % count:
+            raise ConfigError(f"a batch of {batch} samples does not split evenly over {count} replicas of each stage; "
+                              f"give a multiple of {count}")
+        share = batch // count
+        flags = self.batched_inputs if self.batched_inputs is not None else [isinstance(x, torch.Tensor) for x in flat]
+        sliced = [x.narrow(0, index * share, share) if b else x for x, b in zip(flat, flags, strict=True)]
+        if isinstance(target, torch.Tensor):
+            dim = target_batch_dim(target, batch, self.layout.target_dim if self.layout else 0) or 0
+            target = target.narrow(dim, index * share, share)
+        return sliced, target
+
+    def _average_replicas(self) -> None:
+        """Average (a mean loss) or sum (a summed loss) this step's gradients over the stage's
+        replicas: one all-reduce of the flattened gradients."""
+        assert self.replicas is not None  # (internal: only called with replicas)
+        summed = torch.tensor(float(self._reduction == "sum"), device=self.device)  # the last stage found it
+        dist.broadcast(summed, src=self._global_rank(rank_of(self.num_stages - 1, self.num_ranks)), group=self.group)
+        self._reduction = "sum" if summed.item() else "mean"
+        grads = [p.grad for p in dict.fromkeys(self.parameters()) if p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.replicas.group)
+        if self._reduction != "sum":
+            flat /= self.replicas.count
+        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(synced)
 
     def _copies(self, name: str) -> list[torch.Tensor]:
         """This rank's copies of graph state ``name``, one per stage holding it."""
@@ -675,8 +757,9 @@ class DistributedPipeline(ParameterAPI):
         version = self._run("agreeing on the checkpoint folder", lambda: from_rank0(lambda: next_version(directory)))
         folder = os.path.join(directory, version)
         os.makedirs(folder, exist_ok=True)
+        writes = self.replicas is None or self.replicas.index == 0  # one replica of each stage writes it
         shards = {shard_name(st.index): {k: v.cpu() for k, v in self._stage_state_dict(st, self.state_order).items()}
-                  for st in self.stages}
+                  for st in self.stages} if writes else {}
         for name, sd in shards.items():
             def write(name: str = name, sd: dict[str, torch.Tensor] = sd) -> None:
                 write_atomic(os.path.join(folder, name), lambda f: torch.save(sd, f))
@@ -685,7 +768,7 @@ class DistributedPipeline(ParameterAPI):
         keys: list[Any] = [None] * self.num_ranks
         # every rank joins the gather after its shards are on disk: past it, every shard is
         mine = [(name, list(sd)) for name, sd in shards.items()]
-        self._run("gathering the shard index", lambda: dist.all_gather_object(keys, mine))
+        self._run("gathering the shard index", lambda: dist.all_gather_object(keys, mine, group=self.group))
         if rank == 0:
             index = dict(sorted(pair for held in keys for pair in held))
             doc = {**self.meta, "plan": self.plan.to_dict() if self.plan is not None else None, "autocast": self.autocast,
