@@ -778,3 +778,17 @@ def replicas_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, st
         pipe.save(ckpt)
         pipe.close()
     return out
+
+
+def cli_replicas(rank: int, world: int, out_dir: str) -> str:
+    """``fxsplit compile gpt --distributed --replicas 2`` (its body): what rank 0 prints."""
+    import contextlib
+    import io
+
+    from fxsplit.cli.compile_dist import run_distributed
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        run_distributed("gpt", steps=2, microbatches="2", schedule="1f1b", size="tiny", batch_size=8, lr=0.1,
+                        backend="gloo", timeout_s=60.0, replicas=2)
+    return buf.getvalue()

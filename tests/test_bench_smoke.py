@@ -22,10 +22,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
         ("planning_memory", []),
         ("runtime", []),
         ("soak", []),
+        ("hybrid", []),
     ],
 )
 def test_bench_quick_mode_runs(bench: str, extra: list[str], tmp_path: pathlib.Path) -> None:
-    if bench == "planning_memory":
+    if bench in ("planning_memory", "hybrid"):
         pytest.importorskip("transformers")
     cmd = [sys.executable, str(ROOT / "bench" / f"{bench}.py"), "--quick", "--out", str(tmp_path), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -479,3 +479,17 @@ def test_replicated_stages_train_like_the_unsplit_model_on_the_whole_batch(tmp_p
                 assert torch.equal(value, rows[b]["weights"][key]), f"{tag}: {key} differs between replicas"
     merged = consolidate(tmp_path / "ckpt-gpt-2")
     assert set(merged) == set(zoo.get("gpt", batch_size=8).model.state_dict())
+
+
+def test_cli_runs_replicated_stages_beside_the_unsplit_model(tmp_path):
+    """``torchrun --nproc_per_node=4 -m fxsplit compile gpt --distributed --replicas 2``: 2 stages
+    on 4 processes, losses and gradients as the unsplit model's."""
+    import re
+
+    results = launch(w.cli_replicas, 4, tmp_path, deadline_s=120)
+    check_ok(results)
+    text = results[0]["result"]
+    assert "2 stages on 4 processes" in text, text
+    grad = float(re.search(r"largest gradient difference vs original \(all ranks\)\s*│\s*([0-9.e+-]+)", text).group(1))
+    loss = float(re.search(r"largest loss difference vs original\s*│\s*([0-9.e+-]+)", text).group(1))
+    assert grad < 1e-5 and loss < 1e-5, text

@@ -116,6 +116,7 @@ def register(app: typer.Typer) -> None:
                                               "data-parallel, megatron, replicate")] = "pipeline",
         recompute: Annotated[str, typer.Option(help=RECOMPUTE_HELP)] = "auto",
         autocast: Annotated[str | None, typer.Option(help="mixed precision: bf16, fp16, or auto (plan the model's dtypes and bf16, run the faster; local only); default: the model's dtypes")] = None,
+        replicas: Annotated[int, typer.Option(min=1, help="--distributed pipeline: copies of every stage (a [pp, dp] mesh; each trains 1/replicas of the batch)")] = 1,
     ) -> None:
         """Plan MODEL over DEVICES, train STEPS steps, and compare with the unsplit model."""
         import fxsplit
@@ -140,7 +141,7 @@ def register(app: typer.Typer) -> None:
                     return
                 run_distributed(model, steps=steps, microbatches=microbatches, schedule=schedule, size=size,
                                 batch_size=batch_size, lr=lr, backend=backend, timeout_s=timeout_s,
-                                calibrate=calibrate, recompute=recompute_name, autocast=autocast)
+                                calibrate=calibrate, recompute=recompute_name, autocast=autocast, replicas=replicas)
             except FxsplitError as exc:
                 exit_with_error(console, exc, 2)
             return

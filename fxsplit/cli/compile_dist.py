@@ -108,10 +108,11 @@ def _summary(pipe: Any, result: dict[str, Any], world: int) -> Table:
 def run_distributed(
     model: str, *, steps: int, microbatches: str, schedule: str, size: str, batch_size: int, lr: float,
     backend: str, timeout_s: float, save: str | None = None, calibrate: int = 0, recompute: RecomputeName = "auto",
-    autocast: str | None = None,
+    autocast: str | None = None, replicas: int = 1,
 ) -> None:
     """Train ``model`` across the processes torchrun launched; rank 0 prints. ``calibrate > 0``:
-    measure that many steps per plan, refit and re-plan across the ranks first.
+    measure that many steps per plan, refit and re-plan across the ranks first. ``replicas``:
+    copies of every stage (:func:`fxsplit.distributed.compile`).
 
     Raises:
         FxsplitError: as :func:`fxsplit.distributed.compile` (the caller prints it).
@@ -133,6 +134,7 @@ def run_distributed(
             lambda: load_model(model, size=size, batch_size=batch_size).model, case.example_inputs,
             schedule=schedule, microbatches=m, state_dict=reference.state_dict(), timeout_s=timeout_s,
             options=CompileOptions(allow_idle_devices=False, time_limit_s=30.0, recompute=recompute, autocast=autocast),
+            replicas=replicas,
         )
     if calibrate > 0:
         inputs, target = case.make_batch(batch_size, 999)
