@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from common import console, show
+from explore import cluster
 from plan_quality import environment, write_json
 from rich.table import Table
 
@@ -42,16 +44,6 @@ QUICK: dict[str, tuple[str, dict[str, Any], int]] = {
                              "seq_len": 128}, 2),
 }
 FAMILIES = ("data parallel", "pipeline", "Megatron TP (x DP)", "per-layer (PaSE) x DP")
-
-
-def cluster(k: int) -> Any:
-    from fxsplit.ir.cluster import cluster_from_dict
-
-    nodes = [{"name": f"n{i}", "devices": {"a100": min(8, k - 8 * i)}} for i in range((k + 7) // 8)]
-    return cluster_from_dict({"name": f"{k} x A100-80GB", "device_kinds": {"a100": {"preset": "a100"}},
-                              "nodes": nodes,
-                              "links": {"intra_node": {"bytes_per_s": 300e9, "latency_s": 5e-6},
-                                        "inter_node": {"bytes_per_s": 25e9, "latency_s": 1e-5}}})
 
 
 def plan_model(name: str, spec: tuple[str, dict[str, Any], int], device_counts: list[int], microbatches: int,
@@ -103,6 +95,7 @@ def plan_model(name: str, spec: tuple[str, dict[str, Any], int], device_counts: 
         table.add_row(where, f"{best.pp}/{best.dp}/{best.tp} {best.family}", f"{best.step_s:.4g}", *cells,
                       f"{found.solve_time_s:.1f}")
         results.append({"model": name, "devices": k, "plan": found.to_dict()})
+        print(f"{where}: {best.label} {best.step_s:.4g} s, searched {found.solve_time_s:.1f} s", file=sys.stderr, flush=True)
     return (f"{name}: capture {capture_s:.1f} s, {len(graph.blocks)} blocks, per-layer plans "
             f"(tp {', '.join(map(str, degrees))} x 2 families) {layers_s:.1f} s")
 
