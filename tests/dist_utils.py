@@ -79,3 +79,16 @@ def check_ok(results: dict[int, Any]) -> None:
         res = r["result"]
         detail = res.get("traceback") if isinstance(res, dict) and "traceback" in res else res
         assert r["code"] == 0, f"rank {rank} exited with {r['code']}:\n{detail}"
+
+
+def printed_differences(text: str) -> tuple[float, float]:
+    """``(loss, gradient)``: the largest differences vs the unsplit model a ``fxsplit compile
+    --distributed`` summary table printed."""
+    import re
+
+    def cell(label: str) -> float:
+        found = re.search(label + r"[^│]*│\s*([0-9.e+-]+)", text)
+        assert found is not None, f"no {label!r} row in:\n{text}"
+        return float(found.group(1))
+
+    return cell("largest loss difference vs original"), cell("largest gradient difference vs original")

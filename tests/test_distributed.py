@@ -11,7 +11,7 @@ import math
 import dist_workers as w
 import pytest
 import torch
-from dist_utils import check_ok, launch
+from dist_utils import check_ok, launch, printed_differences
 
 pytestmark = pytest.mark.distributed
 
@@ -484,12 +484,9 @@ def test_replicated_stages_train_like_the_unsplit_model_on_the_whole_batch(tmp_p
 def test_cli_runs_replicated_stages_beside_the_unsplit_model(tmp_path):
     """``torchrun --nproc_per_node=4 -m fxsplit compile gpt --distributed --replicas 2``: 2 stages
     on 4 processes, losses and gradients as the unsplit model's."""
-    import re
-
     results = launch(w.cli_replicas, 4, tmp_path, deadline_s=120)
     check_ok(results)
     text = results[0]["result"]
     assert "2 stages on 4 processes" in text, text
-    grad = float(re.search(r"largest gradient difference vs original \(all ranks\)\s*│\s*([0-9.e+-]+)", text).group(1))
-    loss = float(re.search(r"largest loss difference vs original\s*│\s*([0-9.e+-]+)", text).group(1))
+    loss, grad = printed_differences(text)
     assert grad < 1e-5 and loss < 1e-5, text
