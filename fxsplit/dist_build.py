@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -26,6 +26,7 @@ from fxsplit.runtime.dist_stage import StageModule
 from fxsplit.runtime.dist_state import StageState
 from fxsplit.runtime.distributed import DistributedPipeline, RankStage, Replicas, TiedGroup, rank_of
 from fxsplit.runtime.microbatch import batch_size_of, microbatch_sizes
+from fxsplit.runtime.tensor_parallel import shard_stage
 
 __all__ = ["batched_flags", "broadcast_tied", "build_pipeline", "rank_stages", "to_meta", "tied_groups"]
 
@@ -42,38 +43,56 @@ def rank_stages(program: Any, rank: int, world: int) -> list[Any]:
     return [st for st in program.stages if rank_of(st.index, world) == rank]
 
 
-def replica_groups(world: int, replicas: int) -> Replicas | None:
-    """The ``[pp, dp]`` mesh of ``world`` ranks with ``replicas`` (``dp``) copies of every stage:
-    rank ``r`` runs pipeline rank ``r // dp`` of replica ``r % dp`` (the replicas of a stage on
-    neighbouring ranks, as a ``DeviceMesh`` with ``dp`` inner lays them out). Creates every
-    pipeline's and every stage's process group on every rank, in one order (``new_group`` is
-    collective); None for ``replicas == 1``.
+def replica_groups(world: int, replicas: int, tp: int = 1) -> Replicas | None:
+    """The ``[pp, dp, tp]`` mesh of ``world`` ranks with ``replicas`` (``dp``) copies of every
+    stage, each split over ``tp`` ranks: rank ``r`` runs pipeline rank ``r // (dp * tp)`` of
+    replica ``(r // tp) % dp``, shard ``r % tp`` (a ``DeviceMesh`` of that shape, ``tp``
+    innermost, lays the ranks out so). Creates every pipeline's, every stage's and every tensor-
+    parallel process group on every rank, in one order (``new_group`` is collective); None for
+    ``replicas == tp == 1`` (one pipeline over every rank).
 
     Raises:
-        ConfigError: when ``replicas`` does not divide ``world``.
+        ConfigError: when ``replicas * tp`` does not divide ``world``.
     """
-    if replicas < 1 or world % replicas:
-        raise ConfigError(f"replicas={replicas} does not divide the {world} ranks; give a divisor of {world} "
-                          "(each replica of the pipeline needs world / replicas ranks)")
-    if replicas == 1:
+    if replicas < 1 or tp < 1 or world % (replicas * tp):
+        raise ConfigError(f"replicas={replicas} x tensor_parallel={tp} does not divide the {world} ranks; give "
+                          f"degrees whose product divides {world} (each pipeline needs world / (replicas x tp) ranks)")
+    if replicas == tp == 1:
         return None
-    rank, pp = dist.get_rank(), world // replicas
+    rank, pp = dist.get_rank(), world // (replicas * tp)
+
+    def at(s: int, d: int, t: int) -> int:
+        return (s * replicas + d) * tp + t
+
     mine: dict[str, Any] = {}
     for d in range(replicas):  # the pipelines
-        group = dist.new_group(ranks=[s * replicas + d for s in range(pp)])
-        if rank % replicas == d:
-            mine["pipeline"] = group
-    for s in range(pp):  # each stage's replicas
-        group = dist.new_group(ranks=[s * replicas + d for d in range(replicas)])
-        if rank // replicas == s:
-            mine["stage"] = group
-    return Replicas(replicas, rank % replicas, mine["stage"], mine["pipeline"])
+        for t in range(tp):
+            group = dist.new_group(ranks=[at(s, d, t) for s in range(pp)])
+            if rank in {at(s, d, t) for s in range(pp)}:
+                mine["pipeline"] = group
+    if replicas > 1:
+        for s in range(pp):  # each stage's replicas (one group per shard)
+            for t in range(tp):
+                group = dist.new_group(ranks=[at(s, d, t) for d in range(replicas)])
+                if rank in {at(s, d, t) for d in range(replicas)}:
+                    mine["stage"] = group
+    for s in range(pp):  # every copy of each stage
+        group = dist.new_group(ranks=list(range(at(s, 0, 0), at(s + 1, 0, 0))))
+        if at(s, 0, 0) <= rank < at(s + 1, 0, 0):
+            mine["copies"] = group
+    tp_mesh = None
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        tp_mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("copies", "tp"))["tp"]
+    return Replicas(replicas, (rank // tp) % replicas, mine.get("stage"), mine["pipeline"], tp, rank % tp, tp_mesh,
+                    mine["copies"])
 
 
-def tied_groups(program: Any, world: int, replicas: int = 1) -> list[TiedGroup]:
+def tied_groups(program: Any, world: int, replicas: int = 1, tp: int = 1) -> list[TiedGroup]:
     """The tensors read by several stages that this rank holds a copy of; one subgroup per
-    tensor held on several ranks (per replica of the pipeline, :func:`replica_groups`), created
-    on every rank in name order (``new_group`` is collective)."""
+    tensor held on several ranks (per replica and shard of the pipeline, :func:`replica_groups`),
+    created on every rank in name order (``new_group`` is collective)."""
     holders: dict[str, list[int]] = {}
     for st in program.stages:
         for name in st.state:
@@ -81,15 +100,16 @@ def tied_groups(program: Any, world: int, replicas: int = 1) -> list[TiedGroup]:
             if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:  # buffers need no sum
                 holders.setdefault(name, []).append(st.index)
     groups = []
-    pp = world // replicas
+    pp = world // (replicas * tp)
     for name in sorted(holders):
         if len(holders[name]) < 2:
             continue
         for d in range(replicas):
-            ranks = tuple(sorted({rank_of(s, pp) * replicas + d for s in holders[name]}))
-            group = dist.new_group(ranks=list(ranks)) if len(ranks) > 1 else None
-            if dist.get_rank() in ranks:
-                groups.append(TiedGroup(name, ranks, group))
+            for t in range(tp):
+                ranks = tuple(sorted({(rank_of(s, pp) * replicas + d) * tp + t for s in holders[name]}))
+                group = dist.new_group(ranks=list(ranks)) if len(ranks) > 1 else None
+                if dist.get_rank() in ranks:
+                    groups.append(TiedGroup(name, ranks, group))
     return groups
 
 
@@ -119,10 +139,13 @@ def batched_flags(captured: Any, flat: Sequence[Any]) -> list[bool]:
 def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inputs: tuple[tuple, dict],
                    num_stages: int, device: torch.device, schedule: str, m: int, tied: list[TiedGroup], *,
                    plan: Plan, autocast: str | None, meta: dict[str, Any], state_order: list[str], timeout_s: float,
-                   watchdog: bool, cls: type[P], replicas: Replicas | None = None) -> P:
+                   watchdog: bool, cls: type[P], replicas: Replicas | None = None,
+                   split_layout: tuple[Mapping[str, Any], Sequence[str]] | None = None) -> P:
     """This rank's runtime (``cls``, a :class:`DistributedPipeline`) around its materialised
     stages, ``(stage, state)`` pairs (:func:`rank_stages`); ``inputs`` is ``(args, kwargs)``,
-    one replica's share of a batch."""
+    one replica's share of a batch. ``split_layout``: ``(layout, fallback)`` of the per-layer
+    plan each stage runs over ``replicas.tp_mesh`` (:func:`~fxsplit.runtime.tensor_parallel.shard_stage`;
+    every copy of a stage must hold the same weights)."""
     flat = captured.flatten_inputs(*inputs)
     batched = batched_flags(captured, flat)
     batch = batch_size_of([x for x, b in zip(flat, batched, strict=True) if b] or flat)
@@ -131,8 +154,11 @@ def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inpu
     for stage, state in stages:
         first, last = stage.index == 0, stage.index == num_stages - 1
         recompute = plan.stages[stage.index].recompute
+        parallel = None
+        if split_layout is not None and replicas is not None and replicas.tp > 1:
+            parallel = shard_stage(stage.gm, split_layout[0], replicas.tp_mesh, fallback=split_layout[1])
         module = StageModule(stage.gm, first=first, last=last, batched=batched, recompute=recompute,
-                             autocast=(device.type, dtype) if dtype is not None else None)
+                             autocast=(device.type, dtype) if dtype is not None else None, parallel=parallel)
         shapes = WireShapes(
             captured.gm, to_meta(flat), batched, inputs=stage.inputs, outputs=stage.outputs,
             in_layouts=module.in_layouts, out_layouts=module.out_layouts, first=first, last=last, index=stage.index,

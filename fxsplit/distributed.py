@@ -139,15 +139,21 @@ def _warn_if_not_per_sample(gm: torch.fx.GraphModule, m: int, rank: int, checked
             f"of forward{unchecked}", NotPerSampleWarning, stacklevel=3)
 
 
-def _check_replicas(replicas: int, world: int, schedule: str) -> None:
+def _check_replicas(replicas: int, world: int, schedule: str, tp: int = 1, tp_strategy: str = "auto") -> None:
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1 or world % replicas:
         raise ConfigError(f"replicas={replicas!r} for {world} ranks; give a divisor of {world} (each of the "
                           f"replicas runs a pipeline of world / replicas ranks)")
-    if replicas > 1 and schedule in LOOPED_SCHEDULES:
-        raise ConfigError(f"schedule={schedule!r} with replicas={replicas}: replicated stages run gpipe or 1f1b")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or world % (replicas * tp):
+        raise ConfigError(f"tensor_parallel={tp!r} with replicas={replicas} for {world} ranks; give a degree whose "
+                          f"product with replicas divides {world} (each pipeline runs on world / (replicas x tp) ranks)")
+    if (replicas > 1 or tp > 1) and schedule in LOOPED_SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r} with replicas={replicas}, tensor_parallel={tp}: replicated or "
+                          "split stages run gpipe or 1f1b")
+    if tp_strategy not in TP_STRATEGIES:
+        raise ConfigError(f"tp_strategy={tp_strategy!r}; choose one of {TP_STRATEGIES}")
 
 
-def _replica_example(args: tuple, kwargs: dict, replicas: int) -> tuple[tuple, dict]:
+def _replica_example(args: tuple, kwargs: dict, replicas: int, what: str = "replicas") -> tuple[tuple, dict]:
     """One replica's share of the example batch: every tensor whose dim 0 is the first tensor's
     batch, cut to ``1 / replicas`` (what one replica's pipeline runs and is planned for)."""
     if replicas == 1:
@@ -155,24 +161,104 @@ def _replica_example(args: tuple, kwargs: dict, replicas: int) -> tuple[tuple, d
     flat, spec = pytree.tree_flatten((args, kwargs))
     tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0]
     if not tensors:
-        raise ConfigError("replicas > 1 needs example inputs with a batch dimension (a tensor input)")
+        raise ConfigError(f"{what} > 1 needs example inputs with a batch dimension (a tensor input)")
     batch = tensors[0].shape[0]
     if batch % replicas:
-        raise ConfigError(f"the example batch of {batch} samples does not split over replicas={replicas}; "
-                          f"give a multiple of {replicas} samples (each replica's share is what it plans for)")
+        raise ConfigError(f"the example batch of {batch} samples does not split over {what}={replicas}; "
+                          f"give a multiple of {replicas} samples (each share is what is planned for)")
     share = [x[: batch // replicas] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else x
              for x in flat]
     out_args, out_kwargs = pytree.tree_unflatten(share, spec)
     return tuple(out_args), dict(out_kwargs)
 
 
-def same_as_first_replica(stages: Sequence[Any], replicas: Any, first: int) -> None:
-    """Give every replica of a stage replica 0's values (each initialised its own; global rank
-    ``first`` holds replica 0 of this rank's stage); collective over the stage's replicas."""
+def same_as_first_replica(stages: Sequence[Any], replicas: Any) -> None:
+    """Give every copy of a stage (its replicas and tensor-parallel ranks) the first copy's
+    values (each initialised its own); collective over the stage's copies."""
     with torch.no_grad():
         for stage in stages:
             for t in [*stage.gm.parameters(), *stage.gm.buffers()]:
-                dist.broadcast(t.data, src=first, group=replicas.group)
+                dist.broadcast(t.data, src=replicas.first_copy, group=replicas.copies_group)
+
+
+def _choose_mesh(model_fn: Callable[[], nn.Module], args: tuple, kwargs: dict, world: int,
+                 microbatches: int | str | None, schedule: str, rank: int, device: torch.device,
+                 options: CompileOptions) -> Any:
+    """Rank 0's :class:`~fxsplit.solvers.hybrid.HybridPlan` for ``world`` devices like its own, on
+    every rank (collective: the link is measured over every rank first).
+
+    The model is captured on the meta device at one micro-batch (the example batch cut to
+    ``1 / microbatches``), its per-layer plans solved for every ``tp`` dividing ``world``
+    (PaSE's and Megatron's families) and every ``[pp, dp, tp]`` mesh of all ``world`` ranks costed.
+
+    Raises:
+        ConfigError: on every rank, for a micro-batch count that is not a positive integer or
+            does not split the example batch, a looped schedule; InfeasibleError when no mesh fits.
+    """
+    from fxsplit.ir import Problem
+    from fxsplit.passes.layer_costs import layer_parallel_costs
+    from fxsplit.solvers.hybrid import plan_hybrid
+
+    m = world if microbatches is None else microbatches
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise ConfigError(f"parallel='hybrid' needs microbatches=an integer >= 1 (micro-batches of the whole batch), "
+                          f"got {microbatches!r}")
+    if schedule not in ("gpipe", "1f1b"):
+        raise ConfigError(f"parallel='hybrid' runs gpipe or 1f1b, not schedule={schedule!r}")
+    one_args, one_kwargs = _replica_example(args, kwargs, m, "microbatches")  # one micro-batch
+    link = options.link if isinstance(options.link, LinkSpec) else probe_collective_link(device=str(device))
+    chosen: list[Any] = [None]
+    if rank == 0:
+        def search() -> Any:
+            with torch.device("meta"):
+                model = model_fn()
+            reference = reference_spec(device)
+            front = front_end(model, to_meta(one_args), to_meta(one_kwargs), reference=reference, cost_model="analytic",
+                              options=CompileOptions(), name=type(model).__name__)
+            degrees = [t for t in range(2, world + 1) if world % t == 0]
+            costs = [layer_parallel_costs(front.captured.gm, front.condensed.graph, t, family=f, link=link,
+                                          time_limit_s=options.time_limit_s or 30.0)
+                     for t in degrees for f in ("pase", "megatron")]
+            specs = tuple(reference.with_(name=f"{reference.name}:{i}") for i in range(world))
+            problem = Problem(front.condensed.graph, specs, link=link, microbatches=m, schedule=schedule,  # type: ignore[arg-type]
+                              objective="makespan", allow_idle_devices=False)
+            found = plan_hybrid(problem, costs, time_limit_s=options.time_limit_s or 30.0, every_device=True)
+            log.info("hybrid mesh over %d ranks: %s, predicted %.3g s per step", world, found.best.label,
+                     found.best.step_s)
+            return found
+
+        chosen[0] = _try(search)
+    dist.broadcast_object_list(chosen, src=0)
+    found, failure = chosen[0]
+    if failure is not None:
+        raise failure
+    return found
+
+
+TP_STRATEGIES = ("auto", "megatron", "data-parallel")
+"""Per-layer plans a tensor-parallel stage can run (:func:`compile`'s ``tp_strategy``)."""
+
+
+def _split_layout(gm: torch.fx.GraphModule, tp: int, strategy: str, link: LinkSpec | None, time_limit_s: float,
+                  rank: int, device: torch.device) -> tuple[dict[str, Any], list[str], ParallelPlan]:
+    """Rank 0's per-layer plan of the whole captured graph over ``tp`` ranks, on every rank:
+    ``(layout, fallback, plan)``; collective (the link is measured when not given)."""
+    from fxsplit.passes.parallel_strategies import strategy_graph
+
+    mesh_link = link or probe_collective_link(device=str(device))
+    chosen: list[Any] = [None]
+    if rank == 0:
+        def choose() -> tuple[dict[str, Any], list[str], ParallelPlan]:
+            found = strategy_graph(gm, tp, link=mesh_link)
+            plan = _choose_strategies(found, gm, strategy, time_limit_s)
+            return found.layout(plan.choice), list(found.fallback), plan
+
+        chosen[0] = _try(choose)
+    dist.broadcast_object_list(chosen, src=0)
+    result, failure = chosen[0]
+    if failure is not None:
+        raise failure
+    return result
 
 
 def _barrier(timeout_s: float) -> None:
@@ -200,6 +286,9 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     cost_model: str = "auto",
     batch_dim: int | None = None,
     replicas: int = 1,
+    tensor_parallel: int = 1,
+    tp_strategy: str = "auto",
+    parallel: str = "pipeline",
 ) -> CompiledDistributedPipeline:
     """Build this rank's stage of a pipeline over all ranks; call on every rank.
 
@@ -251,6 +340,26 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
             step, so the gradients are the unsplit model's on the whole batch. ``world / dp``
             stages; the batch must split evenly. Not yet with ``calibrate``, loss scaling or an
             interleaved schedule.
+        tensor_parallel: ``tp``, ranks each stage's ops are split over (a ``[pp, dp, tp]`` mesh:
+            rank ``(s * dp + d) * tp + t`` runs stage ``s`` of replica ``d``, shard ``t``). Rank 0
+            plans every layer of the whole graph over ``tp`` ranks (PaSE's per-layer strategies
+            from DTensor's sharding rules, ``tp_strategy``; Elango, IPDPS 2021) and every stage
+            runs its part with DTensor (:func:`~fxsplit.runtime.tensor_parallel.shard_stage`):
+            parameters split as planned, values whole at stage boundaries, each of the ``tp``
+            ranks of a stage in its own pipeline with the same share of the batch. The plan is
+            ``pipe.tp_plan``; ``state_dict``, checkpoints and gradients by original name as
+            ever (shards gathered; ``p.grad`` of a split parameter is a DTensor, its
+            ``full_tensor()`` the unsplit gradient). CPU ranks (gloo), fp32, gpipe or 1f1b.
+        tp_strategy: ``"auto"`` (the cheapest per-layer plan), ``"megatron"`` (column/row
+            linear layers) or ``"data-parallel"`` for ``tensor_parallel > 1``.
+        parallel: ``"pipeline"``: the mesh ``replicas`` and ``tensor_parallel`` give (default:
+            one pipeline over every rank); ``"hybrid"``: rank 0 chooses ``[pp, dp, tp]`` and the
+            per-layer family itself (:func:`fxsplit.solvers.hybrid.plan_hybrid` on its analytic
+            costs, ``world`` devices like its own joined by the measured link) and every rank
+            builds that (``schedule="auto"`` runs 1f1b); ``microbatches`` then counts the
+            micro-batches of the whole batch
+            (default: the world size; each replica runs ``microbatches / dp`` of them) and the
+            search is ``pipe.hybrid``.
 
     Returns:
         The :class:`~fxsplit.dist_calibrate.CompiledDistributedPipeline` of this rank (a
@@ -272,11 +381,29 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     """
     if cost_model not in ("auto", "profiled", "analytic"):
         raise ConfigError(f"cost_model={cost_model!r}; choose 'auto', 'profiled' or 'analytic'")
+    if parallel not in ("pipeline", "hybrid"):
+        raise ConfigError(f"parallel={parallel!r}; choose 'pipeline' (the mesh replicas and tensor_parallel give) "
+                          "or 'hybrid' (rank 0 chooses pipeline stages x replicas x tensor parallelism)")
+    if parallel == "hybrid" and (replicas != 1 or tensor_parallel != 1 or plan is not None):
+        raise ConfigError(f"parallel='hybrid' chooses the mesh and the plan itself; drop replicas={replicas}, "
+                          f"tensor_parallel={tensor_parallel} and plan, or use parallel='pipeline'")
     options = with_batch_dim(options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0), batch_dim)
     autocast_dtype(options.autocast)  # an unknown name fails here, on every rank, before any work
     rank, world, device = init_process_group(backend, timeout_s)
-    _check_replicas(replicas, world, schedule)
-    pp = world // replicas  # the ranks of one pipeline
+    hybrid = None
+    if parallel == "hybrid":
+        schedule = "1f1b" if schedule == "auto" else schedule  # the search costs gpipe and 1f1b
+        hybrid = _choose_mesh(model_fn, tuple(example_inputs), dict(example_kwargs or {}), world, microbatches,
+                              schedule, rank, device, options)
+        best = hybrid.best
+        replicas, tensor_parallel, microbatches = best.dp, best.tp, (microbatches or world) // best.dp
+        tp_strategy = "megatron" if best.family == "megatron" else "auto"
+    _check_replicas(replicas, world, schedule, tensor_parallel, tp_strategy)
+    tp = tensor_parallel
+    if tp > 1 and (device.type != "cpu" or options.autocast is not None):
+        raise ConfigError(f"tensor_parallel={tp} runs fp32 stages on CPU ranks (gloo) so far, not {device} with "
+                          f"autocast={options.autocast!r}; pass backend='gloo' and no autocast")
+    pp = world // (replicas * tp)  # the ranks of one pipeline
     asked = microbatches if microbatches is not None else ("auto" if schedule == "auto" else pp)
     _check_args(schedule, asked, pp, None)
     args, kwargs = _replica_example(tuple(example_inputs), dict(example_kwargs or {}), replicas)
@@ -291,21 +418,34 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     schedule, m = _chosen(schedule, asked, plan)
     _check_args(schedule, m, pp, plan.num_stages)
     _warn_if_not_per_sample(captured.gm, m, rank, planned.not_per_sample)
+    if tp > 1 and any(st.recompute for st in plan.stages):
+        raise ConfigError(f"tensor_parallel={tp} with recomputed stages {[i for i, st in enumerate(plan.stages) if st.recompute]}"
+                          ": split stages keep their activations; plan without recompute")
+    split_layout = None
+    if tp > 1:
+        link = options.link if isinstance(options.link, LinkSpec) else None  # else measured over every rank
+        layout, fallback, tp_plan = _split_layout(captured.gm, tp, tp_strategy, link, options.time_limit_s or 30.0,
+                                                  rank, device)
+        split_layout = (layout, fallback)
     program = split_graph(captured.gm, plan.stage_of_block(), [str(device)] * plan.num_stages)
-    mesh = replica_groups(world, replicas)
-    tied = tied_groups(program, world, replicas)
-    mine = [(stage, StageState(stage.state, captured.aliases)) for stage in rank_stages(program, rank // replicas, pp)]
+    mesh = replica_groups(world, replicas, tp)
+    tied = tied_groups(program, world, replicas, tp)
+    mine = [(stage, StageState(stage.state, captured.aliases))
+            for stage in rank_stages(program, rank // (replicas * tp), pp)]
     for stage, state in mine:
         origin = materialise(stage.gm, state, device, state_dict=state_dict, init_fn=init_fn,
                              meta_model=meta_model, model_fn=model_fn)
         log.info("rank %d: stage %d state from %s", rank, stage.index, sorted(set(origin.values())))
     broadcast_tied([stage for stage, _ in mine], tied)
     if mesh is not None:
-        same_as_first_replica([stage for stage, _ in mine], mesh, rank - mesh.index)
+        same_as_first_replica([stage for stage, _ in mine], mesh)
     meta = {"model": type(meta_model).__name__, "reference": planned.reference.to_dict(), "cost_model": planned.cost_model}
     pipe = build_pipeline(mine, captured, (args, kwargs), plan.num_stages, device, schedule, m, tied,
                           plan=plan, autocast=options.autocast, meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s,
-                          watchdog=watchdog, cls=CompiledDistributedPipeline, replicas=mesh)
+                          watchdog=watchdog, cls=CompiledDistributedPipeline, replicas=mesh, split_layout=split_layout)
+    if tp > 1:
+        pipe.tp_plan = tp_plan
+    pipe.hybrid = hybrid
     pipe.context = DistContext(model_fn, meta_model, captured, to_meta((args, kwargs)), planned.problem,
                                example_batch(captured, (args, kwargs))[2], solver, options)
     _barrier(timeout_s)

@@ -315,7 +315,8 @@ def _pipelined(problem: Problem, graph: CondensedGraph, pp: int, dp: int, tp: in
 
 
 def plan_hybrid(problem: Problem, layer_costs: Sequence[LayerParallelCosts] = (), *, solver: str = "auto",
-                time_limit_s: float | None = 10.0, max_tp: int | None = None) -> HybridPlan:
+                time_limit_s: float | None = 10.0, max_tp: int | None = None,
+                every_device: bool = False) -> HybridPlan:
     """The fastest ``[pp, dp, tp]`` mesh and per-layer plan for ``problem``'s devices.
 
     Args:
@@ -327,6 +328,8 @@ def plan_hybrid(problem: Problem, layer_costs: Sequence[LayerParallelCosts] = ()
         solver: Pipeline solver for ``pp > 1`` (:func:`fxsplit.solvers.solve`).
         time_limit_s: Per pipeline solve, seconds.
         max_tp: Largest ``tp`` tried (e.g. the devices of one node).
+        every_device: Only meshes of all ``N`` devices (``pp * dp * tp == N``: a launch whose
+            every rank must work); default: any mesh whose size divides ``N``.
 
     Returns:
         The :class:`HybridPlan`.
@@ -344,6 +347,8 @@ def plan_hybrid(problem: Problem, layer_costs: Sequence[LayerParallelCosts] = ()
         by_degree.setdefault(c.degree, []).append(c)
     layouts = []
     for pp, dp, tp in mesh_shapes(n, max_tp=max_tp):
+        if every_device and pp * dp * tp != n:
+            continue
         options: list[LayerParallelCosts | None] = [None] if tp == 1 else list(by_degree.get(tp, []))
         for costs in options:
             layouts.append(_layout(problem, pp, dp, tp, costs, solver, time_limit_s))

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import fxsplit.distributed as fxd
 import fxsplit.models as zoo
@@ -46,7 +47,8 @@ def compare(pipe: Any, loss: Any, ref_loss: float, ref_grads: dict[str, torch.Te
     checked = []
     for name, p in pipe.named_parameters():
         assert p.grad is not None, f"{tag}: {name} has no gradient on stage(s) {pipe.stage_indices}"
-        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-5,
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # a split stage's shard: gathered
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5,
                                    msg=lambda m, n=name: f"{tag}: gradient of {n}: {m}")
         checked.append(name)
     if loss is not None:
@@ -778,6 +780,86 @@ def replicas_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, st
         pipe.save(ckpt)
         pipe.close()
     return out
+
+
+def split_stages_equal(rank: int, world: int, out_dir: str,
+                       runs: list[tuple[str, str, int, int, str, int, int]]) -> dict[str, Any]:
+    """For each ``(model, schedule, replicas, tp, tp strategy, microbatches, batch)``: a pipeline whose stages
+    are split over ``tp`` ranks (and replicated ``replicas`` times): one step's loss and every
+    gradient equal the unsplit model's; the forward too; after SGD every copy of a stage holds
+    the same whole weights; the checkpoint reloads onto 2 stages x 2 replicas unchanged."""
+    out: dict[str, Any] = {}
+    for name, schedule, replicas, tp, strategy, m, batch in runs:
+        tag = f"{name}/{schedule}/dp={replicas}/tp={tp}/{strategy}/m={m}"
+        case = _case(name, batch)
+        inputs, target = case.make_batch(batch, 5)
+        pipe = fxd.compile(_model_fn(name, batch), case.example_inputs, schedule=schedule, microbatches=m,
+                           timeout_s=30, cost_model="analytic", options=CompileOptions(link=LinkSpec()),
+                           replicas=replicas, tensor_parallel=tp, tp_strategy=strategy)
+        gathered: list[Any] = [None] * world
+        torch.distributed.all_gather_object(gathered, pipe.state_dict())
+        case.model.load_state_dict({k: v for part in gathered for k, v in part.items()})
+        ref_loss, ref_grads = reference(case, inputs, target)
+        loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
+        out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
+        split = {n: str(p.placements) for n, p in pipe.named_parameters() if isinstance(p, DTensor)}
+        out[tag].update(broadcast=float(loss), stages=list(pipe.stage_indices), split=split, plan=pipe.tp_plan.strategy,
+                        shard=pipe.replicas.tp_index, replica=pipe.replicas.index)
+        with torch.no_grad():
+            y = pipe(*inputs)
+            want = case.model(*inputs)
+        if pipe.is_last:
+            torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+        with torch.no_grad():
+            for p in pipe.parameters():
+                p -= 0.1 * p.grad
+        out[tag]["weights"] = {k: v.clone() for k, v in pipe.state_dict().items()}
+        ckpt = os.path.join(out_dir, f"ckpt-{name}-tp{tp}")
+        pipe.save(ckpt)
+        pipe.close()
+        again = fxd.load(ckpt, _model_fn(name, batch), case.example_inputs, replicas=2, timeout_s=30,
+                         cost_model="analytic", options=CompileOptions(link=LinkSpec()))
+        mine = again.state_dict()
+        for key, value in mine.items():
+            torch.testing.assert_close(value, out[tag]["weights"][key], rtol=0, atol=0,
+                                       msg=lambda msg, k=key, t=tag: f"{t}: {k} reloaded as 2 x 2: {msg}")
+        out[tag]["reloaded"] = sorted(mine)
+        again.close()
+    return out
+
+
+def hybrid_equal(rank: int, world: int, out_dir: str, name: str, batch: int, m: int) -> dict[str, Any]:
+    """``compile(parallel="hybrid")``: rank 0 chooses the mesh; what every rank built, and one
+    step's loss and every gradient against the unsplit model."""
+    case = _case(name, batch)
+    inputs, target = case.make_batch(batch, 5)
+    ref_loss, ref_grads = reference(case, inputs, target)
+    pipe = fxd.compile(_model_fn(name, batch), case.example_inputs, schedule="1f1b", microbatches=m,
+                       state_dict=case.model.state_dict(), timeout_s=30, cost_model="analytic",
+                       options=CompileOptions(link=LinkSpec()), parallel="hybrid")
+    loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
+    out = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, name)
+    best = pipe.hybrid.best
+    mesh = pipe.replicas
+    out.update(best=(best.pp, best.dp, best.tp, best.family), layouts=len(pipe.hybrid.layouts),
+               built=(pipe.num_stages, 1 if mesh is None else mesh.count, 1 if mesh is None else mesh.tp),
+               microbatches=pipe.microbatches, broadcast=float(loss))
+    pipe.close()
+    return out
+
+
+def cli_hybrid(rank: int, world: int, out_dir: str) -> str:
+    """``fxsplit compile gpt --distributed --parallel hybrid`` (its body): what rank 0 prints."""
+    import contextlib
+    import io
+
+    from fxsplit.cli.compile_dist import run_distributed
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        run_distributed("gpt", steps=2, microbatches="4", schedule="1f1b", size="tiny", batch_size=8, lr=0.1,
+                        backend="gloo", timeout_s=60.0, parallel="hybrid")
+    return buf.getvalue()
 
 
 def cli_replicas(rank: int, world: int, out_dir: str) -> str:

@@ -481,6 +481,64 @@ def test_replicated_stages_train_like_the_unsplit_model_on_the_whole_batch(tmp_p
     assert set(merged) == set(zoo.get("gpt", batch_size=8).model.state_dict())
 
 
+def test_stages_split_over_tensor_parallel_ranks_train_like_the_unsplit_model(tmp_path):
+    """Issue 11 (per-layer strategies inside pipeline stages): 4 gloo ranks as 2 stages x tp=2 (the
+    tied GPT, Megatron's column/row linears, 1F1B) and as 2 replicas x tp=2 of one stage (the MLP,
+    GPipe): loss, every gradient (shards gathered, by original name) and the forward equal the
+    unsplit model's; the plan really splits parameters; after SGD every copy of a stage holds the
+    same whole weights; the checkpoint reloads, unchanged, onto 2 stages x 2 replicas."""
+    runs = [("gpt", "1f1b", 1, 2, "megatron", 2, 8), ("mlp", "gpipe", 2, 2, "megatron", 2, 8)]
+    results = launch(w.split_stages_equal, 4, tmp_path, runs, deadline_s=150)
+    check_ok(results)
+    for tag in results[0]["result"]:
+        rows = {rank: r["result"][tag] for rank, r in results.items()}
+        assert [row["shard"] for row in rows.values()] == [0, 1, 0, 1], tag
+        assert len({row["broadcast"] for row in rows.values()}) == 1, tag
+        assert all(row["plan"] == "megatron" and row["split"] for row in rows.values()), tag
+        for a, b in ((0, 1), (2, 3)):  # the two shards of one stage (or of one replica)
+            assert rows[a]["stages"] == rows[b]["stages"] and rows[a]["checked"] == rows[b]["checked"], tag
+            assert rows[a]["split"] == rows[b]["split"], tag
+            for key, value in rows[a]["weights"].items():
+                assert torch.equal(value, rows[b]["weights"][key]), f"{tag}: {key} differs between shards"
+            assert rows[a]["reloaded"], tag
+    gpt = {rank: r["result"]["gpt/1f1b/dp=1/tp=2/megatron/m=2"] for rank, r in results.items()}
+    assert gpt[0]["stages"] == [0] and gpt[2]["stages"] == [1]
+    assert "tok_emb.weight" in gpt[0]["checked"] and "tok_emb.weight" in gpt[2]["checked"]  # tied across stages
+    assert any("Shard(dim=1)" in p for p in gpt[0]["split"].values())  # a row-split linear
+    mlp = {rank: r["result"]["mlp/gpipe/dp=2/tp=2/megatron/m=2"] for rank, r in results.items()}
+    assert [row["replica"] for row in mlp.values()] == [0, 0, 1, 1]
+    for key, value in mlp[0]["weights"].items():  # replicas agree too
+        assert torch.equal(value, mlp[2]["weights"][key]), key
+
+
+def test_hybrid_compile_builds_the_mesh_rank0_chose_and_trains_like_the_unsplit_model(tmp_path):
+    """Issue 11: ``compile(parallel="hybrid")`` on 4 gloo ranks: rank 0 searches every [pp, dp, tp]
+    mesh of 4 (plan_hybrid on its analytic costs), every rank builds the best one (stages, replicas,
+    tp degree, micro-batches per replica) and one step's loss and every gradient equal the
+    unsplit model's."""
+    results = launch(w.hybrid_equal, 4, tmp_path, "gpt", 8, 4, deadline_s=150)
+    check_ok(results)
+    rows = [r["result"] for r in results.values()]
+    assert len({(row["best"], row["built"], row["broadcast"]) for row in rows}) == 1, rows
+    pp, dp, tp, _family = rows[0]["best"]
+    assert rows[0]["built"] == (pp, dp, tp) and pp * dp * tp == 4, rows[0]
+    assert rows[0]["microbatches"] == 4 // dp, rows[0]
+    assert rows[0]["layouts"] >= 6, rows[0]  # every mesh shape of all 4 ranks, each family of tp > 1
+    assert all(row["checked"] for row in rows)
+
+
+def test_cli_runs_a_hybrid_mesh_beside_the_unsplit_model(tmp_path):
+    """``torchrun --nproc_per_node=4 -m fxsplit compile gpt --distributed --parallel hybrid``: the
+    search's table, then losses and gradients as the unsplit model's."""
+    results = launch(w.cli_hybrid, 4, tmp_path, deadline_s=150)
+    check_ok(results)
+    text = results[0]["result"]
+    assert "over 4 processes (rank 0's analytic costs)" in text and "predicted" in text, text
+    assert "on 4 processes" in text, text
+    loss, grad = printed_differences(text)
+    assert grad < 1e-5 and loss < 1e-5, text
+
+
 def test_cli_runs_replicated_stages_beside_the_unsplit_model(tmp_path):
     """``torchrun --nproc_per_node=4 -m fxsplit compile gpt --distributed --replicas 2``: 2 stages
     on 4 processes, losses and gradients as the unsplit model's."""

@@ -302,13 +302,19 @@ def test_rank0_profiles_a_meta_capture_of_a_hugging_face_bert():
     assert sum(b.fwd_s for b in graph.blocks) > 0 and sum(b.bwd_s for b in graph.blocks) > 0
 
 
-@pytest.mark.parametrize(("replicas", "world", "schedule", "match"), [
-    (3, 4, "1f1b", "divisor of 4"), (0, 4, "1f1b", "divisor"), (2, 4, "interleaved-1f1b", "gpipe or 1f1b")])
-def test_replicas_that_do_not_fit_the_launch_are_refused_before_any_collective(replicas, world, schedule, match) -> None:
+@pytest.mark.parametrize(("replicas", "tp", "world", "schedule", "strategy", "match"), [
+    (3, 1, 4, "1f1b", "auto", "divisor of 4"), (0, 1, 4, "1f1b", "auto", "divisor"),
+    (2, 1, 4, "interleaved-1f1b", "auto", "gpipe or 1f1b"), (2, 5, 12, "1f1b", "auto", "divides 12"),
+    (1, 0, 4, "1f1b", "auto", "tensor_parallel=0"), (1, 2, 4, "interleaved-1f1b", "auto", "gpipe or 1f1b"),
+    (1, 2, 4, "1f1b", "pase", "tp_strategy='pase'")])
+def test_replicas_and_tp_degrees_that_do_not_fit_the_launch_are_refused_before_any_collective(
+        replicas, tp, world, schedule, strategy, match) -> None:
     from fxsplit.distributed import _check_replicas
 
     with pytest.raises(ConfigError, match=match):
-        _check_replicas(replicas, world, schedule)
+        _check_replicas(replicas, world, schedule, tp, strategy)
+    if world == 12:
+        _check_replicas(2, 12, schedule, 2, strategy)  # 3 stages x 2 replicas x 2 shards fit
 
 
 def test_one_replicas_share_of_the_example_batch() -> None:

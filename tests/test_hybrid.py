@@ -65,6 +65,19 @@ def test_more_devices_are_never_predicted_slower(graph: CondensedGraph, n: int, 
     assert more <= fewer + 1e-9
 
 
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(condensed_graphs(max_blocks=6), st.sampled_from([2, 4]), st.sampled_from([2, 4]))
+def test_every_device_meshes_use_all_devices_and_are_a_subset_of_the_search(graph: CondensedGraph, n: int,
+                                                                            m: int) -> None:
+    """What a torchrun launch of N ranks can build (compile(parallel="hybrid")): pp x dp x tp == N."""
+    every = plan_hybrid(_problem(graph, n, m), solver="dp", time_limit_s=None, every_device=True)
+    anything = plan_hybrid(_problem(graph, n, m), solver="dp", time_limit_s=None)
+    assert every.layouts and all(lay.pp * lay.dp * lay.tp == n for lay in every.layouts)
+    shapes = {(lay.pp, lay.dp, lay.tp) for lay in every.layouts}
+    assert shapes == {s for s in mesh_shapes(n, max_tp=1) if s[0] * s[1] == n}  # no per-layer costs: tp = 1
+    assert every.best.step_s >= anything.best.step_s - 1e-9
+
+
 def test_replicas_all_reduce_each_stage_after_its_last_backward() -> None:
     # two blocks of 1 s forward, 2 s backward, 1 and 3 MiB of parameters; 4 micro-batches
     graph = CondensedGraph(tuple(Block(i, f"b{i}", (f"n{i}",), fwd_s=1.0, bwd_s=2.0, param_bytes=(1 + 2 * i) * 2**20)

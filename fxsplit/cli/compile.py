@@ -111,12 +111,15 @@ def register(app: typer.Typer) -> None:
         distributed: Annotated[bool, typer.Option(help="one stage per process, under torchrun (see compile_dist)")] = False,
         backend: Annotated[str, typer.Option(help="--distributed: gloo, nccl or auto")] = "auto",
         timeout_s: Annotated[float, typer.Option(help="--distributed: seconds before a silent peer is an error")] = 60.0,
-        parallel: Annotated[str, typer.Option(help="--distributed: pipeline (one stage per process), or split every "
+        parallel: Annotated[str, typer.Option(help="--distributed: pipeline (one stage per process, or the mesh "
+                                              "--replicas and --tensor-parallel give), hybrid (rank 0 chooses pipeline "
+                                              "stages x replicas x tensor parallelism), or split every "
                                               "layer over all processes (DTensor, gloo): layers (PaSE's best plan), "
                                               "data-parallel, megatron, replicate")] = "pipeline",
         recompute: Annotated[str, typer.Option(help=RECOMPUTE_HELP)] = "auto",
         autocast: Annotated[str | None, typer.Option(help="mixed precision: bf16, fp16, or auto (plan the model's dtypes and bf16, run the faster; local only); default: the model's dtypes")] = None,
         replicas: Annotated[int, typer.Option(min=1, help="--distributed pipeline: copies of every stage (a [pp, dp] mesh; each trains 1/replicas of the batch)")] = 1,
+        tensor_parallel: Annotated[int, typer.Option(min=1, help="--distributed pipeline: processes each stage's layers are split over (a [pp, dp, tp] mesh; PaSE's per-layer plan, gloo)")] = 1,
     ) -> None:
         """Plan MODEL over DEVICES, train STEPS steps, and compare with the unsplit model."""
         import fxsplit
@@ -135,13 +138,14 @@ def register(app: typer.Typer) -> None:
             from fxsplit.cli.compile_dist import run_distributed, run_layers
 
             try:
-                if parallel != "pipeline":
+                if parallel not in ("pipeline", "hybrid"):
                     run_layers(model, steps=steps, strategy=parallel, size=size, batch_size=batch_size, lr=lr,
                                timeout_s=timeout_s)
                     return
                 run_distributed(model, steps=steps, microbatches=microbatches, schedule=schedule, size=size,
                                 batch_size=batch_size, lr=lr, backend=backend, timeout_s=timeout_s,
-                                calibrate=calibrate, recompute=recompute_name, autocast=autocast, replicas=replicas)
+                                calibrate=calibrate, recompute=recompute_name, autocast=autocast, replicas=replicas,
+                                tensor_parallel=tensor_parallel, parallel=parallel)
             except FxsplitError as exc:
                 exit_with_error(console, exc, 2)
             return

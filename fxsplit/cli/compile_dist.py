@@ -25,10 +25,13 @@ __all__ = ["run_distributed"]
 
 def _grad_diff(pipe: Any, ref_params: dict[str, Any]) -> float:
     """The largest gradient difference of this rank's parameters against the unsplit model's."""
+    from torch.distributed.tensor import DTensor
+
     diff = 0.0
     for name, p in pipe.named_parameters():
         if p.grad is not None and ref_params[name].grad is not None:
-            diff = max(diff, float((p.grad.cpu() - ref_params[name].grad).abs().max()))
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # a split stage's shard, gathered
+            diff = max(diff, float((grad.cpu() - ref_params[name].grad).abs().max()))
     return diff
 
 
@@ -87,7 +90,9 @@ def _train(pipe: Any, case: Any, reference: Any, steps: int, lr: float, batch_si
 
 
 def _summary(pipe: Any, result: dict[str, Any], world: int) -> Table:
-    table = Table(title=f"distributed pipeline: {pipe.num_stages} stages on {world} processes, "
+    mesh = pipe.replicas
+    shape = "" if mesh is None else f" ({pipe.num_stages} x {mesh.count} replicas x tp {mesh.tp})"
+    table = Table(title=f"distributed pipeline: {pipe.num_stages} stages on {world} processes{shape}, "
                         f"{pipe.schedule_kind} x {pipe.microbatches}")
     table.add_column("quantity")
     table.add_column("value", justify="right")
@@ -108,11 +113,12 @@ def _summary(pipe: Any, result: dict[str, Any], world: int) -> Table:
 def run_distributed(
     model: str, *, steps: int, microbatches: str, schedule: str, size: str, batch_size: int, lr: float,
     backend: str, timeout_s: float, save: str | None = None, calibrate: int = 0, recompute: RecomputeName = "auto",
-    autocast: str | None = None, replicas: int = 1,
+    autocast: str | None = None, replicas: int = 1, tensor_parallel: int = 1, parallel: str = "pipeline",
 ) -> None:
     """Train ``model`` across the processes torchrun launched; rank 0 prints. ``calibrate > 0``:
-    measure that many steps per plan, refit and re-plan across the ranks first. ``replicas``:
-    copies of every stage (:func:`fxsplit.distributed.compile`).
+    measure that many steps per plan, refit and re-plan across the ranks first. ``replicas``,
+    ``tensor_parallel``: copies of every stage, ranks each stage is split over; ``parallel="hybrid"``:
+    rank 0 chooses them (:func:`fxsplit.distributed.compile`).
 
     Raises:
         FxsplitError: as :func:`fxsplit.distributed.compile` (the caller prints it).
@@ -128,14 +134,20 @@ def run_distributed(
     console = Console(quiet=rank != 0)
     case = load_model(model, size=size, batch_size=batch_size)
     reference = case.model
-    m: int | str = int(microbatches) if microbatches.isdigit() else "auto"
+    m: int | str | None = int(microbatches) if microbatches.isdigit() else "auto"
+    if parallel == "hybrid" and m == "auto":
+        m = None  # the world size
     with console.status(f"capturing {model} on the meta device and planning it over {world} processes ..."):
         pipe = fxd.compile(
             lambda: load_model(model, size=size, batch_size=batch_size).model, case.example_inputs,
             schedule=schedule, microbatches=m, state_dict=reference.state_dict(), timeout_s=timeout_s,
             options=CompileOptions(allow_idle_devices=False, time_limit_s=30.0, recompute=recompute, autocast=autocast),
-            replicas=replicas,
+            replicas=replicas, tensor_parallel=tensor_parallel, parallel=parallel,
         )
+    if pipe.hybrid is not None:
+        from fxsplit.cli.hybrid import print_hybrid
+
+        print_hybrid(console, pipe.hybrid, f"{model} over {world} processes (rank 0's analytic costs)", top=5)
     if calibrate > 0:
         inputs, target = case.make_batch(batch_size, 999)
         with console.status(f"calibrating: {calibrate} measured steps per plan on every rank ..."):

@@ -29,6 +29,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -177,6 +178,9 @@ class StageModule(nn.Module):
         recompute: Keep only the received tensors for backward and run ``gm`` again there
             (:class:`~fxsplit.runtime.recompute.RecomputedForward`).
         autocast: ``(device type, dtype)``: run ``gm`` under ``torch.autocast`` (mixed precision).
+        parallel: Run ``gm`` split over a tensor-parallel mesh instead
+            (:func:`~fxsplit.runtime.tensor_parallel.shard_stage`'s
+            :class:`~fxsplit.runtime.tensor_parallel.ParallelGraph`: whole values in and out).
 
     Shape:
         ``forward(*wire)``: the tensors of the received values (first stage: the batched
@@ -184,9 +188,11 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, gm: torch.fx.GraphModule, *, first: bool, last: bool, batched: Sequence[bool] = (),
-                 recompute: bool = False, autocast: tuple[str, torch.dtype] | None = None) -> None:
+                 recompute: bool = False, autocast: tuple[str, torch.dtype] | None = None,
+                 parallel: Any = None) -> None:
         super().__init__()
         self.gm = gm
+        self.parallel = parallel  # a ParallelGraph over gm (a plain object: its tensors are gm's)
         self.recomputed = RecomputedForward(gm) if recompute else None  # a plain object: no state of its own
         self.autocast = autocast
         self.first, self.last = first, last
@@ -208,13 +214,19 @@ class StageModule(nn.Module):
 
     def forward(self, *wire: torch.Tensor) -> Any:
         self.forwards += 1
-        run = self.recomputed if self.recomputed is not None else self.gm
+        run: Any = self.recomputed if self.recomputed is not None else self.gm
+        if self.parallel is not None:
+            run = functools.partial(_run_split, self.parallel)
         with precision(*self.autocast) if self.autocast is not None else precision("cpu", None):
             out = tuple(run(*self._inputs(wire)))
         if self.last:
             return out
         device = next((t.device for t in wire if isinstance(t, torch.Tensor)), torch.device("cpu"))
         return encode(out, self.out_layouts, device)
+
+
+def _run_split(parallel: Any, *inputs: Any) -> list[Any]:
+    return parallel.run_flat(inputs, check=False)
 
 
 class SplitBackwardStage(PipelineStage):

@@ -111,22 +111,48 @@ class TiedGroup:
 
 @dataclass(frozen=True)
 class Replicas:
-    """This rank's place among the replicas of its stage(s) (PipeDream's stage replication, a
-    ``[pp, dp]`` mesh): ``count`` pipelines run side by side on their own ``pipeline_group``, each on
-    its ``1/count`` share of every batch, and the gradients of each stage are averaged over its
-    replicas' ``group`` after each step (as DDP does).
+    """This rank's place in a ``[pp, dp, tp]`` mesh of pipelines (rank ``(s * dp + d) * tp + t``
+    runs stage ``s`` of replica ``d``, tensor-parallel shard ``t``).
+
+    PipeDream's stage replication: ``count`` (``dp``) pipelines run side by side on their own
+    ``pipeline_group``, each on its ``1/count`` share of every batch, and the gradients of each
+    stage are averaged over its replicas' ``group`` after each step (as DDP does). Tensor
+    parallelism inside a stage: the ``tp`` ranks of a stage run one pipeline each on the same
+    share, every stage's ops split over them as a per-layer plan says (``tp_mesh``, DTensor);
+    values cross stage boundaries whole, so each of the ``tp`` pipelines sends and receives
+    whole activations and gradients.
 
     Attributes:
         count: ``dp``, the replicas of every stage.
         index: This rank's replica, ``0 <= index < count`` (its share of the batch).
-        group: The process group of this rank's stage replicas (gradient all-reduce).
+        group: The process group of this rank's stage replicas (gradient all-reduce; the ranks
+            with this rank's stage and ``t``); None when ``count == 1``.
         pipeline_group: The process group of this rank's pipeline (point-to-point, loss).
+        tp: Ranks each stage's ops are split over.
+        tp_index: This rank's shard, ``0 <= tp_index < tp``.
+        tp_mesh: The 1-D ``DeviceMesh`` of this rank's stage shards (None when ``tp == 1``).
+        copies_group: Every rank holding this rank's stage (``dp * tp`` ranks; the stage's
+            weights start as its first rank's), None for one.
     """
 
     count: int
     index: int
     group: Any
     pipeline_group: Any
+    tp: int = 1
+    tp_index: int = 0
+    tp_mesh: Any = None
+    copies_group: Any = None
+
+    @property
+    def first_copy(self) -> int:
+        """The global rank of the first rank holding this rank's stage (replica 0, shard 0)."""
+        return (dist.get_rank() // (self.count * self.tp)) * self.count * self.tp
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes its stage's checkpoint shard (replica 0, shard 0 does)."""
+        return self.index == 0 and self.tp_index == 0
 
 
 @dataclass(frozen=True)
@@ -207,6 +233,8 @@ class DistributedPipeline(ParameterAPI):
             raise ConfigError("a DistributedPipeline needs at least one stage on this rank")
         self.stages = sorted(stages, key=lambda st: st.index)
         self.replicas = replicas
+        self.tp_plan: Any = None  # the per-layer plan tensor-parallel stages run (compile(tensor_parallel=...))
+        self.hybrid: Any = None  # the [pp, dp, tp] search that chose this mesh (compile(parallel="hybrid"))
         self.group = replicas.pipeline_group if replicas is not None else None  # None: every rank
         self.num_stages, self.num_ranks, self.device = num_stages, dist.get_world_size(self.group), device
         self.schedule_kind, self.microbatches = schedule_kind, microbatches
@@ -605,6 +633,8 @@ class DistributedPipeline(ParameterAPI):
 
     def _replicas_loss(self, loss: torch.Tensor) -> torch.Tensor:
         assert self.replicas is not None  # (internal: only called with replicas)
+        if self.replicas.count == 1:
+            return loss
         total = loss.clone()
         dist.all_reduce(total, group=self.replicas.group)
         return total if self._reduction == "sum" else total / self.replicas.count
@@ -633,10 +663,12 @@ class DistributedPipeline(ParameterAPI):
         """Average (a mean loss) or sum (a summed loss) this step's gradients over the stage's
         replicas: one all-reduce of the flattened gradients."""
         assert self.replicas is not None  # (internal: only called with replicas)
+        if self.replicas.count == 1:
+            return
         summed = torch.tensor(float(self._reduction == "sum"), device=self.device)  # the last stage found it
         dist.broadcast(summed, src=self._global_rank(rank_of(self.num_stages - 1, self.num_ranks)), group=self.group)
         self._reduction = "sum" if summed.item() else "mean"
-        grads = [p.grad for p in dict.fromkeys(self.parameters()) if p.grad is not None]
+        grads = [_local(p.grad) for p in dict.fromkeys(self.parameters()) if p.grad is not None]
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -655,12 +687,15 @@ class DistributedPipeline(ParameterAPI):
         copies, then across the ranks holding one."""
         for tied in self.tied:
             copies = self._copies(tied.name)
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in copies]
+            # whole gradients (a stage split over tp ranks gathers its shards: copies in two
+            # stages may be split differently)
+            grads = [_whole(t.grad) if t.grad is not None else torch.zeros(t.shape, dtype=t.dtype, device=self.device)
+                     for t in copies]
             total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
             if tied.group is not None:
                 dist.all_reduce(total, group=tied.group)
             for i, t in enumerate(copies):  # each copy its own tensor: optimizers change grads in place
-                t.grad = total if i == 0 else total.clone()
+                t.grad = _like(total if i == 0 else total.clone(), t)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model on a batch, forward only; collective.
@@ -697,7 +732,7 @@ class DistributedPipeline(ParameterAPI):
 
     @staticmethod
     def _stage_state_dict(st: RankStage, order: Sequence[str]) -> dict[str, torch.Tensor]:
-        values = {o: t.detach() for g, _n, t in st.state.items(st.module.gm) for o in st.state.originals[g]}
+        values = {o: _whole(t.detach()) for g, _n, t in st.state.items(st.module.gm) for o in st.state.originals[g]}
         return {k: values[k] for k in (order or list(values)) if k in values}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -726,7 +761,7 @@ class DistributedPipeline(ParameterAPI):
         check_loadable(writes, where)
         with torch.no_grad():
             for _key, value, t in writes:
-                t.copy_(value.to(t.device, t.dtype))
+                _local(t).copy_(_local(_like(value.to(t.device, t.dtype), t)))
 
     def train(self, mode: bool = True) -> DistributedPipeline:
         for st in self.stages:
@@ -757,9 +792,11 @@ class DistributedPipeline(ParameterAPI):
         version = self._run("agreeing on the checkpoint folder", lambda: from_rank0(lambda: next_version(directory)))
         folder = os.path.join(directory, version)
         os.makedirs(folder, exist_ok=True)
-        writes = self.replicas is None or self.replicas.index == 0  # one replica of each stage writes it
+        writes = self.replicas is None or self.replicas.writes  # one copy of each stage writes it
+        # every rank gathers (a split stage's shards meet on each of its ranks); one copy writes
         shards = {shard_name(st.index): {k: v.cpu() for k, v in self._stage_state_dict(st, self.state_order).items()}
-                  for st in self.stages} if writes else {}
+                  for st in self.stages}
+        shards = shards if writes else {}
         for name, sd in shards.items():
             def write(name: str = name, sd: dict[str, torch.Tensor] = sd) -> None:
                 write_atomic(os.path.join(folder, name), lambda f: torch.save(sd, f))
@@ -792,3 +829,28 @@ class DistributedPipeline(ParameterAPI):
             f"{self.schedule_kind} x {self.microbatches} micro-batches, {n:,} parameters, "
             f"tied={[t.name for t in self.tied]})"
         )
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A stage tensor whole: a shard of a tensor-parallel stage gathered (collective over the
+    stage's ``tp`` ranks), a plain one as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a stage tensor (a DTensor's local shard, a plain tensor itself)."""
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _like(whole: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
+    """``whole`` laid out as ``model`` is: this rank's shard when ``model`` is a DTensor (no
+    communication: every rank holds ``whole``), else ``whole`` itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(model, DTensor):
+        return whole
+    return distribute_tensor(whole, model.device_mesh, model.placements, src_data_rank=None)

@@ -48,7 +48,7 @@ from fxsplit.errors import ConfigError
 from fxsplit.passes.parallel_strategies import NodeLayout
 from fxsplit.runtime.state import ParameterAPI
 
-__all__ = ["LayersCalibration", "ParallelGraph", "ParallelPlan", "placement_of", "same_on_every_rank"]
+__all__ = ["LayersCalibration", "ParallelGraph", "ParallelPlan", "placement_of", "same_on_every_rank", "shard_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -361,6 +361,41 @@ class ParallelGraph(ParameterAPI):
                 for name, value in self.named_parameters()}
 
 
+def shard_stage(gm: torch.fx.GraphModule, layout: Mapping[str, NodeLayout], mesh: Any, *,
+                fallback: Sequence[str] = ()) -> ParallelGraph:
+    """Split one pipeline stage's ops over a tensor-parallel mesh, in place: every parameter and
+    buffer of ``gm`` the plan splits becomes a DTensor shard (a trainable one an
+    ``nn.Parameter``), set on ``gm`` itself so the stage's state, optimizer and checkpoints see
+    it; call on every rank of ``mesh``, each holding the same whole weights.
+
+    Args:
+        gm: The stage (``fxsplit.codegen`` keeps the captured graph's node names and shapes).
+        layout: Node name -> placement, from the per-layer plan of the whole captured graph
+            (:meth:`NodeStrategies.layout`); entries for other stages' nodes are ignored.
+        mesh: The stage's 1-D tensor-parallel ``DeviceMesh``.
+        fallback: Nodes to run on whole tensors.
+
+    Returns:
+        The :class:`ParallelGraph` whose :meth:`~ParallelGraph.run_flat` runs the stage: its
+        inputs arrive whole (each rank takes its piece as planned; a received activation's
+        gradient goes back whole), its outputs leave whole.
+    """
+    names = {n.name for n in gm.graph.nodes}
+    mine = {k: v for k, v in layout.items() if k in names}
+    trainable = frozenset(str(n.target) for n in gm.graph.find_nodes(op="get_attr")
+                          if isinstance(_attr(gm, str(n.target)), nn.Parameter) and _attr(gm, str(n.target)).requires_grad)
+    graph = ParallelGraph(gm, mine, mesh, trainable=trainable, aliases={}, fallback=[f for f in fallback if f in names],
+                          flatten=lambda a, k: list(a), unflatten=list)
+    for target, value in graph.values.items():
+        owner_name, _, leaf = target.rpartition(".")
+        owner = gm.get_submodule(owner_name) if owner_name else gm
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=False)
+        else:
+            owner._buffers[leaf] = value
+    return graph
+
+
 def _median_step_s(graph: ParallelGraph, args: Sequence[Any], kwargs: Mapping[str, Any], target: Any,
                    loss_fn: Callable[[Any, Any], torch.Tensor], steps: int) -> float:
     """The slowest rank's median seconds of ``graph.train_step`` (a barrier before and after each
@@ -445,13 +480,16 @@ class _Runner(torch.fx.Interpreter):
         return super().run_node(n)
 
     def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
         value = super().placeholder(target, args, kwargs)
         assert self.node is not None
         want = _want(self.owner.layout.get(self.node.name))
         if not isinstance(value, torch.Tensor) or want is None or want.is_replicate():
             return value
+        if value.requires_grad:  # a stage's input: its gradient (whole, on every rank) goes back to the sender
+            whole = DTensor.from_local(value, self.owner.mesh, [Replicate()], run_check=False)
+            return _KeepGradLayout.apply(whole.redistribute(self.owner.mesh, [want]))
         return distribute_tensor(value, self.owner.mesh, [want], src_data_rank=None)
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
