@@ -191,8 +191,9 @@ class CompiledDistributedPipeline(DistributedPipeline):
         check_calibrate_args(steps, min_gain, rounds)
         if self.replicas is not None:
             raise ConfigError(f"calibrate re-plans one pipeline over every rank; this one has {self.replicas.count} "
-                              "replicas of each stage (compile(replicas=...)): calibrating replicated stages is not "
-                              "supported yet, compile with replicas=1 to calibrate")
+                              f"replica(s) of each stage split over tp={self.replicas.tp} ranks (compile(replicas=..., "
+                              "tensor_parallel=...)): calibrating replicated or split stages is not supported yet, "
+                              "compile with replicas=1 and tensor_parallel=1 to calibrate")
         if self.context is None:
             raise ConfigError("calibrate needs the pipeline fxsplit.distributed.compile returns (it keeps what it "
                               "planned from)")

@@ -146,9 +146,6 @@ def _check_replicas(replicas: int, world: int, schedule: str, tp: int = 1, tp_st
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or world % (replicas * tp):
         raise ConfigError(f"tensor_parallel={tp!r} with replicas={replicas} for {world} ranks; give a degree whose "
                           f"product with replicas divides {world} (each pipeline runs on world / (replicas x tp) ranks)")
-    if (replicas > 1 or tp > 1) and schedule in LOOPED_SCHEDULES:
-        raise ConfigError(f"schedule={schedule!r} with replicas={replicas}, tensor_parallel={tp}: replicated or "
-                          "split stages run gpipe or 1f1b")
     if tp_strategy not in TP_STRATEGIES:
         raise ConfigError(f"tp_strategy={tp_strategy!r}; choose one of {TP_STRATEGIES}")
 
@@ -338,8 +335,8 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
             example inputs too: the plan is costed on one replica's share) in ``microbatches``
             micro-batches, and each stage's gradients are averaged over its replicas after the
             step, so the gradients are the unsplit model's on the whole batch. ``world / dp``
-            stages; the batch must split evenly. Not yet with ``calibrate``, loss scaling or an
-            interleaved schedule.
+            pipeline ranks; the batch must split evenly. Not yet with ``calibrate`` or loss
+            scaling.
         tensor_parallel: ``tp``, ranks each stage's ops are split over (a ``[pp, dp, tp]`` mesh:
             rank ``(s * dp + d) * tp + t`` runs stage ``s`` of replica ``d``, shard ``t``). Rank 0
             plans every layer of the whole graph over ``tp`` ranks (PaSE's per-layer strategies
@@ -349,7 +346,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
             ranks of a stage in its own pipeline with the same share of the batch. The plan is
             ``pipe.tp_plan``; ``state_dict``, checkpoints and gradients by original name as
             ever (shards gathered; ``p.grad`` of a split parameter is a DTensor, its
-            ``full_tensor()`` the unsplit gradient). CPU ranks (gloo), fp32, gpipe or 1f1b.
+            ``full_tensor()`` the unsplit gradient). CPU ranks (gloo), fp32, no recomputation.
         tp_strategy: ``"auto"`` (the cheapest per-layer plan), ``"megatron"`` (column/row
             linear layers) or ``"data-parallel"`` for ``tensor_parallel > 1``.
         parallel: ``"pipeline"``: the mesh ``replicas`` and ``tensor_parallel`` give (default:

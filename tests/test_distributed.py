@@ -483,11 +483,12 @@ def test_replicated_stages_train_like_the_unsplit_model_on_the_whole_batch(tmp_p
 
 def test_stages_split_over_tensor_parallel_ranks_train_like_the_unsplit_model(tmp_path):
     """Issue 11 (per-layer strategies inside pipeline stages): 4 gloo ranks as 2 stages x tp=2 (the
-    tied GPT, Megatron's column/row linears, 1F1B) and as 2 replicas x tp=2 of one stage (the MLP,
-    GPipe): loss, every gradient (shards gathered, by original name) and the forward equal the
+    tied GPT, Megatron's column/row linears, 1F1B; and 4 stages in looping placement, interleaved
+    1F1B) and as 2 replicas x tp=2 of one stage (the MLP, GPipe): loss, every gradient (shards gathered, by original name) and the forward equal the
     unsplit model's; the plan really splits parameters; after SGD every copy of a stage holds the
     same whole weights; the checkpoint reloads, unchanged, onto 2 stages x 2 replicas."""
-    runs = [("gpt", "1f1b", 1, 2, "megatron", 2, 8), ("mlp", "gpipe", 2, 2, "megatron", 2, 8)]
+    runs = [("gpt", "1f1b", 1, 2, "megatron", 2, 8), ("mlp", "gpipe", 2, 2, "megatron", 2, 8),
+            ("gpt", "interleaved-1f1b", 1, 2, "megatron", 4, 8)]
     results = launch(w.split_stages_equal, 4, tmp_path, runs, deadline_s=150)
     check_ok(results)
     for tag in results[0]["result"]:
@@ -505,6 +506,8 @@ def test_stages_split_over_tensor_parallel_ranks_train_like_the_unsplit_model(tm
     assert gpt[0]["stages"] == [0] and gpt[2]["stages"] == [1]
     assert "tok_emb.weight" in gpt[0]["checked"] and "tok_emb.weight" in gpt[2]["checked"]  # tied across stages
     assert any("Shard(dim=1)" in p for p in gpt[0]["split"].values())  # a row-split linear
+    looped = {rank: r["result"]["gpt/interleaved-1f1b/dp=1/tp=2/megatron/m=4"] for rank, r in results.items()}
+    assert [row["stages"] for row in looped.values()] == [[0, 2], [0, 2], [1, 3], [1, 3]]
     mlp = {rank: r["result"]["mlp/gpipe/dp=2/tp=2/megatron/m=2"] for rank, r in results.items()}
     assert [row["replica"] for row in mlp.values()] == [0, 0, 1, 1]
     for key, value in mlp[0]["weights"].items():  # replicas agree too

@@ -91,7 +91,7 @@ def _train(pipe: Any, case: Any, reference: Any, steps: int, lr: float, batch_si
 
 def _summary(pipe: Any, result: dict[str, Any], world: int) -> Table:
     mesh = pipe.replicas
-    shape = "" if mesh is None else f" ({pipe.num_stages} x {mesh.count} replicas x tp {mesh.tp})"
+    shape = "" if mesh is None else f" (pp {world // (mesh.count * mesh.tp)} x dp {mesh.count} x tp {mesh.tp})"
     table = Table(title=f"distributed pipeline: {pipe.num_stages} stages on {world} processes{shape}, "
                         f"{pipe.schedule_kind} x {pipe.microbatches}")
     table.add_column("quantity")
