@@ -20,7 +20,7 @@ import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,8 @@ __all__ = ["compile", "load", "parallelize", "CompiledDistributedPipeline", "Dis
            "init_process_group", "batched_flags", "STRATEGIES"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 def init_process_group(backend: str | None, timeout_s: float) -> tuple[int, int, torch.device]:
     """Join the default process group (from torchrun's environment) unless already joined.
@@ -204,32 +206,37 @@ def _choose_mesh(model_fn: Callable[[], nn.Module], args: tuple, kwargs: dict, w
         raise ConfigError(f"parallel='hybrid' runs gpipe or 1f1b, not schedule={schedule!r}")
     one_args, one_kwargs = _replica_example(args, kwargs, m, "microbatches")  # one micro-batch
     link = options.link if isinstance(options.link, LinkSpec) else probe_collective_link(device=str(device))
-    chosen: list[Any] = [None]
-    if rank == 0:
-        def search() -> Any:
-            with torch.device("meta"):
-                model = model_fn()
-            reference = reference_spec(device)
-            front = front_end(model, to_meta(one_args), to_meta(one_kwargs), reference=reference, cost_model="analytic",
-                              options=CompileOptions(), name=type(model).__name__)
-            degrees = [t for t in range(2, world + 1) if world % t == 0]
-            costs = [layer_parallel_costs(front.captured.gm, front.condensed.graph, t, family=f, link=link,
-                                          time_limit_s=options.time_limit_s or 30.0)
-                     for t in degrees for f in ("pase", "megatron")]
-            specs = tuple(reference.with_(name=f"{reference.name}:{i}") for i in range(world))
-            problem = Problem(front.condensed.graph, specs, link=link, microbatches=m, schedule=schedule,  # type: ignore[arg-type]
-                              objective="makespan", allow_idle_devices=False)
-            found = plan_hybrid(problem, costs, time_limit_s=options.time_limit_s or 30.0, every_device=True)
-            log.info("hybrid mesh over %d ranks: %s, predicted %.3g s per step", world, found.best.label,
-                     found.best.step_s)
-            return found
 
-        chosen[0] = _try(search)
+    def search() -> Any:
+        with torch.device("meta"):
+            model = model_fn()
+        reference = reference_spec(device)
+        front = front_end(model, to_meta(one_args), to_meta(one_kwargs), reference=reference, cost_model="analytic",
+                          options=CompileOptions(), name=type(model).__name__)
+        degrees = [t for t in range(2, world + 1) if world % t == 0]
+        costs = [layer_parallel_costs(front.captured.gm, front.condensed.graph, t, family=f, link=link,
+                                      time_limit_s=options.time_limit_s or 30.0)
+                 for t in degrees for f in ("pase", "megatron")]
+        specs = tuple(reference.with_(name=f"{reference.name}:{i}") for i in range(world))
+        problem = Problem(front.condensed.graph, specs, link=link, microbatches=m, schedule=schedule,  # type: ignore[arg-type]
+                          objective="makespan", allow_idle_devices=False)
+        found = plan_hybrid(problem, costs, time_limit_s=options.time_limit_s or 30.0, every_device=True)
+        log.info("hybrid mesh over %d ranks: %s, predicted %.3g s per step", world, found.best.label,
+                 found.best.step_s)
+        return found
+
+    return _on_rank0(rank, search)
+
+
+def _on_rank0(rank: int, call: Callable[[], T]) -> T:
+    """``call()`` run on rank 0 and its result broadcast to every rank; collective. An
+    :class:`FxsplitError` rank 0 raised is raised on every rank."""
+    chosen: list[Any] = [_try(call) if rank == 0 else None]
     dist.broadcast_object_list(chosen, src=0)
-    found, failure = chosen[0]
+    result, failure = chosen[0]
     if failure is not None:
         raise failure
-    return found
+    return result  # type: ignore[no-any-return]
 
 
 TP_STRATEGIES = ("auto", "megatron", "data-parallel")
@@ -243,19 +250,13 @@ def _split_layout(gm: torch.fx.GraphModule, tp: int, strategy: str, link: LinkSp
     from fxsplit.passes.parallel_strategies import strategy_graph
 
     mesh_link = link or probe_collective_link(device=str(device))
-    chosen: list[Any] = [None]
-    if rank == 0:
-        def choose() -> tuple[dict[str, Any], list[str], ParallelPlan]:
-            found = strategy_graph(gm, tp, link=mesh_link)
-            plan = _choose_strategies(found, gm, strategy, time_limit_s)
-            return found.layout(plan.choice), list(found.fallback), plan
 
-        chosen[0] = _try(choose)
-    dist.broadcast_object_list(chosen, src=0)
-    result, failure = chosen[0]
-    if failure is not None:
-        raise failure
-    return result
+    def choose() -> tuple[dict[str, Any], list[str], ParallelPlan]:
+        found = strategy_graph(gm, tp, link=mesh_link)
+        plan = _choose_strategies(found, gm, strategy, time_limit_s)
+        return found.layout(plan.choice), list(found.fallback), plan
+
+    return _on_rank0(rank, choose)
 
 
 def _barrier(timeout_s: float) -> None:
@@ -609,13 +610,7 @@ def parallelize(
     def replan(overhead_s: float) -> tuple[Any, Any, ParallelPlan]:
         """The strategy graph with ``overhead_s`` per split op, rank 0's choice on it (collective)."""
         found = strategy_graph(gm, world, link=mesh_link, op_overhead_s=overhead_s)
-        chosen: list[Any] = [None]
-        if rank == 0:
-            chosen[0] = _try(lambda: _choose_strategies(found, gm, strategy, time_limit_s, overhead_s))
-        dist.broadcast_object_list(chosen, src=0)
-        plan, failure = chosen[0]
-        if failure is not None:
-            raise failure
+        plan = _on_rank0(rank, lambda: _choose_strategies(found, gm, strategy, time_limit_s, overhead_s))
         return found.layout(plan.choice), found.fallback, plan
 
     layout, fallback, plan = replan(op_overhead_s)

@@ -767,19 +767,25 @@ def replicas_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, st
         out[tag].update(compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag))
         out[tag].update(broadcast=float(loss), stages=list(pipe.stage_indices), replica=pipe.replicas.index,
                         num_stages=pipe.num_stages)
-        with torch.no_grad():
-            y = pipe(*inputs)
-            want = case.model(*inputs)
-        if pipe.is_last:
-            torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
-        with torch.no_grad():
-            for p in pipe.parameters():
-                p -= 0.1 * p.grad
-        out[tag]["weights"] = {k: v.clone() for k, v in pipe.state_dict().items()}
+        out[tag]["weights"] = forward_then_sgd(pipe, case, inputs)
         ckpt = os.path.join(out_dir, f"ckpt-{name}-{replicas}")
         pipe.save(ckpt)
         pipe.close()
     return out
+
+
+def forward_then_sgd(pipe: Any, case: Any, inputs: Any) -> dict[str, torch.Tensor]:
+    """Check the pipeline's forward against the unsplit model's (last rank), take one SGD step
+    (lr 0.1) on this rank's parameters and return its state dict after it."""
+    with torch.no_grad():
+        y = pipe(*inputs)
+        want = case.model(*inputs)
+    if pipe.is_last:
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p -= 0.1 * p.grad
+    return {k: v.clone() for k, v in pipe.state_dict().items()}
 
 
 def split_stages_equal(rank: int, world: int, out_dir: str,
@@ -805,15 +811,7 @@ def split_stages_equal(rank: int, world: int, out_dir: str,
         split = {n: str(p.placements) for n, p in pipe.named_parameters() if isinstance(p, DTensor)}
         out[tag].update(broadcast=float(loss), stages=list(pipe.stage_indices), split=split, plan=pipe.tp_plan.strategy,
                         shard=pipe.replicas.tp_index, replica=pipe.replicas.index)
-        with torch.no_grad():
-            y = pipe(*inputs)
-            want = case.model(*inputs)
-        if pipe.is_last:
-            torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
-        with torch.no_grad():
-            for p in pipe.parameters():
-                p -= 0.1 * p.grad
-        out[tag]["weights"] = {k: v.clone() for k, v in pipe.state_dict().items()}
+        out[tag]["weights"] = forward_then_sgd(pipe, case, inputs)
         ckpt = os.path.join(out_dir, f"ckpt-{name}-tp{tp}")
         pipe.save(ckpt)
         pipe.close()
