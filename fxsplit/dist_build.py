@@ -76,17 +76,19 @@ def replica_groups(world: int, replicas: int, tp: int = 1) -> Replicas | None:
                 group = dist.new_group(ranks=[at(s, d, t) for d in range(replicas)])
                 if rank in {at(s, d, t) for d in range(replicas)}:
                     mine["stage"] = group
-    for s in range(pp):  # every copy of each stage
-        group = dist.new_group(ranks=list(range(at(s, 0, 0), at(s + 1, 0, 0))))
-        if at(s, 0, 0) <= rank < at(s + 1, 0, 0):
-            mine["copies"] = group
     tp_mesh = None
     if tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         tp_mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("copies", "tp"))["tp"]
+    if replicas > 1 and tp > 1:
+        for s in range(pp):  # every copy of each stage (with one of dp or tp, the stage's or the tp group)
+            group = dist.new_group(ranks=list(range(at(s, 0, 0), at(s + 1, 0, 0))))
+            if at(s, 0, 0) <= rank < at(s + 1, 0, 0):
+                mine["copies"] = group
+    copies = mine.get("copies") or (mine["stage"] if tp == 1 else tp_mesh.get_group())  # type: ignore[union-attr]
     return Replicas(replicas, (rank // tp) % replicas, mine.get("stage"), mine["pipeline"], tp, rank % tp, tp_mesh,
-                    mine["copies"])
+                    copies)
 
 
 def tied_groups(program: Any, world: int, replicas: int = 1, tp: int = 1) -> list[TiedGroup]:

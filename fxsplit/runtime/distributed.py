@@ -132,7 +132,7 @@ class Replicas:
         tp_index: This rank's shard, ``0 <= tp_index < tp``.
         tp_mesh: The 1-D ``DeviceMesh`` of this rank's stage shards (None when ``tp == 1``).
         copies_group: Every rank holding this rank's stage (``dp * tp`` ranks; the stage's
-            weights start as its first rank's), None for one.
+            weights start as its first rank's).
     """
 
     count: int
