@@ -137,6 +137,86 @@ def _dist_worker(rank: int, port: int, queue: Any, case_args: tuple, steps: int,
         dist.destroy_process_group()
 
 
+def _profiling_worker(rank: int, port: int, queue: Any, case_args: tuple, steps: int, schedule: str,
+                      rounds: int, together_first: bool) -> None:
+    """One rank of ``--compare-profiling``: compile the case twice, once with every rank profiling
+    together (``CompileOptions.profile_all_ranks``) and once with rank 0 profiling alone (the
+    default), ``together_first`` or not (a process's first profile runs colder than its second),
+    then time both pipelines in alternating rounds (no calibrate)."""
+    import torch.distributed as dist
+
+    import fxsplit.distributed as fxd
+
+    torch.set_num_threads(1)
+    join_gloo(rank, port)
+    try:
+        name, model, size, overrides, p, m, batch = case_args
+        case = zoo.get(model, size=size, batch_size=batch, **overrides)
+        pipes = {}
+        for together in (True, False) if together_first else (False, True):
+            pipes[together] = fxd.compile(
+                lambda: zoo.get(model, size=size, batch_size=batch, **overrides).model, case.example_inputs,
+                case.example_kwargs or None, schedule=schedule, microbatches=m, state_dict=case.model.state_dict(),
+                timeout_s=300.0, options=CompileOptions(profile_cache_dir=False, profile_all_ranks=together))
+        x, y = case.make_batch(batch, 1)
+        kwargs = case.example_kwargs or {}
+        runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+        for _ in range(rounds):
+            for together, pipe in pipes.items():
+                runs[together].append(_dist_timed(pipe, x, y, case.loss_fn, kwargs, steps, schedule))
+        if rank == 0:
+            queue.put({"name": name, "stages": p, "microbatches": m, "batch": batch,
+                       "first": "together" if together_first else "alone", **{
+                ("together" if k else "alone"): {"profiled_ranks": pipes[k].meta.get("profiled_ranks"),
+                                                 "stages": _median_stages(v), "step": _median_step(v)}
+                for k, v in runs.items()}})
+        for pipe in pipes.values():
+            pipe.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _median_stages(runs: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Per stage, the median over rounds of each measured time (the prediction is the same)."""
+    out = []
+    for i, first in enumerate(runs[0]["stages"]):
+        row = dict(first)
+        for key in ("meas_fwd_s", "meas_bwd_s"):
+            row[key] = statistics.median(r["stages"][i][key] for r in runs)
+        out.append(row)
+    return out
+
+
+def _median_step(runs: list[dict[str, Any]]) -> tuple[float, float, float]:
+    """(predicted step, median measured step, median replay) over rounds."""
+    return (runs[0]["step"][0], statistics.median(r["step"][1] for r in runs),
+            statistics.median(r["replay_s"] for r in runs))
+
+
+def profiling_table(rows: list[dict[str, Any]]) -> Table:
+    t = Table(title="2 ranks (gloo), before calibrate: stages profiled by every rank together vs by rank 0 alone; "
+                    "error = predicted / measured - 1, medians over alternating rounds")
+    for col in ("model", "profiled first", "stage", "together: pred F+B ms", "meas F+B ms", "error",
+                "alone: pred F+B ms", "meas F+B ms", "error"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for r in rows:
+        a, b = r["together"], r["alone"]
+        for sa, sb in zip(a["stages"], b["stages"], strict=True):
+            cells = []
+            for st in (sa, sb):
+                pred, meas = st["pred_fwd_s"] + st["pred_bwd_s"], st["meas_fwd_s"] + st["meas_bwd_s"]
+                cells += [f"{pred * 1e3:.3f}", f"{meas * 1e3:.3f}", f"{_err(pred, meas):+.1%}"]
+            t.add_row(r["name"], r["first"], str(sa["stage"]), *cells)
+        cells = []
+        for v in (a, b):
+            pred, meas, _replay = v["step"]
+            cells += [f"{pred * 1e3:.2f}", f"{meas * 1e3:.2f}", f"{_err(pred, meas):+.1%}"]
+        t.add_row(r["name"], r["first"], "step", *cells)
+        t.add_row(r["name"], r["first"], "median |stage err|", "", "", f"{_median_stage_err(a['stages']):.1%}", "", "",
+                  f"{_median_stage_err(b['stages']):.1%}")
+    return t
+
+
 def run_case_distributed(case_args: tuple, steps: int, schedule: str, cost_model: str) -> dict[str, Any]:
     """Spawn 2 gloo ranks for one case (its stage count is taken as 2)."""
     case_args = (*case_args[:4], 2, *case_args[5:])
@@ -210,6 +290,9 @@ def main() -> None:
                         help="where every stage runs (cpu, cuda:0; with --ranks 1): on CUDA the analytic "
                              "costs are the GPU's preset (h100, a100, ...) and the cases include base sizes")
     parser.add_argument("--only", default="", help="comma-separated case names to run (default: all)")
+    parser.add_argument("--compare-profiling", type=int, default=0, metavar="ROUNDS",
+                        help="with --ranks 2: compile each case with every rank profiling together and with rank 0 "
+                             "alone, time both in ROUNDS alternating rounds, print the stage errors of each")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -223,6 +306,19 @@ def main() -> None:
         cases = [c for c in cases if c[0] in args.only.split(",")]
     if args.ranks == 2:  # one row per model (the stage count is the world size)
         cases = list({c[0]: c for c in reversed(cases)}.values())[::-1]
+    if args.compare_profiling and args.ranks == 2:
+        found = []
+        for name, model, size, overrides, _p, m, batch in cases:
+            for first in (True, False):
+                with out.status(f"{name}: profiled together and alone ..."):
+                    found.append(spawn_two(_profiling_worker, (name, model, size, overrides, 2, m, batch), args.steps,
+                                           args.schedule, args.compare_profiling, first))
+        show(profiling_table(found), out, args.markdown)
+        load_after = os.getloadavg()
+        out.print(f"profiled ranks (together / alone): {[(r['together']['profiled_ranks'], r['alone']['profiled_ranks']) for r in found]}; "
+                  f"1 thread per rank, {os.cpu_count()} cores; load average (1, 5, 15 min) before "
+                  f"{tuple(round(v, 2) for v in load_before)}, after {tuple(round(v, 2) for v in load_after)}")
+        return
     for name, model, size, overrides, p, m, batch in cases:
         steps = 2 if args.quick else args.steps
         with out.status(f"{name}: {p if args.ranks == 1 else 2} stages, {m} micro-batches ..."):

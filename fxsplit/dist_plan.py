@@ -19,11 +19,9 @@ stage out of, but only rank 0 plans:
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -34,15 +32,18 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxsplit.compiler import plan_pipeline
+from fxsplit.dist_profile import (
+    Profiled,
+    fits_device,
+    materialised,
+    profile_together,
+    profiled_blocks,
+    shared_cpu,
+)
 from fxsplit.errors import ConfigError, InternalError, PlanError
-from fxsplit.frontend import Inspection, front_end, profile_options
+from fxsplit.frontend import Inspection, front_end
 from fxsplit.ir import CondensedGraph, DeviceSpec, LinkSpec, Plan, Problem
 from fxsplit.options import CompileOptions
-from fxsplit.passes.profile import (
-    device_name,
-    profile_node_times,
-)
-from fxsplit.runtime.dist_state import retarget_meta_devices
 from fxsplit.runtime.distributed import from_rank0
 from fxsplit.runtime.links import probe_pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
@@ -70,6 +71,9 @@ class DistPlan:
             (``calibrate``); None on the other ranks.
         cost_model: The cost model rank 0 solved with, ``"profiled"`` or ``"analytic"``
             (:func:`plan_on_rank0`'s ``cost_model`` as resolved); None when the user gave the plan.
+        profiled_ranks: How many ranks timed the graph together for the profiled cost model
+            (:func:`~fxsplit.dist_profile.profile_together`; 1: rank 0 alone; ``"cached"``:
+            rank 0's cache of such timings held them all); None for analytic costs.
         not_per_sample: Rank 0's per-sample check (:func:`per_sample_on_rank0`): what mixes
             samples or updates a buffer in forward (empty when nothing does); None when it did not
             run (one micro-batch, the user's plan, meta or fake inputs, a model larger than rank
@@ -82,6 +86,7 @@ class DistPlan:
     problem: Problem | None = None
     cost_model: str | None = None
     not_per_sample: tuple[str, ...] | None = None
+    profiled_ranks: int | str | None = None
 
 
 def reference_spec(device: torch.device) -> DeviceSpec:
@@ -210,24 +215,29 @@ def _rank0_cost_model(captured: Any, flat: Sequence[Any], device: torch.device, 
 
 def _plan(front: Inspection, inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
           links: tuple[tuple[int, int, LinkSpec], ...], reference: DeviceSpec, world: int, schedule: str,
-          microbatches: int | str, solver: str, options: CompileOptions) -> tuple[Plan, Problem, dict[str, Any]]:
+          microbatches: int | str, solver: str, options: CompileOptions,
+          together: Profiled | None = None) -> tuple[Plan, Problem, dict[str, Any]]:
     """Rank 0: the per-sample check (with several micro-batches) and the graph with the chosen
-    cost model, solved, on one materialised copy of the graph. Returns the plan, the problem
-    (whole-batch costs) it was solved on, and the notes for every rank: ``cost_model`` used and
-    ``not_per_sample`` (the check's findings, None when it did not run)."""
+    cost model, solved, on one materialised copy of the graph (``together``'s when every rank
+    profiled, :func:`~fxsplit.dist_profile.profile_together`). Returns the plan, the problem
+    (whole-batch costs) it was solved on, and the notes for every rank: ``cost_model`` used,
+    ``profiled_ranks`` (how many ranks timed together; 1: rank 0 alone) and ``not_per_sample``
+    (the check's findings, None when it did not run)."""
     captured, condensed = front.captured, front.condensed
     flat, flags, batch = example_batch(captured, inputs)
     used = _rank0_cost_model(captured, flat, device, cost_model)
     checked = microbatches != 1 and _real(flat) and fits_device(captured.gm, device)
-    work = _materialised(captured.gm, device) if used == "profiled" or checked else None
+    work = together.work if together is not None else (
+        materialised(captured.gm, device) if used == "profiled" or checked else None)
     mixing = per_sample_on_rank0(captured, inputs, device, work=work) if microbatches != 1 else None
     graph = condensed.graph if used == "analytic" else profiled_blocks(
-        captured.gm, condensed.graph, flat, flags, device, microbatches, options, work=work)
+        captured.gm, condensed.graph, flat, flags, device, microbatches, options, work=work, together=together)
     problem = _problem(graph, reference, links, world, options)
     choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
     plan = choice.plan.with_(microbatches=choice.microbatches, schedule=choice.schedule)
     log.info("rank 0 planned with the %s cost model: %s", used, choice.reason)
-    return plan, problem, {"cost_model": used, "not_per_sample": mixing}
+    ranks = (together.ranks or "cached") if together is not None and used == "profiled" else 1 if used == "profiled" else None
+    return plan, problem, {"cost_model": used, "not_per_sample": mixing, "profiled_ranks": ranks}
 
 
 def per_sample_on_rank0(captured: Any, inputs: tuple[tuple, dict], device: torch.device, *,
@@ -238,14 +248,14 @@ def per_sample_on_rank0(captured: Any, inputs: tuple[tuple, dict], device: torch
 
     Stand-in weights (N(0, 0.02)) show an op that mixes samples as the real ones do; the check
     compares rows with a relative tolerance, so small activations do not hide a mix. ``work``:
-    that copy, when the caller has made it (:func:`_materialised`); its buffers are restored.
+    that copy, when the caller has made it (:func:`~fxsplit.dist_profile.materialised`); its buffers are restored.
     """
     from fxsplit.passes.per_sample import find_batch_mixing
 
     flat, flags, _ = example_batch(captured, inputs)
     if not _real(flat) or not fits_device(captured.gm, device):
         return None
-    work = work if work is not None else _materialised(captured.gm, device)
+    work = work if work is not None else materialised(captured.gm, device)
     values = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
     found = [str(b) for b in find_batch_mixing(work, values, flags)]
     if found:
@@ -313,12 +323,14 @@ def plan_on_rank0(
         "digest": graph_digest(front.captured.gm) if front is not None else "",
     }
     links = _links(options, device, world)
+    together = _profile_together(front, inputs, device, cost_model, microbatches, options,
+                                 wanted=rank == 0 and plan is None and failure is None)
     problem: Problem | None = None
-    found: dict[str, Any] = {"cost_model": None, "not_per_sample": None}
+    found: dict[str, Any] = {"cost_model": None, "not_per_sample": None, "profiled_ranks": None}
     if rank == 0 and front is not None and plan is None:
         solved, failure = _try(
             lambda: _plan(front, inputs, device, cost_model, links, reference, devices or world, schedule,
-                          microbatches, solver, options)
+                          microbatches, solver, options, together)
         )
         plan, problem, found = solved if solved is not None else (None, None, found)
     elif rank == 0 and front is not None:  # the user's plan; the analytic problem, for calibrate only
@@ -348,7 +360,21 @@ def plan_on_rank0(
     )
     mixing = payload["not_per_sample"]
     return DistPlan(front.captured, chosen, reference, problem, cost_model=payload["cost_model"],
+                    profiled_ranks=payload["profiled_ranks"],
                     not_per_sample=tuple(mixing) if mixing is not None else None)
+
+
+def _profile_together(front: Inspection | None, inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
+                      microbatches: int | str, options: CompileOptions, *, wanted: bool) -> Profiled | None:
+    """Every rank's part in :func:`~fxsplit.dist_profile.profile_together` (collective): rank 0
+    wants it when it will plan on profiled costs and the ranks share a CPU
+    (:func:`~fxsplit.dist_profile.shared_cpu`)."""
+    gm = front.captured.gm if front is not None else None
+    flat, flags = (example_batch(front.captured, inputs)[:2] if front is not None else ([], ()))
+    if wanted and front is not None:
+        wanted = (_rank0_cost_model(front.captured, flat, device, cost_model) == "profiled"
+                  and shared_cpu(device, front.captured.gm, dist.get_world_size(), options))
+    return profile_together(gm, flat, flags, device, microbatches, options, wanted=wanted)
 
 
 def _links(options: CompileOptions, device: torch.device, world: int) -> tuple[tuple[int, int, LinkSpec], ...]:
@@ -360,72 +386,3 @@ def _links(options: CompileOptions, device: torch.device, world: int) -> tuple[t
     if link not in ("auto", "probe"):
         raise ConfigError(f"CompileOptions.link={link!r}; give a LinkSpec, 'probe' or 'auto'")
     return probe_pipeline_links(str(device))
-
-
-def fits_device(gm: torch.fx.GraphModule, device: torch.device, factor: float = 4.0) -> bool:
-    """Whether ``factor x`` the graph's parameters and buffers fit the free memory of ``device``
-    (the whole model is materialised there to be profiled: weights, gradients, activations)."""
-    state_bytes = sum(t.numel() * t.element_size() for t in [*gm.parameters(), *gm.buffers()])
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        try:
-            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return False
-    return factor * state_bytes < free
-
-
-def _materialised(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
-    """A copy of ``gm`` with real tensors on ``device``: floats drawn N(0, 0.02), the rest zero
-    (timing does not depend on the values; uninitialised memory could hold NaNs that take slow
-    paths), plain tensor attributes (export's lifted constants) too, and every ``device=meta``
-    argument of the graph (``arange``, ``full``, ``to``; keyword or positional) made ``device``."""
-    work = copy.deepcopy(gm).to_empty(device=device)
-    made = []
-    retarget_meta_devices(work, device)  # ops captured on meta (arange, full, to) carry device=meta
-    for node in work.graph.nodes:
-        if node.op == "get_attr":  # plain tensor attributes (export's lifted constants): not moved by to_empty
-            owner_path, _, attr = str(node.target).rpartition(".")
-            owner = work.get_submodule(owner_path)
-            value = getattr(owner, attr, None)
-            if isinstance(value, torch.Tensor) and value.is_meta:
-                setattr(owner, attr, torch.empty_like(value, device=device))
-                made.append(getattr(owner, attr))
-    work.recompile()
-    with torch.no_grad():
-        for t in [*work.parameters(), *work.buffers(), *made]:
-            if t.is_floating_point():
-                t.normal_(0.0, 0.02)
-            else:
-                t.zero_()
-    return work
-
-
-def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[Any], batched: tuple[bool, ...],
-                    device: torch.device, microbatches: int | str, options: CompileOptions, *,
-                    work: torch.fx.GraphModule | None = None) -> CondensedGraph:
-    """``graph`` (the analytic blocks every rank also made) with block times profiled on
-    ``device`` at the micro-batch size: the graph is materialised there with stand-in values,
-    every node timed in context (:func:`fxsplit.passes.profile.profile_node_times`, cached as
-    ``fxsplit.compile`` caches), and each block's times summed over its nodes. The blocks stay the
-    ones every rank has, so the plan fits every rank's capture. ``work``: that materialised copy,
-    when the caller has made it.
-    """
-    work = work if work is not None else _materialised(gm, device)
-    inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
-    profile = profile_options(inputs, batched, device_name(DeviceSpec("rank0", torch_device=str(device))),
-                              microbatches, options)
-    cache = profile["profile_cache"]
-    profile_node_times(work, inputs, batched, profile["profile_sizes"], str(device), cache=cache)
-    if cache is not None:
-        cache.save()
-    costs = {n.name: n.meta["fxsplit.cost"] for n in work.graph.nodes if n.op != "output"}
-    blocks = []
-    for b in graph.blocks:
-        parts = [costs[n] for n in b.nodes if n in costs]
-        blocks.append(replace(b, fwd_s=sum(c.fwd_s for c in parts), bwd_s=sum(c.bwd_s for c in parts),
-                              fwd_fixed_s=sum(c.fwd_fixed_s for c in parts),
-                              bwd_fixed_s=sum(c.bwd_fixed_s for c in parts),
-                              bwd_weight_s=sum(c.bwd_weight_s for c in parts)))
-    return CondensedGraph(tuple(blocks), graph.edges, graph.name)

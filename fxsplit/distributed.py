@@ -437,7 +437,8 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     broadcast_tied([stage for stage, _ in mine], tied)
     if mesh is not None:
         same_as_first_replica([stage for stage, _ in mine], mesh)
-    meta = {"model": type(meta_model).__name__, "reference": planned.reference.to_dict(), "cost_model": planned.cost_model}
+    meta = {"model": type(meta_model).__name__, "reference": planned.reference.to_dict(), "cost_model": planned.cost_model,
+            "profiled_ranks": planned.profiled_ranks}
     pipe = build_pipeline(mine, captured, (args, kwargs), plan.num_stages, device, schedule, m, tied,
                           plan=plan, autocast=options.autocast, meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s,
                           watchdog=watchdog, cls=CompiledDistributedPipeline, replicas=mesh, split_layout=split_layout)

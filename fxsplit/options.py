@@ -77,6 +77,14 @@ class CompileOptions:
             (:mod:`fxsplit.codegen.buffers`).
         profile_cache_dir: Folder of the profiled cost model's timing cache (default
             ``~/.cache/fxsplit/profiles``); ``False`` times every node afresh and keeps nothing.
+        profile_all_ranks: Under ``fxsplit.distributed`` with CPU ranks, every rank profiles the
+            graph at the same time as rank 0 and rank 0 plans on the mean of their timings, so
+            the stages are timed beside the processes they run beside
+            (:func:`fxsplit.dist_profile.profile_together`). Off by default: on 2 ranks of a
+            2-core machine it brought the Hugging Face BERT and GPT-2 stages from 10-11 % to
+            4 % of their measured times, but not the small GPT and MLP, whose profile moves
+            more with how warm the process is (``bench/fidelity.py --ranks 2
+            --compare-profiling 4``, bench/README.md).
         progress: ``progress(done, total)`` called after each micro-batch size the profiled
             cost model times (the CLI draws a progress bar with it).
         phase: ``phase(text)`` called as compile moves on (capturing, annotating costs, the
@@ -118,6 +126,7 @@ class CompileOptions:
     executor: str = "auto"
     deferred_batch_norm: bool = True
     profile_cache_dir: str | Path | bool | None = None
+    profile_all_ranks: bool = False
     progress: Callable[[int, int], None] | None = None
     phase: Callable[[str], None] | None = None
     batch_dim: int = 0

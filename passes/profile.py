@@ -40,7 +40,7 @@ from fxsplit.ir.devices import DeviceSpec
 from fxsplit.passes.measure import NodeTimes, time_nodes_in_context
 
 __all__ = ["ProfileCache", "fit_affine", "profile_sizes", "profile_node_times", "default_cache_dir", "device_name",
-           "graph_digest"]
+           "graph_digest", "is_cached"]
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +226,20 @@ def graph_digest(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any]) -> str:
     return h.hexdigest()[:24]
 
 
+def is_cached(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any], sizes: Sequence[int],
+              cache: MutableMapping[str, NodeTimes] | None) -> bool:
+    """Whether ``cache`` holds every node's timings at every size, so that
+    :func:`profile_node_times` with the same arguments times nothing."""
+    if cache is None:
+        return False
+    digest = graph_digest(gm, flat_inputs)
+    return all(f"{size}|{digest}|{n}" in cache for size in sizes for n in _timed_names(gm))
+
+
+def _timed_names(gm: torch.fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op != "output" and not n.meta["fxsplit.cost"].is_view]
+
+
 def _timed_at(gm: torch.fx.GraphModule, inputs: list[Any], names: list[str], key: str, device: str,
               cache: MutableMapping[str, NodeTimes], warmup: int, repeats: int) -> dict[str, NodeTimes]:
     """Per-node times at one size, from the cache when every node is there, else timed."""
@@ -277,7 +291,7 @@ def profile_node_times(
     if batch is None or any(not 1 <= s <= batch for s in sizes):
         raise ConfigError(f"profile sizes {list(sizes)} must lie in 1..batch={batch}; the inputs carry {batch} samples")
     store: MutableMapping[str, NodeTimes] = {} if cache is None else cache
-    names = [n.name for n in gm.graph.nodes if n.op != "output" and not n.meta["fxsplit.cost"].is_view]
+    names = _timed_names(gm)
     digest = graph_digest(gm, flat_inputs)
     runs = []
     for i, size in enumerate(sizes):

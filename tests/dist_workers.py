@@ -488,8 +488,15 @@ def planned_on_rank0(rank: int, world: int, out_dir: str) -> dict[str, Any]:
                        state_dict=case.model.state_dict(), timeout_s=30)
     pipe.close()
     plan = pipe.running_plan()
+    # every rank profiles with rank 0 (CompileOptions.profile_all_ranks), still only rank 0 plans
+    together = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="gpipe", microbatches=2,
+                           state_dict=case.model.state_dict(), timeout_s=30,
+                           options=CompileOptions(profile_cache_dir=False, profile_all_ranks=True))
+    together.close()
     return {"reference": pipe.meta["reference"], "stages": [list(s.blocks) for s in plan.stages],
-            "cost_model": pipe.meta["cost_model"], "plan_stats": dict(plan.stats)}
+            "cost_model": pipe.meta["cost_model"], "plan_stats": dict(plan.stats),
+            "profiled_ranks": [pipe.meta["profiled_ranks"], together.meta["profiled_ranks"]],
+            "together_stages": [list(s.blocks) for s in together.running_plan().stages]}
 
 
 def killed_mid_save(rank: int, world: int, out_dir: str, ckpt: str, timeout_s: float) -> dict[str, Any]:

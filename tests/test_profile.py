@@ -19,7 +19,13 @@ from fxsplit.ir import Block, CondensedGraph, DeviceSpec
 from fxsplit.passes.capture import capture
 from fxsplit.passes.costs import AnnotateCosts
 from fxsplit.passes.measure import time_nodes_in_context
-from fxsplit.passes.profile import ProfileCache, fit_affine, profile_node_times, profile_sizes
+from fxsplit.passes.profile import (
+    ProfileCache,
+    fit_affine,
+    is_cached,
+    profile_node_times,
+    profile_sizes,
+)
 from fxsplit.passes.shapes import PropagateShapes
 
 # -- the fit -----------------------------------------------------------------------------------
@@ -212,6 +218,20 @@ def test_profiled_costs_are_the_fit_at_the_whole_batch() -> None:
             assert cost.source == "profiled"
             assert cost.fwd_s == pytest.approx(f0 + 8 * f1) and cost.fwd_fixed_s == f0
             assert cost.bwd_s == pytest.approx(b0 + 8 * b1) and cost.bwd_fixed_s == b0
+
+
+def test_is_cached_says_whether_profiling_would_time_anything() -> None:
+    """``is_cached`` (rank 0 asks it before every rank profiles together) matches what
+    ``profile_node_times`` would look up: every node at every size."""
+    model, x = _mlp()
+    gm = _annotated(model, x)
+    store: dict = {}
+    assert not is_cached(gm, (x,), (2, 8), store) and not is_cached(gm, (x,), (2,), None)
+    profile_node_times(gm, (x,), (True,), (2, 8), warmup=1, repeats=1, cache=store)
+    assert is_cached(gm, (x,), (2, 8), store) and is_cached(gm, (x,), (8,), store)
+    assert not is_cached(gm, (x,), (2, 4), store), "size 4 was never timed"
+    del store[next(iter(store))]
+    assert not is_cached(gm, (x,), (2, 8), store)
 
 
 def test_profile_refuses_sizes_beyond_the_batch() -> None:
