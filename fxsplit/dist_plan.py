@@ -48,7 +48,7 @@ from fxsplit.runtime.distributed import from_rank0
 from fxsplit.runtime.links import probe_pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
 
-__all__ = ["DistPlan", "example_batch", "graph_digest", "plan_on_rank0", "per_sample_on_rank0", "reference_spec", "check_plan",
+__all__ = ["DistPlan", "example_batch", "rank0_cost_model", "graph_digest", "plan_on_rank0", "per_sample_on_rank0", "reference_spec", "check_plan",
            "profiled_blocks", "fits_device"]
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ def _real(flat: Sequence[Any]) -> bool:
     return all(not t.is_meta for t in pytree.tree_leaves(list(flat)) if isinstance(t, torch.Tensor))
 
 
-def _rank0_cost_model(captured: Any, flat: Sequence[Any], device: torch.device, cost_model: str) -> str:
+def rank0_cost_model(captured: Any, flat: Sequence[Any], device: torch.device, cost_model: str) -> str:
     """``"profiled"`` for ``cost_model`` ``"profiled"`` (or ``"auto"`` when the model fits this
     device) and real inputs; else ``"analytic"``."""
     if cost_model == "analytic" or not _real(flat) or (cost_model == "auto" and not fits_device(captured.gm, device)):
@@ -225,7 +225,7 @@ def _plan(front: Inspection, inputs: tuple[tuple, dict], device: torch.device, c
     (the check's findings, None when it did not run)."""
     captured, condensed = front.captured, front.condensed
     flat, flags, batch = example_batch(captured, inputs)
-    used = _rank0_cost_model(captured, flat, device, cost_model)
+    used = rank0_cost_model(captured, flat, device, cost_model)
     checked = microbatches != 1 and _real(flat) and fits_device(captured.gm, device)
     work = together.work if together is not None else (
         materialised(captured.gm, device) if used == "profiled" or checked else None)
@@ -372,7 +372,7 @@ def _profile_together(front: Inspection | None, inputs: tuple[tuple, dict], devi
     gm = front.captured.gm if front is not None else None
     flat, flags = (example_batch(front.captured, inputs)[:2] if front is not None else ([], ()))
     if wanted and front is not None:
-        wanted = (_rank0_cost_model(front.captured, flat, device, cost_model) == "profiled"
+        wanted = (rank0_cost_model(front.captured, flat, device, cost_model) == "profiled"
                   and shared_cpu(device, front.captured.gm, dist.get_world_size(), options))
     return profile_together(gm, flat, flags, device, microbatches, options, wanted=wanted)
 

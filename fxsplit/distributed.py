@@ -13,6 +13,7 @@ the device it runs on, and broadcasts the plan, which every rank checks against 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import math
@@ -39,7 +40,14 @@ from fxsplit.dist_build import (
     to_meta,
 )
 from fxsplit.dist_calibrate import CompiledDistributedPipeline, DistContext
-from fxsplit.dist_plan import example_batch, graph_digest, plan_on_rank0, reference_spec
+from fxsplit.dist_plan import (
+    example_batch,
+    graph_digest,
+    plan_on_rank0,
+    rank0_cost_model,
+    reference_spec,
+)
+from fxsplit.dist_profile import profiled_blocks
 from fxsplit.errors import ConfigError, FxsplitError, NotPerSampleWarning, PlanError
 from fxsplit.frontend import front_end, with_batch_dim
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan
@@ -182,13 +190,16 @@ def same_as_first_replica(stages: Sequence[Any], replicas: Any) -> None:
 
 def _choose_mesh(model_fn: Callable[[], nn.Module], args: tuple, kwargs: dict, world: int,
                  microbatches: int | str | None, schedule: str, rank: int, device: torch.device,
-                 options: CompileOptions) -> Any:
+                 options: CompileOptions, cost_model: str = "auto") -> Any:
     """Rank 0's :class:`~fxsplit.solvers.hybrid.HybridPlan` for ``world`` devices like its own, on
     every rank (collective: the link is measured over every rank first).
 
     The model is captured on the meta device at one micro-batch (the example batch cut to
     ``1 / microbatches``), its per-layer plans solved for every ``tp`` dividing ``world``
     (PaSE's and Megatron's families) and every ``[pp, dp, tp]`` mesh of all ``world`` ranks costed.
+    The blocks' times are profiled on rank 0's device at that micro-batch (``cost_model``
+    ``"auto"`` when the example is real and the model fits, or ``"profiled"``; the per-layer
+    plans' factors scale them) or analytic; ``HybridPlan.costs`` says which.
 
     Raises:
         ConfigError: on every rank, for a micro-batch count that is not a positive integer or
@@ -217,13 +228,17 @@ def _choose_mesh(model_fn: Callable[[], nn.Module], args: tuple, kwargs: dict, w
         costs = [layer_parallel_costs(front.captured.gm, front.condensed.graph, t, family=f, link=link,
                                       time_limit_s=options.time_limit_s or 30.0)
                  for t in degrees for f in ("pase", "megatron")]
+        flat, flags, _ = example_batch(front.captured, (one_args, one_kwargs))
+        used = rank0_cost_model(front.captured, flat, device, cost_model)
+        graph = front.condensed.graph if used == "analytic" else profiled_blocks(
+            front.captured.gm, front.condensed.graph, flat, flags, device, 1, options)
         specs = tuple(reference.with_(name=f"{reference.name}:{i}") for i in range(world))
-        problem = Problem(front.condensed.graph, specs, link=link, microbatches=m, schedule=schedule,  # type: ignore[arg-type]
+        problem = Problem(graph, specs, link=link, microbatches=m, schedule=schedule,  # type: ignore[arg-type]
                           objective="makespan", allow_idle_devices=False)
         found = plan_hybrid(problem, costs, time_limit_s=options.time_limit_s or 30.0, every_device=True)
-        log.info("hybrid mesh over %d ranks: %s, predicted %.3g s per step", world, found.best.label,
-                 found.best.step_s)
-        return found
+        log.info("hybrid mesh over %d ranks (%s costs): %s, predicted %.3g s per step", world, used,
+                 found.best.label, found.best.step_s)
+        return dataclasses.replace(found, costs=used)
 
     return _on_rank0(rank, search)
 
@@ -392,7 +407,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     if parallel == "hybrid":
         schedule = "1f1b" if schedule == "auto" else schedule  # the search costs gpipe and 1f1b
         hybrid = _choose_mesh(model_fn, tuple(example_inputs), dict(example_kwargs or {}), world, microbatches,
-                              schedule, rank, device, options)
+                              schedule, rank, device, options, cost_model)
         best = hybrid.best
         replicas, tensor_parallel, microbatches = best.dp, best.tp, (microbatches or world) // best.dp
         tp_strategy = "megatron" if best.family == "megatron" else "auto"

@@ -191,6 +191,8 @@ class HybridPlan:
         devices: ``N``.
         microbatches: ``m`` per step (global).
         solve_time_s: Wall seconds of the search.
+        costs: Where the blocks' times came from (``"analytic"``, ``"profiled"``), as the
+            caller says.
     """
 
     best: HybridLayout
@@ -199,11 +201,12 @@ class HybridPlan:
     devices: int
     microbatches: int
     solve_time_s: float = 0.0
+    costs: str = "analytic"
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data (``plan.json``)."""
         return {"format": "fxsplit-hybrid-plan", "version": 1, "devices": self.devices,
-                "microbatches": self.microbatches, "solve_time_s": self.solve_time_s,
+                "microbatches": self.microbatches, "solve_time_s": self.solve_time_s, "costs": self.costs,
                 "best": self.best.to_dict(), "baselines": {k: v.to_dict() if v else None for k, v in self.baselines.items()},
                 "layouts": [lay.to_dict() for lay in self.layouts]}
 
@@ -261,7 +264,7 @@ def _layout(problem: Problem, pp: int, dp: int, tp: int, costs: LayerParallelCos
         return HybridLayout(pp, dp, tp, family, math.inf, placements=placements,
                             note=f"{m} micro-batches do not divide over {dp} replicas")
     group = dp * tp  # ranks between one stage's device and the next's
-    piped = _pipelined(problem, graph, pp, dp, tp, costs, solver, time_limit_s)
+    piped = _replicated_tp(_pipelined(problem, graph, pp, dp, tp, costs, solver, time_limit_s), costs)
     if pp > 1:
         return piped
     # one stage: the replica's samples in one pass (data parallelism), or accumulated micro-batch by micro-batch
@@ -274,8 +277,18 @@ def _layout(problem: Problem, pp: int, dp: int, tp: int, costs: LayerParallelCos
     row = {"stage": 0, "ranks": [0, group - 1], "replicas": dp, "tp": tp,
            "split_nodes": sum(costs.split_nodes) if costs is not None else 0, "compute_s": est.compute_s,
            "comm_s": 0.0, "allreduce_s": est.allreduce_s, "memory_bytes": est.memory_bytes}
-    return HybridLayout(pp, dp, tp, family, est.step_s, est.compute_s, max(0.0, est.step_s - est.compute_s),
-                        est.memory_bytes, 1, None, placements, (row,), "one pass")
+    return _replicated_tp(HybridLayout(pp, dp, tp, family, est.step_s, est.compute_s,
+                                       max(0.0, est.step_s - est.compute_s), est.memory_bytes, 1, None, placements,
+                                       (row,), "one pass"), costs)
+
+
+def _replicated_tp(layout: HybridLayout, costs: LayerParallelCosts | None) -> HybridLayout:
+    """``layout``, its note saying so when its per-layer plan splits no node: then every one of a
+    stage's ``tp`` ranks runs the whole stage on the same samples (the time of ``tp = 1``, with
+    ``tp - 1`` ranks duplicating it)."""
+    if costs is None or not layout.feasible or any(costs.split_nodes):
+        return layout
+    return replace(layout, note="; ".join(filter(None, [layout.note, f"tp splits nothing: {layout.tp} copies"])))
 
 
 def _pipelined(problem: Problem, graph: CondensedGraph, pp: int, dp: int, tp: int, costs: LayerParallelCosts | None,

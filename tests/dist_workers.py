@@ -851,7 +851,7 @@ def hybrid_equal(rank: int, world: int, out_dir: str, name: str, batch: int, m: 
     mesh = pipe.replicas
     out.update(best=(best.pp, best.dp, best.tp, best.family), layouts=len(pipe.hybrid.layouts),
                built=(pipe.num_stages, 1 if mesh is None else mesh.count, 1 if mesh is None else mesh.tp),
-               microbatches=pipe.microbatches, broadcast=float(loss))
+               microbatches=pipe.microbatches, broadcast=float(loss), costs=pipe.hybrid.costs)
     pipe.close()
     return out
 

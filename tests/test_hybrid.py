@@ -113,6 +113,24 @@ def test_per_layer_costs_scale_the_blocks_and_win_when_they_split_the_work() -> 
     assert json.loads(json.dumps(found.to_dict()))["best"]["tp"] == 2
 
 
+def test_a_per_layer_plan_that_splits_nothing_says_so_and_costs_what_one_device_does() -> None:
+    """A tp mesh whose per-layer plan replicates every node (PaSE's pick when collectives cost
+    more than they save) runs the whole stage on each of its tp ranks: the search chose such a
+    mesh on 4 CPU ranks with no word of it (the table showed "split nodes 0" only)."""
+    graph = CondensedGraph(tuple(Block(i, f"b{i}", (f"n{i}",), fwd_s=1.0, bwd_s=2.0) for i in range(2)))
+    replicated = LayerParallelCosts(2, "pase", (1.0, 1.0), (1.0, 1.0), (1.0, 1.0), {"R": 2}, (0, 0))
+    half = LayerParallelCosts(2, "megatron", (0.5, 0.5), (0.5, 0.5), (0.5, 0.5), {"S(1)": 2}, (1, 1))
+    problem = Problem(graph, tuple(DeviceSpec(f"d{i}") for i in range(2)), link=LINK, microbatches=1,
+                      objective="makespan")
+    found = plan_hybrid(problem, [replicated, half], solver="dp", every_device=True)
+    lays = {(lay.tp, lay.family): lay for lay in found.layouts}
+    copies = lays[(2, "pase")]
+    assert "tp splits nothing: 2 copies" in copies.note
+    assert copies.step_s == pytest.approx(6.0), "the time of one device: every copy runs it all"
+    assert "splits nothing" not in lays[(2, "megatron")].note
+    assert not any("splits nothing" in lay.note for lay in found.layouts if lay.tp == 1)
+
+
 def test_nothing_that_fits_is_an_error_with_every_reason() -> None:
     graph = CondensedGraph((Block(0, "b", ("n",), fwd_s=1.0, bwd_s=1.0, param_bytes=GiB),))
     with pytest.raises(InfeasibleError, match="does not fit"):

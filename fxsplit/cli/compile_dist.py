@@ -147,7 +147,7 @@ def run_distributed(
     if pipe.hybrid is not None:
         from fxsplit.cli.hybrid import print_hybrid
 
-        print_hybrid(console, pipe.hybrid, f"{model} over {world} processes (rank 0's analytic costs)", top=5)
+        print_hybrid(console, pipe.hybrid, f"{model} over {world} processes (rank 0's {pipe.hybrid.costs} costs)", top=5)
     if calibrate > 0:
         inputs, target = case.make_batch(batch_size, 999)
         with console.status(f"calibrating: {calibrate} measured steps per plan on every rank ..."):
