@@ -47,22 +47,28 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def join_gloo(rank: int, port: int) -> None:
-    """Join the 2-rank gloo group on 127.0.0.1:``port`` as ``rank``, with torchrun's variables."""
+def join_gloo(rank: int, port: int, world: int = 2) -> None:
+    """Join the ``world``-rank gloo group on 127.0.0.1:``port`` as ``rank``, with torchrun's variables."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def spawn_two(worker: Any, *args: Any) -> Any:
     """Run ``worker(rank, port, queue, *args)`` in 2 spawned processes; what rank 0 puts on
     ``queue``."""
+    return spawn_ranks(2, worker, *args)
+
+
+def spawn_ranks(world: int, worker: Any, *args: Any) -> Any:
+    """Run ``worker(rank, port, queue, *args)`` in ``world`` spawned processes; what rank 0 puts
+    on ``queue``."""
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(free_port(), queue, *args), nprocs=2, join=True)
+    mp.spawn(worker, args=(free_port(), queue, *args), nprocs=world, join=True)
     return queue.get()
 
 
