@@ -7,7 +7,9 @@ stage out of, but only rank 0 plans:
    :func:`~fxsplit.passes.costs.measure_cpu_spec`, or the preset of the detected GPU, as
    :func:`fxsplit.compile` does) and broadcasts it, so that every rank annotates and condenses
    its graph with the same numbers and gets the same blocks;
-2. every rank captures, annotates and condenses;
+2. every rank captures, annotates and condenses; with ``CompileOptions(profile_all_ranks=True)``
+   on CPU ranks every rank then times the graph at the same moment as rank 0, which plans on the
+   mean (:func:`~fxsplit.dist_profile.profile_together`);
 3. rank 0 solves the split (or takes the user's plan) and broadcasts the ``Plan`` JSON with the
    digest of its graph, the cost model it used and what its per-sample check found
    (``torch.distributed.broadcast_object_list``; :class:`DistPlan` holds them on every rank);
@@ -366,15 +368,22 @@ def plan_on_rank0(
 
 def _profile_together(front: Inspection | None, inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
                       microbatches: int | str, options: CompileOptions, *, wanted: bool) -> Profiled | None:
-    """Every rank's part in :func:`~fxsplit.dist_profile.profile_together` (collective): rank 0
-    wants it when it will plan on profiled costs and the ranks share a CPU
-    (:func:`~fxsplit.dist_profile.shared_cpu`)."""
-    gm = front.captured.gm if front is not None else None
-    flat, flags = (example_batch(front.captured, inputs)[:2] if front is not None else ([], ()))
-    if wanted and front is not None:
-        wanted = (rank0_cost_model(front.captured, flat, device, cost_model) == "profiled"
-                  and shared_cpu(device, front.captured.gm, dist.get_world_size(), options))
-    return profile_together(gm, flat, flags, device, microbatches, options, wanted=wanted)
+    """Every rank's part in :func:`~fxsplit.dist_profile.profile_together` (collective with
+    ``options.profile_all_ranks``, which every rank is given alike): rank 0 wants it when it will
+    plan on profiled costs and the ranks share a CPU (:func:`~fxsplit.dist_profile.shared_cpu`)."""
+    if not options.profile_all_ranks:  # the same options on every rank: no rank enters the collective
+        return None
+    if front is None:  # this rank's capture failed: it only takes part in the collectives
+        return profile_together(None, [], (), device, microbatches, options, wanted=False)
+    flat, flags = example_batch(front.captured, inputs)[:2]
+    if wanted:
+        try:
+            wanted = (rank0_cost_model(front.captured, flat, device, cost_model) == "profiled"
+                      and shared_cpu(device, front.captured.gm, dist.get_world_size(), options))
+        except Exception as exc:  # rank 0's planning step meets it again and reports it on every rank
+            log.warning("the ranks do not profile together: %s", exc)
+            wanted = False
+    return profile_together(front.captured.gm, flat, flags, device, microbatches, options, wanted=wanted)
 
 
 def _links(options: CompileOptions, device: torch.device, world: int) -> tuple[tuple[int, int, LinkSpec], ...]:

@@ -20,7 +20,7 @@ import copy
 import logging
 import os
 import statistics
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,7 +35,7 @@ from fxsplit.passes.profile import device_name, is_cached, profile_node_times
 from fxsplit.runtime.dist_state import retarget_meta_devices
 from fxsplit.runtime.distributed import from_rank0
 
-__all__ = ["Profiled", "fits_device", "materialised", "profile_together", "profiled_blocks", "shared_cpu"]
+__all__ = ["Profiled", "fits_device", "materialised", "mean_timings", "profile_together", "profiled_blocks", "shared_cpu"]
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +69,16 @@ def profile_together(gm: torch.fx.GraphModule | None, flat: Sequence[Any], batch
                      wanted: bool) -> Profiled | None:
     """Time ``gm`` on every rank at once and give rank 0 the mean timings; collective.
 
-    Rank 0 decides (``wanted``, broadcast); every rank materialises ``gm`` on its ``device``,
-    waits for the others (a barrier), times every node at the micro-batch sizes the schedule
-    search considers (:func:`~fxsplit.passes.profile.profile_node_times`), and sends its timings
-    to rank 0, which averages each node's over the ranks that timed it and keeps the result in
+    Rank 0 decides (``wanted``, broadcast) and materialises ``gm``; unless its profile cache
+    already holds every timing (then nobody times), every other rank materialises ``gm`` on its
+    ``device`` too, all wait for each other (a barrier), time every node at the micro-batch
+    sizes the schedule search considers (:func:`~fxsplit.passes.profile.profile_node_times`)
+    and send their timings to rank 0, which averages each node's over the ranks that timed it
+    (:func:`mean_timings`; a rank that failed is left out and logged) and keeps the result in
     its profile cache (under its device name with ``-{world}proc``: timings taken beside
-    ``world - 1`` other processes). When rank 0's cache already holds every timing, nobody times.
+    ``world - 1`` other processes). Every rank makes the same collective calls in every case;
+    rank 0's own failures here fall back to None (it then profiles alone in its planning step,
+    where an error reaches every rank).
 
     Args:
         gm: This rank's meta capture (None where the capture failed: that rank only takes part
@@ -87,38 +91,70 @@ def profile_together(gm: torch.fx.GraphModule | None, flat: Sequence[Any], batch
 
     Returns:
         On rank 0, when the ranks profiled together (or its cache held it all), a
-        :class:`Profiled`; None on the other ranks and when rank 0 did not want it.
+        :class:`Profiled`; None on the other ranks, when rank 0 did not want it, and when no
+        rank could time the graph.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     if not from_rank0(lambda: wanted):
         return None
     name = f"{device_name(DeviceSpec('rank0', torch_device=str(device)))}-{world}proc"
-    work, values, profile = _prepare(gm, flat, batched, device, microbatches, options, name)
-    cache = profile["profile_cache"] if rank == 0 else None
-    sizes = profile["profile_sizes"]
+    none: tuple[Any, list[Any], dict[str, Any]] = (None, [], {"profile_cache": None, "profile_sizes": (), "progress": None})
+    work, values, profile = _prepare(gm, flat, batched, device, microbatches, options, name) if rank == 0 else none
+    cache = profile["profile_cache"]  # rank 0's only
+    go = from_rank0(lambda: work is not None and not _cached(work, values, profile))
+    if go and rank != 0:  # rank 0's cache lacks timings: every rank copies the graph (not before)
+        work, values, profile = _prepare(gm, flat, batched, device, microbatches, options, name)
     timings: dict[str, NodeTimes] = {}
-    if from_rank0(lambda: work is not None and not is_cached(work, values, sizes, cache)):
+    if go:
         dist.barrier()  # start together: the load is each other
         if work is not None:
             try:
-                profile_node_times(work, values, batched, sizes, str(device), cache=timings,
+                profile_node_times(work, values, batched, profile["profile_sizes"], str(device), cache=timings,
                                    progress=profile["progress"])
-            except Exception as exc:  # this rank's timings are left out; rank 0's own failure shows in _plan
+            except Exception as exc:  # left out of the mean (rank 0 plans on the others' timings)
                 log.warning("rank %d could not profile the graph (%s); rank 0 plans without its timings", rank, exc)
                 timings = {}
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(timings, gathered, dst=0)
     if rank != 0 or work is None or gathered is None:
         return None
+    timed = [g for g in gathered if g]
+    if go and not timed:
+        log.warning("no rank could profile the graph together; rank 0 profiles it alone")
+        return None
     merged: MutableMapping[str, NodeTimes] = cache if cache is not None else {}
-    ranks = [g for g in gathered if g]
-    for key in set().union(*ranks) if ranks else ():
-        parts = [g[key] for g in ranks if key in g]
-        merged[key] = (statistics.fmean(p[0] for p in parts), statistics.fmean(p[1] for p in parts))
-    if cache is not None and ranks:
-        cache.save()
-    log.info("%d ranks profiled the graph together; rank 0 plans on their mean timings", len(ranks))
-    return Profiled(work, merged, len(ranks))
+    merged.update(mean_timings(timed))
+    if cache is not None and timed:
+        try:
+            cache.save()
+        except OSError as exc:  # the timings are in hand; only the next compile pays again
+            log.warning("could not save the profile cache %s (%s)", cache.path, exc)
+    log.info("%d ranks profiled the graph together; rank 0 plans on their mean timings", len(timed))
+    return Profiled(work, merged, len(timed))
+
+
+def mean_timings(per_rank: Sequence[Mapping[str, NodeTimes]]) -> dict[str, NodeTimes]:
+    """Each key's ``(fwd_s, bwd_s)`` averaged over the ranks that timed it.
+
+    Example:
+        >>> mean_timings([{"a": (1.0, 2.0), "b": (1.0, 1.0)}, {"a": (3.0, 4.0)}])
+        {'a': (2.0, 3.0), 'b': (1.0, 1.0)}
+    """
+    keys = dict.fromkeys(k for timings in per_rank for k in timings)
+    out = {}
+    for key in keys:
+        parts = [t[key] for t in per_rank if key in t]
+        out[key] = (statistics.fmean(p[0] for p in parts), statistics.fmean(p[1] for p in parts))
+    return out
+
+
+def _cached(work: torch.fx.GraphModule, values: list[Any], profile: dict[str, Any]) -> bool:
+    """Rank 0: whether its cache holds every timing (a failure to read it counts as no)."""
+    try:
+        return is_cached(work, values, profile["profile_sizes"], profile["profile_cache"])
+    except Exception as exc:
+        log.warning("could not read the profile cache (%s); the ranks profile again", exc)
+        return False
 
 
 def _prepare(gm: torch.fx.GraphModule | None, flat: Sequence[Any], batched: Sequence[bool], device: torch.device,

@@ -80,7 +80,8 @@ class CompileOptions:
         profile_all_ranks: Under ``fxsplit.distributed`` with CPU ranks, every rank profiles the
             graph at the same time as rank 0 and rank 0 plans on the mean of their timings, so
             the stages are timed beside the processes they run beside
-            (:func:`fxsplit.dist_profile.profile_together`). Off by default: on 2 ranks of a
+            (:func:`fxsplit.dist_profile.profile_together`; the pipeline's planning, not
+            ``parallel="hybrid"``'s mesh search, which rank 0 profiles alone). Off by default: on 2 ranks of a
             2-core machine it brought the Hugging Face BERT and GPT-2 stages from 10-11 % to
             4 % of their measured times, but not the small GPT and MLP, whose profile moves
             more with how warm the process is (``bench/fidelity.py --ranks 2

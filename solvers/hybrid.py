@@ -283,10 +283,10 @@ def _layout(problem: Problem, pp: int, dp: int, tp: int, costs: LayerParallelCos
 
 
 def _replicated_tp(layout: HybridLayout, costs: LayerParallelCosts | None) -> HybridLayout:
-    """``layout``, its note saying so when its per-layer plan splits no node: then every one of a
-    stage's ``tp`` ranks runs the whole stage on the same samples (the time of ``tp = 1``, with
-    ``tp - 1`` ranks duplicating it)."""
-    if costs is None or not layout.feasible or any(costs.split_nodes):
+    """``layout``, its note saying so when its per-layer plan splits no node (per-block counts
+    given, all zero): then every one of a stage's ``tp`` ranks runs the whole stage on the same
+    samples (the time of ``tp = 1``, with ``tp - 1`` ranks duplicating it)."""
+    if costs is None or not layout.feasible or not costs.split_nodes or any(costs.split_nodes):
         return layout
     return replace(layout, note="; ".join(filter(None, [layout.note, f"tp splits nothing: {layout.tp} copies"])))
 

@@ -244,7 +244,8 @@ def _expect_error(call: Any) -> dict[str, Any]:
 
 def bad_launches(rank: int, world: int, out_dir: str, plans: dict[str, str]) -> dict[str, Any]:
     """A 3-stage plan on 2 ranks (must fail fast), rank 1 building a wider model than rank 0 (must
-    fail on every rank), and a 2-stage plan made for a deeper model (must fail on every rank)."""
+    fail on every rank), a 2-stage plan made for a deeper model (must fail on every rank), and
+    rank 1 failing to capture while the ranks profile together (must fail on every rank, in time)."""
     from fxsplit.ir import Plan
 
     case = _case("gpt", 4)
@@ -258,7 +259,19 @@ def bad_launches(rank: int, world: int, out_dir: str, plans: dict[str, str]) -> 
     out["deeper"] = _expect_error(lambda: fxd.compile(
         _model_fn("gpt", 4), case.example_inputs, schedule="gpipe", microbatches=2,
         plan=Plan.from_json(plans["deeper"]), timeout_s=20))
+    # every rank profiles with rank 0 (profile_all_ranks) but rank 1 cannot even capture: it must
+    # still take part in the profiling collectives, and the failure reach both ranks
+    out["capture"] = _expect_error(lambda: fxd.compile(
+        (lambda: _Unexportable()) if rank == 1 else _model_fn("gpt", 4), case.example_inputs, schedule="gpipe",
+        microbatches=2, timeout_s=20, options=CompileOptions(profile_all_ranks=True)))
     return out
+
+
+class _Unexportable(torch.nn.Module):
+    """A model whose forward fails in capture (rank 1 of :func:`bad_launches`)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this model cannot be captured")
 
 
 def tied_copies_start_equal(rank: int, world: int, out_dir: str) -> dict[str, Any]:

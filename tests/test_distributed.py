@@ -211,6 +211,15 @@ def test_a_plan_that_does_not_fit_the_capture_fails_on_every_rank(bad_launches):
         assert "blocks" in err["message"] and "rank 0:" in err["message"] and "rank 1:" in err["message"], err["message"]
 
 
+def test_a_rank_that_cannot_capture_fails_every_rank_also_when_all_ranks_profile(bad_launches):
+    """profile_all_ranks adds collectives before planning; a rank without a capture must still
+    make them (an early return there would leave rank 0 waiting until the timeout)."""
+    errors = {rank: r["result"]["capture"] for rank, r in bad_launches.items()}
+    assert all(e["error"] is not None and e["elapsed_s"] < 15 for e in errors.values()), errors
+    assert "cannot be captured" in errors[1]["message"], errors[1]
+    assert "rank 1" in errors[0]["message"], errors[0]
+
+
 def test_tied_copies_start_equal_without_a_state_dict(tmp_path):
     """Regression: each rank initialised its copy of the tied embedding / LM head from its own
     random stream, so the copies (and the model) were no longer tied."""

@@ -129,6 +129,8 @@ def test_a_per_layer_plan_that_splits_nothing_says_so_and_costs_what_one_device_
     assert copies.step_s == pytest.approx(6.0), "the time of one device: every copy runs it all"
     assert "splits nothing" not in lays[(2, "megatron")].note
     assert not any("splits nothing" in lay.note for lay in found.layouts if lay.tp == 1)
+    unknown = LayerParallelCosts(2, "pase", (1.0, 1.0), (1.0, 1.0), (1.0, 1.0))  # no per-block counts given
+    assert "splits nothing" not in plan_hybrid(problem, [unknown], solver="dp", every_device=True).best.note
 
 
 def test_nothing_that_fits_is_an_error_with_every_reason() -> None:
