@@ -82,9 +82,9 @@ class CompileOptions:
             the stages are timed beside the processes they run beside
             (:func:`fxsplit.dist_profile.profile_together`; the pipeline's planning, not
             ``parallel="hybrid"``'s mesh search, which rank 0 profiles alone). Off by default: on 2 ranks of a
-            2-core machine it brought the Hugging Face BERT and GPT-2 stages from 10-11 % to
-            4 % of their measured times, but not the small GPT and MLP, whose profile moves
-            more with how warm the process is (``bench/fidelity.py --ranks 2
+            2-core machine it brought the Hugging Face GPT-2 stages from 11-16 % to 5-8 % of
+            their measured times and BERT's from 12-13 % to 2.5-11 %, but not the small GPT
+            and MLP, whose profile moves more with how warm the process is (``bench/fidelity.py --ranks 2
             --compare-profiling 4``, bench/README.md).
         progress: ``progress(done, total)`` called after each micro-batch size the profiled
             cost model times (the CLI draws a progress bar with it).
