@@ -40,7 +40,7 @@ __all__ = ["Profiled", "fits_device", "materialised", "mean_timings", "profile_t
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Profiled:
     """What :func:`profile_together` leaves rank 0.
 
