@@ -553,6 +553,9 @@ def test_cli_runs_a_hybrid_mesh_beside_the_unsplit_model(tmp_path):
     # real example inputs: the hybrid search's block times are profiled on rank 0 (on analytic
     # costs it chose 4 copies of the whole model, predicted 0.56 ms, measured 29 ms)
     assert "over 4 processes (rank 0's profiled costs)" in text and "predicted" in text, text
+    # the summary sets the search's prediction beside the measured step
+    assert "predicted step time (profiled costs)" in text and "measured / predicted" in text, text
+    assert "--calibrate" not in text, "calibrate refuses replicated and split stages: no hint to it"
     assert "on 4 processes" in text, text
     loss, grad = printed_differences(text)
     assert grad < 1e-5 and loss < 1e-5, text
@@ -565,5 +568,6 @@ def test_cli_runs_replicated_stages_beside_the_unsplit_model(tmp_path):
     check_ok(results)
     text = results[0]["result"]
     assert "2 stages on 4 processes" in text, text
+    assert "predicted step time (" in text and "measured / predicted" in text, text
     loss, grad = printed_differences(text)
     assert grad < 1e-5 and loss < 1e-5, text

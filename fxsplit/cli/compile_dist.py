@@ -89,6 +89,14 @@ def _train(pipe: Any, case: Any, reference: Any, steps: int, lr: float, batch_si
     return out
 
 
+def _predicted_step_s(pipe: Any) -> float | None:
+    """The step the planner predicted: the hybrid search's for its mesh, else the plan's
+    simulated step; None when there is no plan."""
+    if pipe.hybrid is not None:
+        return float(pipe.hybrid.best.step_s)
+    return float(pipe.predicted_step_s()) if pipe.plan is not None else None
+
+
 def _summary(pipe: Any, result: dict[str, Any], world: int) -> Table:
     mesh = pipe.replicas
     shape = "" if mesh is None else f" (pp {world // (mesh.count * mesh.tp)} x dp {mesh.count} x tp {mesh.tp})"
@@ -97,7 +105,16 @@ def _summary(pipe: Any, result: dict[str, Any], world: int) -> Table:
     table.add_column("quantity")
     table.add_column("value", justify="right")
     measured = result["step_s"][1:] or result["step_s"]
-    table.add_row("measured step time (median, rank 0)", format_seconds(sorted(measured)[len(measured) // 2]))
+    median = sorted(measured)[len(measured) // 2]
+    predicted = _predicted_step_s(pipe)
+    if predicted:
+        table.add_row(f"predicted step time ({pipe.meta.get('cost_model') or 'given'} costs)", format_seconds(predicted))
+    table.add_row("measured step time (median, rank 0)", format_seconds(median))
+    if predicted:
+        off = median / predicted
+        calibrates = pipe.replicas is None  # calibrate refuses replicated and split stages so far
+        hint = "" if 0.9 <= off <= 1.1 or not calibrates else " (--calibrate N refits the plan to measured steps)"
+        table.add_row("measured / predicted", f"{off:.2f}{hint}")
     table.add_row("largest loss difference vs original", f"{result['loss_diff']:.3e}")
     table.add_row("largest gradient difference vs original (all ranks)", f"{result['grad_diff']:.3e}")
     table.add_row("final loss", f"{result['losses'][-1]:.4f}" if result["losses"] else "-")
