@@ -293,10 +293,16 @@ def main() -> None:
     parser.add_argument("--compare-profiling", type=int, default=0, metavar="ROUNDS",
                         help="with --ranks 2: compile each case with every rank profiling together and with rank 0 "
                              "alone, time both in ROUNDS alternating rounds, print the stage errors of each")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="fxsplit.runtime.host_memory.keep_freed_memory() first (as the CLI does)")
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.keep_freed_memory:
+        from fxsplit.runtime.host_memory import keep_freed_memory
+
+        keep_freed_memory()
     out = console()
     load_before = os.getloadavg()
     rows = []

@@ -125,8 +125,12 @@ def register(app: typer.Typer) -> None:
         import fxsplit
         from fxsplit.api import CompileOptions, load_model
         from fxsplit.errors import FxsplitError
+        from fxsplit.runtime.host_memory import keep_freed_memory
 
         console = Console()
+        # one allocator mode for the profile and the run (and the unsplit model it is compared with):
+        # glibc otherwise maps multi-MiB gradients afresh or not, by chance (fxsplit.runtime.host_memory)
+        keep_freed_memory()
         recompute_name = cast(RecomputeName, recompute)  # Problem.check refuses any other name
         # -- distributed path (issue 5): everything lives in fxsplit/cli/compile_dist.py -------
         if parallel != "pipeline" and not distributed:

@@ -105,8 +105,10 @@ def register(app: typer.Typer) -> None:
         from fxsplit.api import load_model
         from fxsplit.errors import FxsplitError
         from fxsplit.multi import Task, train_many
+        from fxsplit.runtime.host_memory import keep_freed_memory
 
         console = Console()
+        keep_freed_memory()  # one allocator mode for profiles and runs (fxsplit.runtime.host_memory)
         lrs, sizes = parse_floats(lr, "--lr"), parse_ints(batch_size, "--batch-size")
         if optimizer not in OPTIMIZERS:
             raise typer.BadParameter(f"--optimizer {optimizer!r}: choose one of {OPTIMIZERS}")
