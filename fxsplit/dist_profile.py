@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxsplit.frontend import profile_options
+from fxsplit.frontend import load_per_core, profile_options
 from fxsplit.ir import CondensedGraph, DeviceSpec
 from fxsplit.options import CompileOptions
 from fxsplit.passes.measure import NodeTimes
@@ -222,16 +222,22 @@ def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[
     ``fxsplit.compile`` caches), and each block's times summed over its nodes. The blocks stay the
     ones every rank has, so the plan fits every rank's capture. ``work``: that materialised copy,
     when the caller has made it; ``together``: the ranks' mean timings (:func:`profile_together`),
-    used instead of timing here.
+    used instead of timing here. Timings taken alone are cached unless the machine was busy
+    (load over 1 per core), as ``fxsplit.compile`` does.
     """
     work = together.work if together is not None else work if work is not None else materialised(gm, device)
     inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
     profile = profile_options(inputs, batched, device_name(DeviceSpec("rank0", torch_device=str(device))),
                               microbatches, options)
     cache = together.timings if together is not None else profile["profile_cache"]
+    load = load_per_core()  # before timing: what else runs here (as fxsplit.compile judges it)
     profile_node_times(work, inputs, batched, profile["profile_sizes"], str(device), cache=cache)
-    if together is None and profile["profile_cache"] is not None:
-        profile["profile_cache"].save()
+    own = profile["profile_cache"] if together is None else None
+    if own is not None and own.misses and load > 1.0:
+        log.warning("not caching rank 0's profile: the machine was busy (load %.1f per core); timings may be "
+                    "high, and the next compile times again", load)
+    elif own is not None:
+        own.save()
     costs = {n.name: n.meta["fxsplit.cost"] for n in work.graph.nodes if n.op != "output"}
     blocks = []
     for b in graph.blocks:

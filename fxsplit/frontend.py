@@ -30,7 +30,7 @@ from fxsplit.passes.profile import device_name, open_cache, profile_sizes
 from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
 from fxsplit.schedule.explore import default_microbatches
 
-__all__ = ["Inspection", "capture_with", "front_end", "profile_options", "with_batch_dim"]
+__all__ = ["Inspection", "capture_with", "front_end", "load_per_core", "profile_options", "with_batch_dim"]
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def front_end(
         timed, scale = tuple(split_microbatches(flat, microbatches)[0][0]), float(microbatches)
     batched = None if captured.batched_inputs is None else tuple(captured.batched_inputs)
     profile = profile_options(flat, batched, device_name(reference), microbatches, options) if cost_model == "profiled" else None
-    load = _load_per_core()
+    load = load_per_core()
     pm = PassManager(front_end_passes(
         flat, reference, cost_model=cost_model, max_downsets=options.max_downsets, name=name,
         force_shapes=force_shapes, timed_inputs=timed, measure_device=measure_device or reference.torch_device,
@@ -242,7 +242,7 @@ def capture_with(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] |
                    dynamic_batch=options.dynamic_batch, batch_dim=options.batch_dim)
 
 
-def _load_per_core() -> float:
+def load_per_core() -> float:
     """The 1-minute load average per core (0 where the platform has none)."""
     try:
         return os.getloadavg()[0] / (os.cpu_count() or 1)

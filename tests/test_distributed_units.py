@@ -326,3 +326,28 @@ def test_one_replicas_share_of_the_example_batch() -> None:
     assert torch.equal(args[0], x[:2]) and torch.equal(kwargs["lengths"], lengths) and kwargs["scale"] == 2.0
     with pytest.raises(ConfigError, match="multiple of 3"):
         _replica_example((x,), {}, 3)
+
+
+@pytest.mark.parametrize(("load", "cached"), [(0.0, True), (64.0, False)])
+def test_rank0s_profile_is_cached_only_when_the_machine_was_quiet(load, cached, tmp_path, monkeypatch):
+    """rank 0's profile (fxsplit.distributed) is kept like fxsplit.compile's: not when other work
+    shared the CPUs (load over 1 per core), or every later compile would plan on slow timings."""
+    import os
+
+    import fxsplit.models as zoo
+    from fxsplit.api import CompileOptions
+    from fxsplit.dist_build import to_meta
+    from fxsplit.dist_plan import example_batch, profiled_blocks, reference_spec
+    from fxsplit.frontend import front_end
+
+    case = zoo.get("mlp", size="tiny", batch_size=4)
+    with torch.device("meta"):
+        meta_model = zoo.get("mlp", size="tiny", batch_size=4).model
+    options = CompileOptions(profile_cache_dir=tmp_path)
+    ins = front_end(meta_model, to_meta(tuple(case.example_inputs)), {}, reference=reference_spec(torch.device("cpu")),
+                    cost_model="analytic", options=CompileOptions())
+    flat, flags, _ = example_batch(ins.captured, (tuple(case.example_inputs), {}))
+    monkeypatch.setattr(os, "getloadavg", lambda: (load * (os.cpu_count() or 1), 0.0, 0.0))
+    graph = profiled_blocks(ins.captured.gm, ins.condensed.graph, flat, flags, torch.device("cpu"), 2, options)
+    assert sum(b.fwd_s for b in graph.blocks) > 0
+    assert bool(list(tmp_path.glob("*.json"))) is cached
