@@ -445,13 +445,16 @@ class CompiledPipeline(Pipeline):
         return self.context
 
     def _measure(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, steps: int) -> Measured:
-        """Per-stage mean times over ``steps`` steps (after one warm-up) and the median step."""
+        """Per-stage mean times over ``steps`` steps (after one warm-up) and the median step, each
+        step from zeroed gradients as training runs it (accumulating onto the last step's would add
+        a pass over every gradient to the step's wall)."""
         per_step, walls = [], []
         recorder = self.recorder
         if recorder is None:
             raise ConfigError("calibrate reads the runtime trace; set pipe.recorder to a TraceRecorder")
         with gc_paused():
             for i in range(steps + 1):
+                self.zero_grad(set_to_none=True)
                 start = time.perf_counter()
                 self.train_step(*args, target=target, loss_fn=loss_fn, **kwargs)
                 if i:

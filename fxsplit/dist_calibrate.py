@@ -225,7 +225,9 @@ class CompiledDistributedPipeline(DistributedPipeline):
 
     def timed_steps(self, *args: Any, target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor], steps: int,
                     **kwargs: Any) -> tuple[list[float], list[list[dict[str, float]]]]:
-        """``steps`` training steps after one warm-up, each timed between barriers; collective.
+        """``steps`` training steps after one warm-up, each from zeroed gradients (as training
+        runs them; this rank's gradients are left set to None before each) and timed between
+        barriers; collective.
 
         Returns:
             This rank's step walls (seconds) and, per step, every stage's forward and backward
@@ -233,6 +235,7 @@ class CompiledDistributedPipeline(DistributedPipeline):
         """
         walls, per_step = [], []
         for i in range(steps + 1):  # the first step warms up (runners, buffers, allocator)
+            self.zero_grad(set_to_none=True)
             wall = barrier_timed_s(lambda: self.train_step(*args, target=target, loss_fn=loss_fn, **kwargs))
             if i:
                 walls.append(wall)
