@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxsplit.frontend import load_per_core, profile_options
+from fxsplit.frontend import load_per_core, profile_options, save_unless_busy
 from fxsplit.ir import CondensedGraph, DeviceSpec
 from fxsplit.options import CompileOptions
 from fxsplit.passes.measure import NodeTimes
@@ -232,12 +232,8 @@ def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[
     cache = together.timings if together is not None else profile["profile_cache"]
     load = load_per_core()  # before timing: what else runs here (as fxsplit.compile judges it)
     profile_node_times(work, inputs, batched, profile["profile_sizes"], str(device), cache=cache)
-    own = profile["profile_cache"] if together is None else None
-    if own is not None and own.misses and load > 1.0:
-        log.warning("not caching rank 0's profile: the machine was busy (load %.1f per core); timings may be "
-                    "high, and the next compile times again", load)
-    elif own is not None:
-        own.save()
+    if together is None and profile["profile_cache"] is not None:
+        save_unless_busy(profile["profile_cache"], load, "rank 0's profile")
     costs = {n.name: n.meta["fxsplit.cost"] for n in work.graph.nodes if n.op != "output"}
     blocks = []
     for b in graph.blocks:

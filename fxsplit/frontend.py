@@ -30,7 +30,7 @@ from fxsplit.passes.profile import device_name, open_cache, profile_sizes
 from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
 from fxsplit.schedule.explore import default_microbatches
 
-__all__ = ["Inspection", "capture_with", "front_end", "load_per_core", "profile_options", "with_batch_dim"]
+__all__ = ["Inspection", "capture_with", "front_end", "load_per_core", "profile_options", "save_unless_busy", "with_batch_dim"]
 
 log = logging.getLogger(__name__)
 
@@ -155,12 +155,7 @@ def front_end(
         pm.run(captured.gm)
     cache = profile["profile_cache"] if profile is not None else None
     if cache is not None:
-        if cache.misses and load > 1.0:  # timings taken on an oversubscribed machine are not kept
-            log.warning("not caching the profile of %s: the machine was busy (load %.1f per core); timings "
-                        "may be high, and the next compile times again", name, load)
-        else:
-            cache.save()
-        log.info("profile cache %s: %d hits, %d misses", cache.path, cache.hits, cache.misses)
+        save_unless_busy(cache, load, f"the profile of {name}")
     condensed = pm.artifacts.get("condense_antichains")
     if not isinstance(condensed, Condensed):
         raise InternalError(f"the front end's last pass made {type(condensed).__name__}, not Condensed (a bug in fxsplit)")
@@ -240,6 +235,21 @@ def capture_with(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] |
     ``dynamic_batch``, ``batch_dim``)."""
     return capture(model, tuple(args), dict(kwargs or {}), method=options.capture_method,
                    dynamic_batch=options.dynamic_batch, batch_dim=options.batch_dim)
+
+
+def save_unless_busy(cache: Any, load: float, what: str) -> bool:
+    """Save the profile ``cache`` (a :class:`~fxsplit.passes.profile.ProfileCache`) unless it
+    timed something while the machine was busy (``load``, per core, read before timing, over 1):
+    timings taken on an oversubscribed machine would be reused by every later compile. Logs the
+    cache's hits and misses; returns whether it saved."""
+    busy = bool(cache.misses) and load > 1.0
+    if busy:
+        log.warning("not caching %s: the machine was busy (load %.1f per core); timings may be high, and the "
+                    "next compile times again", what, load)
+    else:
+        cache.save()
+    log.info("profile cache %s: %d hits, %d misses", cache.path, cache.hits, cache.misses)
+    return not busy
 
 
 def load_per_core() -> float:
