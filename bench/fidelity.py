@@ -13,12 +13,15 @@ The local pipeline runs every action in turn (one process), so its step should t
 ``--ranks 2``: the same models on ``fxsplit.distributed`` (2 processes, gloo on 127.0.0.1, 1
 thread each, rank 0 profiles and plans over the measured link): per stage the plan's forward and
 backward time per micro-batch against the runtime trace of every rank
-(``pipe.stage_times_s()``, medians over the timed steps), and the plan's simulated step
-(``makespan_s``: schedule, bubble and link) against the wall time of ``train_step``; then
+(``pipe.stage_times_s()``, medians over the timed steps), and the predicted step
+(``pipe.predicted_step_s()``: the plan's simulated step, with schedule, bubble, links and the
+runtime's own work per action and message, plus the tied-gradient all-reduces timed at build)
+against the wall time of ``train_step``; then
 ``pipe.calibrate`` (every rank's measured stage times refitted on rank 0, re-planned, the stages
 rebuilt across the ranks when that pays) and the same measurement again. "replay" is
-the same simulation on the *measured* stage times: its error is what lies outside the stages'
-compute (the loss, waiting on sends and receives, the runtime, the tied-weight all-reduce).
+the same simulation on the *measured* stage times (plus the tied all-reduces): its error is what
+lies outside the stages' compute and the model (the loss, waiting on sends and receives beyond
+the probes).
 
 Run: ``python bench/fidelity.py [--quick] [--steps 5] [--cost-model profiled|measured|analytic]
 [--ranks 2]``.
@@ -99,18 +102,30 @@ def _dist_timed(pipe: Any, x: Any, y: Any, loss_fn: Any, kwargs: dict, steps: in
               for s, st in enumerate(plan["stages"])]
     replay = simulate(make(schedule, len(stages), pipe.microbatches), [r["meas_fwd_s"] for r in stages],
                       [r["meas_bwd_s"] for r in stages], stage_comm_s=[st["comm_s"] for st in plan["stages"]]).makespan_s
-    return {"stages": stages, "step": (plan["makespan_s"], statistics.median(step_s)), "replay_s": replay}
+    # the plan's step and the tied-gradient all-reduces that end it (pipe.tied_sync_s), as predicted_step_s
+    return {"stages": stages, "step": (pipe.predicted_step_s(), statistics.median(step_s)),
+            "replay_s": replay + pipe.tied_sync_s}
+
+
+def _rank_setup(keep_freed: bool) -> None:
+    """One thread, and the allocator mode of ``--keep-freed-memory`` (each spawned rank is a fresh
+    process: the parent's ``mallopt`` does not reach it)."""
+    torch.set_num_threads(1)
+    if keep_freed:
+        from fxsplit.runtime.host_memory import keep_freed_memory
+
+        keep_freed_memory()
 
 
 def _dist_worker(rank: int, port: int, queue: Any, case_args: tuple, steps: int, schedule: str,
-                 cost_model: str) -> None:
+                 cost_model: str, keep_freed: bool = False) -> None:
     """One rank of the 2-rank fidelity run: compile, time ``steps`` train steps, ``calibrate``
     (which re-plans and rebuilds across the ranks when that pays), time again."""
     import torch.distributed as dist
 
     import fxsplit.distributed as fxd
 
-    torch.set_num_threads(1)
+    _rank_setup(keep_freed)
     join_gloo(rank, port)
     try:
         name, model, size, overrides, p, m, batch = case_args
@@ -138,7 +153,7 @@ def _dist_worker(rank: int, port: int, queue: Any, case_args: tuple, steps: int,
 
 
 def _profiling_worker(rank: int, port: int, queue: Any, case_args: tuple, steps: int, schedule: str,
-                      rounds: int, together_first: bool) -> None:
+                      rounds: int, together_first: bool, keep_freed: bool = False) -> None:
     """One rank of ``--compare-profiling``: compile the case twice, once with every rank profiling
     together (``CompileOptions.profile_all_ranks``) and once with rank 0 profiling alone (the
     default), ``together_first`` or not (a process's first profile runs colder than its second),
@@ -147,7 +162,7 @@ def _profiling_worker(rank: int, port: int, queue: Any, case_args: tuple, steps:
 
     import fxsplit.distributed as fxd
 
-    torch.set_num_threads(1)
+    _rank_setup(keep_freed)
     join_gloo(rank, port)
     try:
         name, model, size, overrides, p, m, batch = case_args
@@ -217,10 +232,11 @@ def profiling_table(rows: list[dict[str, Any]]) -> Table:
     return t
 
 
-def run_case_distributed(case_args: tuple, steps: int, schedule: str, cost_model: str) -> dict[str, Any]:
+def run_case_distributed(case_args: tuple, steps: int, schedule: str, cost_model: str,
+                         keep_freed: bool = False) -> dict[str, Any]:
     """Spawn 2 gloo ranks for one case (its stage count is taken as 2)."""
     case_args = (*case_args[:4], 2, *case_args[5:])
-    return spawn_two(_dist_worker, case_args, steps, schedule, cost_model)
+    return spawn_two(_dist_worker, case_args, steps, schedule, cost_model, keep_freed)
 
 
 def dist_step_table(rows: list[dict[str, Any]]) -> Table:
@@ -318,7 +334,7 @@ def main() -> None:
             for first in (True, False):
                 with out.status(f"{name}: profiled together and alone ..."):
                     found.append(spawn_two(_profiling_worker, (name, model, size, overrides, 2, m, batch), args.steps,
-                                           args.schedule, args.compare_profiling, first))
+                                           args.schedule, args.compare_profiling, first, args.keep_freed_memory))
         show(profiling_table(found), out, args.markdown)
         load_after = os.getloadavg()
         out.print(f"profiled ranks (together / alone): {[(r['together']['profiled_ranks'], r['alone']['profiled_ranks']) for r in found]}; "
@@ -330,7 +346,7 @@ def main() -> None:
         with out.status(f"{name}: {p if args.ranks == 1 else 2} stages, {m} micro-batches ..."):
             if args.ranks == 2:
                 rows.append(run_case_distributed((name, model, size, overrides, p, m, batch), steps, args.schedule,
-                                                 args.cost_model))
+                                                 args.cost_model, args.keep_freed_memory))
             else:
                 rows.append(run_case(name, model, size, overrides, p, m, batch, steps, args.schedule,
                                      args.cost_model, args.device))

@@ -339,6 +339,7 @@ def compile(  # noqa: A001 - the public name users expect
     """
     from fxsplit.calibrate import CompiledPipeline
     from fxsplit.compiler import compile_pipeline
+    from fxsplit.overhead import resolve_action_overhead
 
     options = options or CompileOptions()
     options = with_batch_dim(options, batch_dim)
@@ -347,6 +348,7 @@ def compile(  # noqa: A001 - the public name users expect
     specs = _device_specs(devices, memory_limit_bytes)
     if cost_model == "auto":
         cost_model = resolve_cost_model(model, (example_inputs, example_kwargs), options.reference or specs[0])
+    options = resolve_action_overhead(options, specs, cost_model)
     return compile_pipeline(
         model, specs, tuple(example_inputs), dict(example_kwargs or {}), microbatches=microbatches,
         schedule=schedule, solver=solver, cost_model=cost_model, objective=objective, options=options,

@@ -151,7 +151,9 @@ def refit_problem(problem: Problem, measurements: Sequence[Measurement], microba
     factor ``x_g`` on its times (forward and backward separately). Each measured stage ``S``
     gives one equation ``sum_g P_g,S * x_g = M_S`` (``P`` the per-micro-batch prediction of
     ``problem`` at ``microbatches``, ``M`` the measurement); the least-squares solution nearest to
-    ``x = 1`` (NumPy's minimum-norm ``lstsq`` on ``x - 1``) is taken, clipped to ``>= 1e-3``. With
+    ``x = 1`` (NumPy's minimum-norm ``lstsq`` on ``x - 1``) is taken, clipped to ``>= 1e-3``. The
+    runtime's work per action (:attr:`~fxsplit.ir.Problem.action_overhead_s`, which the plan adds
+    to every stage) is taken off each measurement first. With
     one measured plan this is each stage's measured / predicted ratio for all its blocks; each
     further plan splits groups and refines them.
 
@@ -184,7 +186,11 @@ def refit_problem(problem: Problem, measurements: Sequence[Measurement], microba
                 for b in st:
                     row[group_of[b]] += getattr(graph.blocks[b], attr) / problem.devices[dev].speed
                 rows.append(row)
-                rhs.append((t.meas_fwd_s if attr == "fwd_s" else meas.backward_s(s)) - row.sum())
+                # the runtime's own work per action (problem.action_overhead_s) is not the blocks'; a
+                # recomputing stage's backward_s has it taken off with the forward it subtracts
+                again = bool(meas.recompute[s]) if meas.recompute else False
+                fixed = 0.0 if attr == "bwd_s" and again else problem.action_overhead_s
+                rhs.append((t.meas_fwd_s if attr == "fwd_s" else meas.backward_s(s)) - fixed - row.sum())
         a = np.array(rows)
         y = np.linalg.lstsq(a, np.array(rhs), rcond=None)[0] if a.any() else np.zeros(len(groups))
         x = np.maximum(1.0 + y, 1e-3)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -369,6 +370,21 @@ def _links(specs: Sequence[DeviceSpec], options: CompileOptions, cost_model: str
     return LinkSpec(), ()
 
 
+def action_overhead_option(options: CompileOptions) -> float | None:
+    """``options.action_overhead_s`` as seconds, or None for ``"auto"`` / ``"probe"``.
+
+    Raises:
+        ConfigError: for anything else than a finite number >= 0, ``"auto"`` or ``"probe"``.
+    """
+    chosen = options.action_overhead_s
+    if chosen in ("auto", "probe"):
+        return None
+    if isinstance(chosen, bool) or not isinstance(chosen, int | float) or not math.isfinite(chosen) or chosen < 0:
+        raise ConfigError(f"action_overhead_s={chosen!r}; give seconds per stage action (a finite number >= 0, 0: "
+                          "not modelled), 'probe' or 'auto'")
+    return float(chosen)
+
+
 def _orphans(model: nn.Module, captured: Captured) -> dict[str, torch.Tensor]:
     used = {a for names in captured.aliases.values() for a in names}
     return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in used}
@@ -432,6 +448,9 @@ def compile_pipeline(
             f"something else than the model: {'; '.join(map(str, mixing))}. Use microbatches=1 (or 'auto'), or make "
             f"those ops per-sample{hint}", NotPerSampleWarning, stacklevel=3)
     link, links = _links(specs, options, cost_model)
+    # the runtime's work per action: fxsplit.compile measures it first (fxsplit.overhead); a
+    # caller that left "auto"/"probe" here plans without it
+    overhead_s = action_overhead_option(options) or 0.0
     # each precision's condensation and the node metadata it wrote (values, costs, blocks): the
     # winner's are put back on captured.gm for codegen, never recomputed (timed costs, and so the
     # blocks, differ from one annotation to the next)
@@ -451,7 +470,7 @@ def compile_pipeline(
         return Problem(
             condensed.graph, tuple(specs), link=link, links=links, objective=objective,
             training=options.training, schedule="1f1b", allow_idle_devices=options.allow_idle_devices,
-            recompute=options.recompute,
+            recompute=options.recompute, action_overhead_s=overhead_s,
         ).check()
 
     t1 = time.perf_counter()

@@ -149,8 +149,9 @@ class CompiledDistributedPipeline(DistributedPipeline):
         return self.plan
 
     def predicted_step_s(self) -> float:
-        """The plan's predicted step (:func:`fxsplit.schedule.plan_step_s`), seconds."""
-        return float(plan_step_s(self.running_plan()))
+        """The plan's predicted step (:func:`fxsplit.schedule.plan_step_s`) and the tied-gradient
+        all-reduces that end it (:attr:`tied_sync_s`, timed when the pipeline was built), seconds."""
+        return float(plan_step_s(self.running_plan())) + self.tied_sync_s
 
     def calibrate(
         self,
@@ -279,8 +280,9 @@ class CompiledDistributedPipeline(DistributedPipeline):
         try:
             m, kind = self.microbatches, self.schedule_kind
             stages, devices = [st.blocks for st in running.stages], [st.device for st in running.stages]
+            # the tied all-reduces after the last backward are timed apart (tied_sync_s), not the links'
             refit, extra = fit_link_latency(refit_problem(ctx.problem, measured, m, kind), stages, devices, m, kind,
-                                            step_s)
+                                            max(0.0, step_s - self.tied_sync_s))
             probed = statistics.mean(ctx.problem.link_between(a, b).latency_s
                                      for a, b in zip(devices, devices[1:], strict=False))
             old = evaluate(per_microbatch(refit, m, kind), stages, devices, solver=running.solver, status=running.status)
@@ -318,6 +320,7 @@ class CompiledDistributedPipeline(DistributedPipeline):
         new.context = ctx
         self.close()
         self.__dict__.update(new.__dict__)
+        self.measure_tied_sync_s()  # the new stages' tied copies may sit on other ranks
         log.info("rank %d: rebuilt stage(s) %s on the calibrated plan (%d tensors)", rank, list(self.stage_indices),
                  len(values))
 

@@ -49,6 +49,7 @@ from fxsplit.options import CompileOptions
 from fxsplit.runtime.distributed import from_rank0
 from fxsplit.runtime.links import probe_pipeline_links
 from fxsplit.runtime.microbatch import batch_size_of
+from fxsplit.runtime.overhead import RuntimeOverhead, with_overhead
 
 __all__ = ["DistPlan", "example_batch", "rank0_cost_model", "graph_digest", "plan_on_rank0", "per_sample_on_rank0", "reference_spec", "check_plan",
            "profiled_blocks", "fits_device"]
@@ -185,15 +186,17 @@ def _error(exc: BaseException | None) -> str:
 
 
 def _problem(graph: CondensedGraph, reference: DeviceSpec, links: tuple[tuple[int, int, LinkSpec], ...],
-             world: int, options: CompileOptions) -> Problem:
+             world: int, options: CompileOptions, overhead: RuntimeOverhead | None = None) -> Problem:
     """Rank 0's planning problem: ``world`` stages on copies of ``reference``, over the measured
     links (those between ranks ``i`` and ``i + 1`` below ``world``: with replicated stages, a
-    pipeline's neighbours are further apart, and the hop of the first pair stands for theirs)."""
+    pipeline's neighbours are further apart, and the hop of the first pair stands for theirs),
+    charging the runtime's own work per action and per message (``overhead``) when measured."""
     specs = tuple(reference.with_(name=f"rank{i}") for i in range(world))
     link = options.link
     default = link if isinstance(link, LinkSpec) else LinkSpec()
     links = tuple(e for e in links if e[0] < world and e[1] < world)
-    return Problem(graph, specs, default, links=links, allow_idle_devices=False, recompute=options.recompute).check()
+    problem = Problem(graph, specs, default, links=links, allow_idle_devices=False, recompute=options.recompute)
+    return (with_overhead(problem, overhead) if overhead is not None else problem).check()
 
 
 def example_batch(captured: Any, inputs: tuple[tuple, dict]) -> tuple[list[Any], tuple[bool, ...], int]:
@@ -218,7 +221,8 @@ def rank0_cost_model(captured: Any, flat: Sequence[Any], device: torch.device, c
 def _plan(front: Inspection, inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
           links: tuple[tuple[int, int, LinkSpec], ...], reference: DeviceSpec, world: int, schedule: str,
           microbatches: int | str, solver: str, options: CompileOptions,
-          together: Profiled | None = None) -> tuple[Plan, Problem, dict[str, Any]]:
+          together: Profiled | None = None, overhead: RuntimeOverhead | None = None
+          ) -> tuple[Plan, Problem, dict[str, Any]]:
     """Rank 0: the per-sample check (with several micro-batches) and the graph with the chosen
     cost model, solved, on one materialised copy of the graph (``together``'s when every rank
     profiled, :func:`~fxsplit.dist_profile.profile_together`). Returns the plan, the problem
@@ -234,7 +238,7 @@ def _plan(front: Inspection, inputs: tuple[tuple, dict], device: torch.device, c
     mixing = per_sample_on_rank0(captured, inputs, device, work=work) if microbatches != 1 else None
     graph = condensed.graph if used == "analytic" else profiled_blocks(
         captured.gm, condensed.graph, flat, flags, device, microbatches, options, work=work, together=together)
-    problem = _problem(graph, reference, links, world, options)
+    problem = _problem(graph, reference, links, world, options, overhead)
     choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
     plan = choice.plan.with_(microbatches=choice.microbatches, schedule=choice.schedule)
     log.info("rank 0 planned with the %s cost model: %s", used, choice.reason)
@@ -279,6 +283,7 @@ def plan_on_rank0(
     options: CompileOptions,
     cost_model: str = "auto",
     devices: int | None = None,
+    overhead: RuntimeOverhead | None = None,
 ) -> DistPlan:
     """Capture on every rank, plan on rank 0, check the plan on every rank; collective.
 
@@ -299,6 +304,8 @@ def plan_on_rank0(
             are measured (:func:`~fxsplit.runtime.links.probe_pipeline_links`) unless
             ``options.link`` is a ``LinkSpec``.
         devices: The pipeline's ranks (stages), default ``world`` (fewer: replicated stages).
+        overhead: The runtime's own work per action and per message the plan charges
+            (:func:`fxsplit.distributed.probe_distributed_overhead`); None: not modelled.
 
     Returns:
         The :class:`DistPlan` of this rank.
@@ -332,11 +339,12 @@ def plan_on_rank0(
     if rank == 0 and front is not None and plan is None:
         solved, failure = _try(
             lambda: _plan(front, inputs, device, cost_model, links, reference, devices or world, schedule,
-                          microbatches, solver, options, together)
+                          microbatches, solver, options, together, overhead)
         )
         plan, problem, found = solved if solved is not None else (None, None, found)
     elif rank == 0 and front is not None:  # the user's plan; the analytic problem, for calibrate only
-        problem, unused = _try(lambda: _problem(front.condensed.graph, reference, links, devices or world, options))
+        problem, unused = _try(lambda: _problem(front.condensed.graph, reference, links, devices or world, options,
+                                                overhead))
         if unused is not None:
             log.info("no planning problem for calibrate: %s", _error(unused))
     notes: dict[str, Any] = {

@@ -18,6 +18,7 @@ import datetime
 import logging
 import math
 import os
+import statistics
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -28,8 +29,10 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from fxsplit.calibrate import Measurement, fit_link_latency, refit_problem, stage_rows
 from fxsplit.checkpoint import load_shard, read_index
 from fxsplit.codegen import split_graph
+from fxsplit.compiler import action_overhead_option
 from fxsplit.dist_build import (
     batched_flags,
     broadcast_tied,
@@ -54,12 +57,21 @@ from fxsplit.ir import DeviceSpec, LinkSpec, Plan
 from fxsplit.ir.problem import LOOPED_SCHEDULES
 from fxsplit.options import CompileOptions, autocast_dtype
 from fxsplit.runtime.dist_state import StageState, materialise
-from fxsplit.runtime.distributed import DistributedPipeline
+from fxsplit.runtime.distributed import DistributedPipeline, from_rank0
 from fxsplit.runtime.links import probe_collective_link
+from fxsplit.runtime.overhead import (
+    PROBE_BATCH,
+    PROBE_MICROBATCHES,
+    PROBE_WIDTH,
+    RuntimeOverhead,
+    bare_layer_s,
+    overhead_of,
+    untouched_rng,
+)
 from fxsplit.runtime.tensor_parallel import ParallelGraph, ParallelPlan
 from fxsplit.schedule import available
 
-__all__ = ["compile", "load", "parallelize", "CompiledDistributedPipeline", "DistributedPipeline", "ParallelGraph",
+__all__ = ["compile", "load", "parallelize", "probe_distributed_overhead", "CompiledDistributedPipeline", "DistributedPipeline", "ParallelGraph",
            "init_process_group", "batched_flags", "STRATEGIES"]
 
 log = logging.getLogger(__name__)
@@ -424,9 +436,10 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         _check_args(*_chosen(schedule, asked, plan), pp, plan.num_stages)  # before any collective
     with torch.device("meta"):
         meta_model = model_fn()
+    overhead = _runtime_overhead(options, device, world, cost_model) if plan is None else None
     planned = plan_on_rank0(meta_model, (args, kwargs), rank=rank, world=world, device=device, schedule=schedule,
                             microbatches=asked, solver=solver, plan=plan, options=options, cost_model=cost_model,
-                            devices=pp)
+                            devices=pp, overhead=overhead)
     captured, plan = planned.captured, planned.plan
     schedule, m = _chosen(schedule, asked, plan)
     _check_args(schedule, m, pp, plan.num_stages)
@@ -462,6 +475,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     pipe.hybrid = hybrid
     pipe.context = DistContext(model_fn, meta_model, captured, to_meta((args, kwargs)), planned.problem,
                                example_batch(captured, (args, kwargs))[2], solver, options)
+    pipe.measure_tied_sync_s()  # the step's tail after the last backward, in predicted_step_s
     _barrier(timeout_s)
     if rank == 0:
         log.info("pipeline of %d stages over %d ranks: %s x %d, stage sizes %s", plan.num_stages, world, schedule, m,
@@ -689,3 +703,87 @@ def _choose_strategies(found: Any, gm: torch.fx.GraphModule, strategy: str | Seq
     return ParallelPlan(name, choice, cost, g.memory_bytes(choice), solver, proven,
                         {"data-parallel": g.cost_s(found.data_parallel_choice()),
                          "replicate": g.cost_s(found.choice_of(("R",)))}, op_overhead_s)
+
+
+# -- the runtime's own work, measured on a pipeline of trivial stages ---------------------------
+_OVERHEAD_MEMO: dict[tuple[str, int], RuntimeOverhead] = {}
+
+
+def probe_distributed_overhead(device: torch.device, steps: int = 20) -> RuntimeOverhead:
+    """Per-action and per-message seconds of this module's runtime over the world's ranks
+    (:mod:`fxsplit.runtime.overhead`); collective: call on every rank, which all get rank 0's
+    reading. Memoised per process and device.
+
+    A pipeline of one tiny linear layer per rank (:func:`compile` with analytic costs over its
+    probed links) runs ``steps`` training steps after one warm-up. The per-action part is every
+    rank's trace (median forward and backward per micro-batch) minus the layer's bare time; the
+    per-message part is the latency :func:`fxsplit.calibrate.fit_link_latency` adds to the
+    probed links so that the plan, refitted to the measured actions, predicts rank 0's median
+    step wall (barrier to barrier): what the runtime spends per message beyond the ping-pong.
+
+    Raises:
+        ConfigError: without an initialised process group of at least 2 ranks.
+    """
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        raise ConfigError("probe_distributed_overhead needs an initialised process group of at least 2 ranks")
+    key = (str(device), dist.get_world_size())
+    if key not in _OVERHEAD_MEMO:
+        with untouched_rng(device):
+            _OVERHEAD_MEMO[key] = _probe_overhead(device, steps, dist.get_world_size())
+    return _OVERHEAD_MEMO[key]
+
+
+def _probe_overhead(device: torch.device, steps: int, world: int) -> RuntimeOverhead:
+    def build() -> nn.Module:
+        return nn.Sequential(*(nn.Linear(PROBE_WIDTH, PROBE_WIDTH) for _ in range(world)))
+
+    x, target = torch.randn(PROBE_BATCH, PROBE_WIDTH), torch.randn(PROBE_BATCH, PROBE_WIDTH)
+    options = CompileOptions(allow_idle_devices=False, profile_cache_dir=False, action_overhead_s=0.0, recompute="none")
+    pipe = compile(build, (x,), schedule="1f1b", microbatches=PROBE_MICROBATCHES, cost_model="analytic",
+                   state_dict=build().state_dict(), options=options)
+    try:
+        walls, per_step = pipe.timed_steps(x.to(device), target=target.to(device), loss_fn=nn.functional.mse_loss,
+                                           steps=steps)
+
+        def measured() -> RuntimeOverhead:
+            fwd, bwd = overhead_of(per_step, bare_layer_s(device, PROBE_BATCH // PROBE_MICROBATCHES))
+            ctx, plan = pipe.context, pipe.running_plan()
+            if ctx is None or ctx.problem is None:
+                return RuntimeOverhead((fwd + bwd) / 2, fwd, bwd)
+            problem = ctx.problem.with_(action_overhead_s=(fwd + bwd) / 2)
+            m = pipe.microbatches
+            refit = refit_problem(problem, [Measurement.of(plan, stage_rows(plan, per_step))], m, "1f1b")
+            extra = fit_link_latency(refit, [list(st.blocks) for st in plan.stages], [st.device for st in plan.stages],
+                                     m, "1f1b", statistics.median(walls))[1]
+            return RuntimeOverhead((fwd + bwd) / 2, fwd, bwd, max(0.0, float(extra)))
+
+        def answer() -> RuntimeOverhead | str:  # rank 0 never leaves the others waiting in the broadcast
+            try:
+                return measured()
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                return f"{type(exc).__name__}: {exc}"
+
+        found = from_rank0(answer)
+    finally:
+        pipe.close()
+    if isinstance(found, str):
+        log.warning("the runtime-overhead probe failed on rank 0 (%s); the plan does not charge the runtime's own "
+                    "work per action and message", found)
+        return RuntimeOverhead(0.0, 0.0, 0.0)
+    log.info("runtime overhead over %d ranks: %.1f us per forward, %.1f us per backward, %.1f us per message", world,
+             found.forward_s * 1e6, found.backward_s * 1e6, found.message_s * 1e6)
+    return found
+
+
+def _runtime_overhead(options: CompileOptions, device: torch.device, world: int, cost_model: str
+                      ) -> RuntimeOverhead | None:
+    """The runtime's own work the plan charges; collective (every rank decides alike from its
+    options and ``cost_model``, which agree across ranks): ``options.action_overhead_s`` seconds
+    per action when it is a number; measured (:func:`probe_distributed_overhead`) for
+    ``"probe"``, and for ``"auto"`` unless ``cost_model="analytic"``; None on one rank."""
+    given = action_overhead_option(options)
+    if given is not None:
+        return RuntimeOverhead(given, given, given)
+    if world == 1 or (options.action_overhead_s == "auto" and cost_model == "analytic"):
+        return None
+    return probe_distributed_overhead(device)

@@ -113,6 +113,12 @@ class CompileOptions:
             batch size at it (:mod:`fxsplit.passes.symbolic`: the roofline per size, where a
             small micro-batch still reads every weight) instead of scaling the whole batch's
             costs linearly; about a second more of annotation. False: linear scaling.
+        action_overhead_s: The runtime's own seconds per stage action (and, across processes,
+            per boundary message) that the plan charges (:attr:`fxsplit.ir.Problem.action_overhead_s`):
+            a number of seconds per action; ``"probe"`` to measure them on a pipeline of
+            trivial stages (:mod:`fxsplit.runtime.overhead`, memoised per process); ``"auto"``
+            (default) probes when the cost model times the devices (profiled or measured; under
+            ``fxsplit.distributed`` unless ``cost_model="analytic"``), else 0.
     """
 
     capture_method: str = "auto"
@@ -135,3 +141,4 @@ class CompileOptions:
     recompute: RecomputeName = "auto"
     autocast: str | None = None
     symbolic_costs: bool = True
+    action_overhead_s: float | str = "auto"

@@ -162,7 +162,8 @@ def _infeasible(problem: Problem, limit_s: float, how: str) -> InfeasibleError:
 
 def _rounding_slack_s(problem: Problem, data: CpData, plan: Plan) -> float:
     """Most the floor rounding can hide in ``plan``'s objective: a quantum per block and per
-    communication term (latency, each producer crossing) of a stage, twice in training."""
+    communication term (latency, each producer crossing) of a stage, twice in training, and one
+    for the runtime's work on the stage (``fixed_q``)."""
     k = 2 if problem.training else 1
     stage_of = plan.stage_of_block()
     crossing = [0] * plan.num_stages
@@ -170,7 +171,8 @@ def _rounding_slack_s(problem: Problem, data: CpData, plan: Plan) -> float:
         last = max(stage_of[v] for v, _ in outs)
         for s in range(stage_of[u], last):
             crossing[s] += 1
-    terms = [len(st.blocks) * (2 if st.recompute else 1) + k * (2 + (crossing[s - 1] if s else 0) + crossing[s])
+    fixed = 1 if problem.action_overhead_s > 0 else 0
+    terms = [len(st.blocks) * (2 if st.recompute else 1) + k * (2 + (crossing[s - 1] if s else 0) + crossing[s]) + fixed
              for s, st in enumerate(plan.stages)]
     if problem.objective == "bottleneck":
         return max(terms) * data.quantum_s

@@ -37,6 +37,8 @@ class CpData:
         check_memory: Whether memory can bind at all.
         fwd_q: ``[T][n]`` block forward time on unit ``t`` in quanta (what recomputing adds).
         recompute: The problem's recompute mode, ``"none"`` in inference.
+        fixed_q: The runtime's work per micro-batch on every non-empty stage
+            (:meth:`~fxsplit.ir.Problem.stage_overhead_s`) in quanta.
     """
 
     problem: Problem
@@ -53,6 +55,7 @@ class CpData:
     check_memory: bool = True
     fwd_q: tuple[tuple[int, ...], ...] = ()
     recompute: str = "none"
+    fixed_q: int = 0
 
     @classmethod
     def of(cls, problem: Problem, quantum_s: float | None = None) -> CpData:
@@ -90,7 +93,8 @@ class CpData:
         counts = ([k] if not problem.allow_idle_devices else list(range(1, S + 1))) if per_q else [0]
         flights = {p: tuple(problem.in_flight(s, p if p else k) for s in range(S)) for p in counts}
         return cls(problem, q, S, units, allowed, time_q, static, act, dict(producers), tuple(comm),
-                   flights, check, fwd_q, problem.recompute if problem.may_recompute() else "none")
+                   flights, check, fwd_q, problem.recompute if problem.may_recompute() else "none",
+                   int(problem.stage_overhead_s() / q))
 
 
 @dataclass
@@ -216,16 +220,17 @@ def _recomputes(m: Any, d: CpData, v: CpVars, s: int) -> Any:
 
 def add_loads(m: Any, d: CpData, v: CpVars) -> None:
     """Stage time on its unit: compute (its forward once more when it recomputes) plus
-    communication in and out (twice in training). The bottleneck is at least the slowest block
-    and the mean stage, each block on its fastest unit."""
+    communication in and out (twice in training) plus the runtime's work on a non-empty stage
+    (``fixed_q``: ``use[s, t]`` holds only for one). The bottleneck is at least the slowest block
+    and the mean stage, each block on its fastest unit, plus that work."""
     n, k, S = len(d.static_bytes), 2 if d.problem.training else 1, d.num_stages
     comm_max = max((_max_comm_q(d, s) for s in range(S - 1)), default=0)
     again_max = max((sum(fq) for fq in d.fwd_q), default=0) if d.recompute != "none" else 0
-    horizon = max(sum(tq) for tq in d.time_q) + again_max + 2 * k * comm_max
+    horizon = max(sum(tq) for tq in d.time_q) + again_max + 2 * k * comm_max + d.fixed_q
     twice = d.recompute == "all"  # every stage runs its forward again
     cheapest = [min(tq[b] + (fq[b] if twice else 0) for tq, fq in zip(d.time_q, d.fwd_q, strict=True))
                 for b in range(n)]  # each block on its fastest unit
-    floor = max(max(cheapest, default=0), -(-sum(cheapest) // S))  # the slowest block; the mean stage
+    floor = max(max(cheapest, default=0), -(-sum(cheapest) // S)) + d.fixed_q  # the slowest block; the mean stage
     v.bottleneck = m.NewIntVar(min(floor, horizon), horizon, "bottleneck")
     for s in range(S):
         v.load[s] = m.NewIntVar(0, horizon, f"load[{s}]")
@@ -233,12 +238,12 @@ def add_loads(m: Any, d: CpData, v: CpVars) -> None:
         again = _recomputes(m, d, v, s)
         for t in d.allowed[s]:
             work = sum(d.time_q[t][b] * v.x[b, s] for b in range(n))
-            m.Add(v.load[s] >= work + k * comm).OnlyEnforceIf(v.use[s, t])
+            m.Add(v.load[s] >= work + k * comm + d.fixed_q).OnlyEnforceIf(v.use[s, t])
             if isinstance(again, int) and not again:
                 continue
             redo = sum(d.fwd_q[t][b] * v.x[b, s] for b in range(n))
             lits = [v.use[s, t]] + ([] if isinstance(again, int) else [again])
-            m.Add(v.load[s] >= work + redo + k * comm).OnlyEnforceIf(lits)
+            m.Add(v.load[s] >= work + redo + k * comm + d.fixed_q).OnlyEnforceIf(lits)
         m.Add(v.bottleneck >= v.load[s])
 
 

@@ -42,13 +42,15 @@ __all__ = ["Move", "Signature", "Layout", "build_layout", "can_start_from_end", 
 
 @dataclass(frozen=True)
 class Signature:
-    """Cost parameters of a move: device speed and memory, in-flight count, links in and out."""
+    """Cost parameters of a move: device speed and memory, in-flight count, links in and out,
+    and the runtime's seconds per micro-batch on the stage (:meth:`~fxsplit.ir.Problem.stage_overhead_s`)."""
 
     speed: float
     cap_bytes: float
     flight: int
     link_in: LinkSpec
     link_out: LinkSpec
+    fixed_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ def _sig(problem: Problem, device: int, stage: int, p: int | None, check_memory:
     d = problem.devices[device]
     cap = float(d.memory_bytes) if check_memory else math.inf
     flight = problem.in_flight(stage, p if p is not None else problem.num_devices)
-    return Signature(d.speed, cap, flight if check_memory else 0, link_in, link_out)
+    return Signature(d.speed, cap, flight if check_memory else 0, link_in, link_out, problem.stage_overhead_s())
 
 
 def _fixed(problem: Problem, max_stages: int, per_p: bool, check_memory: bool,

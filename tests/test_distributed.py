@@ -68,7 +68,10 @@ def test_zero_bubble_splits_the_backward_across_ranks_like_the_unsplit_model(tmp
     assert checked.count("tok_emb.weight") == 2 and len(set(checked)) == len(checked) - 1
     times = r0["stage_times_s"]
     assert all(t["bwd_s"] > t["bwd_weight_s"] > 0 for t in times[1:]), times  # I and W both ran
-    assert times[0]["bwd_weight_s"] > 0.5 * times[0]["bwd_s"], times  # the first stage: its I computes nothing
+    # the first stage's I computes no kernel (no input gradient) but still costs the runtime's work per
+    # action (0.1-0.4 ms on 2 loaded cores: fxsplit.runtime.overhead), as much as a tiny stage's W, so
+    # only that its W ran is checked (a ratio of the two failed under the full suite's load)
+    assert times[0]["bwd_weight_s"] > 0, times
 
 
 def test_auto_runs_the_schedule_rank_0_chose(tmp_path):

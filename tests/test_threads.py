@@ -9,7 +9,7 @@ from pipeline_utils import Compiled, assert_same_training
 
 import fxsplit.models as zoo
 from fxsplit.errors import ConfigError, ExecutionError
-from fxsplit.runtime.local import _choose_executor
+from fxsplit.runtime.local import choose_executor
 from fxsplit.runtime.threads import action_dependencies, run_threaded
 from fxsplit.schedule import Action, make
 
@@ -69,7 +69,7 @@ def test_stage_error_in_a_thread_keeps_stage_microbatch_and_device():
 
 
 def test_executor_choice():
-    assert _choose_executor("auto", ["cpu", "cpu"]) == "sequential"
-    assert _choose_executor("auto", ["cpu", "cuda:1"]) == "threads"
+    assert choose_executor("auto", ["cpu", "cpu"]) == "sequential"
+    assert choose_executor("auto", ["cpu", "cuda:1"]) == "threads"
     with pytest.raises(ConfigError, match="executor='fast'"):
-        _choose_executor("fast", ["cpu"])
+        choose_executor("fast", ["cpu"])

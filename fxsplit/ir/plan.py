@@ -276,8 +276,9 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
         out_bytes = g.cut_bytes(prefix) if s < p - 1 else 0
         speed = problem.devices[d].speed
         bl = [g.blocks[b] for b in blocks]
-        fwd = sum(b.fwd_s for b in bl) / speed
-        bwd = sum(b.bwd_s for b in bl) / speed if problem.training else 0.0
+        fixed = problem.action_overhead_s if bl else 0.0  # the runtime's work per action (not scaled)
+        fwd = sum(b.fwd_s for b in bl) / speed + fixed
+        bwd = sum(b.bwd_s for b in bl) / speed + fixed if problem.training else 0.0
         comm = 0.0
         if s > 0:
             comm += problem.link_between(devices[s - 1], d).transfer_s(in_bytes)
@@ -290,7 +291,8 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
         recompute = problem.recomputes(keep, again, problem.devices[d].memory_bytes // sharing[d])
         # a recomputing stage runs its whole backward in I (one recompute; fxsplit.runtime.split_backward)
         weight = sum(b.bwd_weight_s for b in bl) / speed if problem.training and not recompute else 0.0
-        out.append(StagePlan(d, tuple(blocks), fwd, bwd + (fwd if recompute else 0.0), k * comm, in_bytes,
+        redo = fwd - fixed if recompute else 0.0  # recomputing runs the forward's compute inside the backward action
+        out.append(StagePlan(d, tuple(blocks), fwd, bwd + redo, k * comm, in_bytes,
                              out_bytes, int(again if recompute else keep), weight, recompute))
         in_bytes = out_bytes
     return out
@@ -353,7 +355,8 @@ def trivial_lower_bound(problem: Problem) -> float:
     Bottleneck: ``max(largest block / fastest speed, total work / sum of all speeds)``.
     Makespan: ``total work / fastest speed + (m - 1) · bottleneck bound`` (the sum of stage times
     is at least the total work on the fastest device). Communication is ignored (it only adds).
-    Under ``recompute="all"`` each block's forward counts twice.
+    Under ``recompute="all"`` each block's forward counts twice. Every plan has a stage, and
+    every stage pays :meth:`~fxsplit.ir.Problem.stage_overhead_s`: both bounds add it once.
     """
     g = problem.graph
     again = problem.may_recompute() and problem.recompute == "all"  # every stage runs its forward twice
@@ -361,8 +364,8 @@ def trivial_lower_bound(problem: Problem) -> float:
     speeds = [d.speed for d in problem.devices]
     if not times:
         return 0.0
-    total, vmax = sum(times), max(speeds)
-    lb_bottleneck = max(max(times) / vmax, total / sum(speeds))
+    total, vmax, fixed = sum(times), max(speeds), problem.stage_overhead_s()
+    lb_bottleneck = max(max(times) / vmax, total / sum(speeds)) + fixed
     if problem.objective == "bottleneck":
         return lb_bottleneck
-    return total / vmax + (problem.microbatches - 1) * lb_bottleneck
+    return total / vmax + fixed + (problem.microbatches - 1) * lb_bottleneck

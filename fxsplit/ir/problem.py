@@ -13,7 +13,8 @@ JSON schema (``Problem.to_json``)::
      "device_order": "fixed" | "free", "allow_idle_devices": bool,
      "stages_per_device": int,                        # > 1 only for the interleaved ones
      "recompute": "none" | "auto" | "all",            # activation recomputation per stage
-     "transfer_memory": bool}                          # received inputs and output buffers in memory
+     "transfer_memory": bool,                          # received inputs and output buffers in memory
+     "action_overhead_s": float}                       # the runtime's own seconds per stage action
 """
 
 from __future__ import annotations
@@ -79,6 +80,14 @@ class Problem:
             parameters, optimizer state, buffers and activations only: the model of Tarnawski
             et al. (NeurIPS 2020), whose ``dp.cpp`` counts node sizes only and charges edges as
             time (:func:`fxsplit.ir.formats.load_tarnawski`).
+        action_overhead_s: Seconds the pipeline runtime spends on each action of a stage (one
+            forward or one backward of one micro-batch) besides the stage's compute and its
+            transfers: taking and detaching its inputs, keeping its outputs for backward, running
+            autograd on them, posting its sends and receives. Not scaled by device speed (host
+            work). Every non-empty stage's ``fwd_s`` and ``bwd_s`` carry it, so a stage costs
+            ``2 * action_overhead_s`` more per micro-batch in training, ``1 *`` in inference; a
+            zero-bubble weight half pays none of its own. Measured by
+            :func:`fxsplit.runtime.overhead.probe_action_overhead` (0: not modelled).
 
     Raises:
         ConfigError: from :meth:`check` for bad values, naming the field and the fix.
@@ -99,6 +108,7 @@ class Problem:
     stages_per_device: int = 1
     recompute: RecomputeName = "none"
     transfer_memory: bool = True
+    action_overhead_s: float = 0.0
 
     @property
     def num_devices(self) -> int:
@@ -137,6 +147,11 @@ class Problem:
         """Memory a block takes regardless of micro-batches: its parameters and the copies of
         parameters it reads (times params + grads + optimizer state), plus its buffers."""
         return (block.param_bytes + block.replica_param_bytes) * self.state_bytes_per_param_byte() + block.buffer_bytes
+
+    def stage_overhead_s(self) -> float:
+        """The runtime's seconds per micro-batch on every non-empty stage:
+        :attr:`action_overhead_s` per action, two actions (forward, backward) in training."""
+        return self.action_overhead_s * (2 if self.training else 1)
 
     def may_recompute(self) -> bool:
         """Whether a stage may recompute its activations (training, ``recompute`` not ``"none"``)."""
@@ -201,6 +216,10 @@ class Problem:
             value = getattr(self, attr)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{attr}={value!r} must be a finite number >= 0 (Adam: optimizer_state_factor=2.0)")
+        value = self.action_overhead_s
+        if not (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
+            raise ConfigError(f"action_overhead_s={value!r} must be a finite number of seconds >= 0 (0: the runtime's "
+                              "own work per stage action is not modelled)")
         self.graph.check()
         return self
 
@@ -222,6 +241,7 @@ class Problem:
             "stages_per_device": self.stages_per_device,
             "recompute": self.recompute,
             "transfer_memory": self.transfer_memory,
+            "action_overhead_s": self.action_overhead_s,
         }
 
     @classmethod

@@ -163,7 +163,7 @@ class Pipeline(ParameterAPI):
         # Schedules and their global action orders, per (kind, micro-batches): made once.
         self._schedules: dict[tuple[str, int], tuple[Schedule, list[Action]]] = {}
         self.schedule = self._schedule_for(microbatches)
-        self.executor = _choose_executor(executor, [st.device for st in program.stages])
+        self.executor = choose_executor(executor, [st.device for st in program.stages])
         _check_recompute_draws(self.executor, program, plan)
         self._devices = [torch.device(st.device) for st in program.stages]
         # Deferred BatchNorm (fxsplit.codegen.batchnorm): running statistics updated once per
@@ -530,7 +530,7 @@ def _check_recompute_draws(executor: str, program: StagedProgram, plan: Plan) ->
                 "draw other masks than its forward. Use executor='sequential', or recompute='none'")
 
 
-def _choose_executor(executor: str, devices: Sequence[str]) -> str:
+def choose_executor(executor: str, devices: Sequence[str]) -> str:
     """``"threads"`` (one worker per device, stages overlap) or ``"sequential"`` (one thread,
     actions in a valid global order); ``"auto"`` picks threads when a stage is on CUDA."""
     if executor not in EXECUTORS:
