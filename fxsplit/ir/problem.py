@@ -87,7 +87,8 @@ class Problem:
             work). Every non-empty stage's ``fwd_s`` and ``bwd_s`` carry it, so a stage costs
             ``2 * action_overhead_s`` more per micro-batch in training, ``1 *`` in inference; a
             zero-bubble weight half pays none of its own. Measured by
-            :func:`fxsplit.runtime.overhead.probe_action_overhead` (0: not modelled).
+            :func:`fxsplit.overhead.probe_action_overhead` and
+            :func:`fxsplit.distributed.probe_distributed_overhead` (0: not modelled).
 
     Raises:
         ConfigError: from :meth:`check` for bad values, naming the field and the fix.
