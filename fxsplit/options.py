@@ -81,11 +81,13 @@ class CompileOptions:
             graph at the same time as rank 0 and rank 0 plans on the mean of their timings, so
             the stages are timed beside the processes they run beside
             (:func:`fxsplit.dist_profile.profile_together`; the pipeline's planning, not
-            ``parallel="hybrid"``'s mesh search, which rank 0 profiles alone). Off by default: on 2 ranks of a
-            2-core machine it brought the Hugging Face GPT-2 stages from 11-16 % to 5-8 % of
-            their measured times and BERT's from 12-13 % to 2.5-11 %, but not the small GPT
-            and MLP, whose profile moves more with how warm the process is (``bench/fidelity.py --ranks 2
-            --compare-profiling 4``, bench/README.md).
+            ``parallel="hybrid"``'s mesh search, which rank 0 profiles alone), when ``world``
+            copies of the model fit the machine's free memory. On by default: on 2 ranks of a
+            2-core machine, with the runtime's own work costed and freed memory kept, it
+            brought the median stage error closer in 8 of 10 runs of five models (MLP 12-19 %
+            against 20-29 % alone, ResNet 3-9 % against 4-16 %, BERT 6-9 % against 7-16 %;
+            ``bench/fidelity.py --ranks 2 --compare-profiling 3 --keep-freed-memory``,
+            bench/README.md). False: rank 0 profiles alone.
         progress: ``progress(done, total)`` called after each micro-batch size the profiled
             cost model times (the CLI draws a progress bar with it).
         phase: ``phase(text)`` called as compile moves on (capturing, annotating costs, the
@@ -133,7 +135,7 @@ class CompileOptions:
     executor: str = "auto"
     deferred_batch_norm: bool = True
     profile_cache_dir: str | Path | bool | None = None
-    profile_all_ranks: bool = False
+    profile_all_ranks: bool = True
     progress: Callable[[int, int], None] | None = None
     phase: Callable[[str], None] | None = None
     batch_dim: int = 0

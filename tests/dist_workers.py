@@ -498,13 +498,14 @@ def planned_on_rank0(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     batch = 2 * world
     case = _case("gpt", batch)
     pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="gpipe", microbatches=2,
-                       state_dict=case.model.state_dict(), timeout_s=30)
+                       state_dict=case.model.state_dict(), timeout_s=30,
+                       options=CompileOptions(profile_cache_dir=False, profile_all_ranks=False))
     pipe.close()
     plan = pipe.running_plan()
-    # every rank profiles with rank 0 (CompileOptions.profile_all_ranks), still only rank 0 plans
+    # by default every rank profiles with rank 0 (CompileOptions.profile_all_ranks), still only rank 0 plans
     together = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="gpipe", microbatches=2,
                            state_dict=case.model.state_dict(), timeout_s=30,
-                           options=CompileOptions(profile_cache_dir=False, profile_all_ranks=True))
+                           options=CompileOptions(profile_cache_dir=False))
     together.close()
     return {"reference": pipe.meta["reference"], "stages": [list(s.blocks) for s in plan.stages],
             "cost_model": pipe.meta["cost_model"], "plan_stats": dict(plan.stats),

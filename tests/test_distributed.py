@@ -341,8 +341,8 @@ def test_rank_0_plans_once_on_its_measured_device_and_the_others_follow(tmp_path
     # issue 15: what drives the ranks travels beside the plan, not in its solver stats
     assert not {"cost_model", "not_per_sample"} & set(results[1]["result"]["plan_stats"])
     assert refs[0]["memory_bytes"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "measured on this machine"
-    # profile_all_ranks: both ranks timed the graph at once (rank 0 still the only planner:
-    # profiled_blocks and the solver stay forbidden on rank 1); by default rank 0 alone
+    # profile_all_ranks (the default): both ranks timed the graph at once (rank 0 still the only
+    # planner: profiled_blocks and the solver stay forbidden on rank 1); with False rank 0 alone
     assert [r["result"]["profiled_ranks"] for r in results.values()] == [[1, 2], [1, 2]]
     assert len(results[1]["result"]["together_stages"]) == 2
 
