@@ -32,7 +32,7 @@ from fxsplit.compiler import (
     plan_pipeline,
 )
 from fxsplit.errors import ConfigError
-from fxsplit.ir import LinkSpec, Problem, evaluate
+from fxsplit.ir import Problem, evaluate
 from fxsplit.ir.problem import SIMULATED_SCHEDULES
 from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime import Pipeline
@@ -211,14 +211,6 @@ def _measured_weight_shares(meas: Measurement, num_blocks: int) -> list[float | 
     return shares
 
 
-def _links_shifted(problem: Problem, extra_s: float) -> Problem:
-    """``problem`` with ``extra_s`` added to the latency of its default link and of every pair's."""
-    def shift(link: LinkSpec) -> LinkSpec:
-        return LinkSpec(bytes_per_s=link.bytes_per_s, latency_s=max(link.latency_s + extra_s, 0.0))
-
-    return problem.with_(link=shift(problem.link), links=tuple((i, j, shift(lk)) for i, j, lk in problem.links))
-
-
 def fit_link_latency(problem: Problem, stages: Sequence[Sequence[int]], devices: Sequence[int], microbatches: int,
                      kind: str, step_s: float) -> tuple[Problem, float]:
     """``problem`` with one latency added to every link so that the plan ``stages`` on
@@ -237,7 +229,7 @@ def fit_link_latency(problem: Problem, stages: Sequence[Sequence[int]], devices:
         was more than the step shows.
     """
     def predicted(extra: float) -> float:
-        pb = per_microbatch(_links_shifted(problem, extra), microbatches, kind)
+        pb = per_microbatch(problem.with_latency_added(extra), microbatches, kind)
         return plan_step_s(evaluate(pb, stages, devices))  # simulated for looped and zero-bubble schedules
 
     lo = -max([problem.link.latency_s, *(lk.latency_s for _, _, lk in problem.links)])  # every latency 0
@@ -251,7 +243,7 @@ def fit_link_latency(problem: Problem, stages: Sequence[Sequence[int]], devices:
             mid = 0.5 * (lo + hi)
             lo, hi = (mid, hi) if predicted(mid) < step_s else (lo, mid)
         extra = 0.5 * (lo + hi)
-    return _links_shifted(problem, extra), extra
+    return problem.with_latency_added(extra), extra
 
 
 def pipelined_step_s(rows: Sequence[StageTimes], microbatches: int, kind: str = "1f1b",

@@ -64,8 +64,7 @@ from fxsplit.runtime.overhead import (
     PROBE_MICROBATCHES,
     PROBE_WIDTH,
     RuntimeOverhead,
-    bare_layer_s,
-    overhead_of,
+    action_overhead,
     untouched_rng,
 )
 from fxsplit.runtime.tensor_parallel import ParallelGraph, ParallelPlan
@@ -746,16 +745,16 @@ def _probe_overhead(device: torch.device, steps: int, world: int) -> RuntimeOver
                                            steps=steps)
 
         def measured() -> RuntimeOverhead:
-            fwd, bwd = overhead_of(per_step, bare_layer_s(device, PROBE_BATCH // PROBE_MICROBATCHES))
+            found = action_overhead(per_step, device)
             ctx, plan = pipe.context, pipe.running_plan()
             if ctx is None or ctx.problem is None:
-                return RuntimeOverhead((fwd + bwd) / 2, fwd, bwd)
-            problem = ctx.problem.with_(action_overhead_s=(fwd + bwd) / 2)
+                return found
             m = pipe.microbatches
-            refit = refit_problem(problem, [Measurement.of(plan, stage_rows(plan, per_step))], m, "1f1b")
+            refit = refit_problem(ctx.problem.with_(action_overhead_s=found.action_s),
+                                  [Measurement.of(plan, stage_rows(plan, per_step))], m, "1f1b")
             extra = fit_link_latency(refit, [list(st.blocks) for st in plan.stages], [st.device for st in plan.stages],
                                      m, "1f1b", statistics.median(walls))[1]
-            return RuntimeOverhead((fwd + bwd) / 2, fwd, bwd, max(0.0, float(extra)))
+            return dataclasses.replace(found, message_s=max(0.0, float(extra)))
 
         def answer() -> RuntimeOverhead | str:  # rank 0 never leaves the others waiting in the broadcast
             try:

@@ -21,8 +21,7 @@ from fxsplit.runtime.overhead import (
     PROBE_MICROBATCHES,
     PROBE_WIDTH,
     RuntimeOverhead,
-    bare_layer_s,
-    overhead_of,
+    action_overhead,
     untouched_rng,
 )
 
@@ -90,13 +89,10 @@ def _probe_local(dev: torch.device, executor: str, steps: int) -> RuntimeOverhea
         pipe.train_step(x, target=target, loss_fn=loss_fn)
         if i >= 2:
             per_step.append(recorder.per_stage_s(pipe.num_stages))
-    fwd, bwd = overhead_of(per_step, bare_layer_s(dev, PROBE_BATCH // PROBE_MICROBATCHES))
-    found = RuntimeOverhead((fwd + bwd) / 2, fwd, bwd)
+    found = action_overhead(per_step, dev)
     log.info("runtime overhead on %s (%s): %.1f us per forward, %.1f us per backward", dev, executor,
-             fwd * 1e6, bwd * 1e6)
+             found.forward_s * 1e6, found.backward_s * 1e6)
     return found
-
-
 
 
 def resolve_action_overhead(options: CompileOptions, specs: list[DeviceSpec], cost_model: str) -> CompileOptions:

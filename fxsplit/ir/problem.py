@@ -181,6 +181,15 @@ class Problem:
             return False
         return self.recompute == "all" or (keep_bytes > cap_bytes and recompute_bytes < keep_bytes)
 
+    def with_latency_added(self, extra_s: float) -> Problem:
+        """A copy with ``extra_s`` seconds added to the latency of the default link and of every
+        pair's, each kept >= 0 (``extra_s`` may be negative): per-message costs the links do not
+        probe (the runtime's own work, fitted by calibrate or measured by the overhead probes)."""
+        def shifted(link: LinkSpec) -> LinkSpec:
+            return LinkSpec(bytes_per_s=link.bytes_per_s, latency_s=max(link.latency_s + extra_s, 0.0))
+
+        return replace(self, link=shifted(self.link), links=tuple((i, j, shifted(lk)) for i, j, lk in self.links))
+
     def with_(self, **changes: Any) -> Problem:
         """A copy with some fields changed."""
         return replace(self, **changes)

@@ -30,10 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxsplit.ir.devices import LinkSpec
 from fxsplit.ir.problem import Problem
 
-__all__ = ["RuntimeOverhead", "with_overhead", "bare_layer_s", "overhead_of", "untouched_rng", "PROBE_WIDTH",
+__all__ = ["RuntimeOverhead", "with_overhead", "bare_layer_s", "action_overhead", "untouched_rng", "PROBE_WIDTH",
            "PROBE_BATCH", "PROBE_MICROBATCHES"]
 
 PROBE_WIDTH = 16
@@ -86,11 +85,15 @@ def bare_layer_s(device: torch.device, rows: int, repeats: int = 50) -> tuple[fl
     return statistics.median(fwd[5:]), statistics.median(bwd[5:])
 
 
-def overhead_of(per_step: list[list[dict[str, float]]], bare: tuple[float, float]) -> tuple[float, float]:
-    """Median over steps and stages of each action's measured time minus the bare layer's."""
-    fwd = statistics.median(st["fwd_s"] for step in per_step for st in step)
-    bwd = statistics.median(st["bwd_s"] for step in per_step for st in step)
-    return max(0.0, fwd - bare[0]), max(0.0, bwd - bare[1])
+def action_overhead(per_step: list[list[dict[str, float]]], device: torch.device) -> RuntimeOverhead:
+    """The per-action part a probe pipeline measured: the median over steps and stages of each
+    action's time (``per_step``: per step, every stage's ``{"fwd_s", "bwd_s"}`` per micro-batch,
+    from the runtime's trace) minus the bare layer's (:func:`bare_layer_s`, timed here at the
+    probe's micro-batch size); ``action_s`` their mean; no message part."""
+    bare_fwd, bare_bwd = bare_layer_s(device, PROBE_BATCH // PROBE_MICROBATCHES)
+    fwd = max(0.0, statistics.median(st["fwd_s"] for step in per_step for st in step) - bare_fwd)
+    bwd = max(0.0, statistics.median(st["bwd_s"] for step in per_step for st in step) - bare_bwd)
+    return RuntimeOverhead((fwd + bwd) / 2, fwd, bwd)
 
 
 def untouched_rng(dev: torch.device) -> Any:
@@ -102,8 +105,4 @@ def untouched_rng(dev: torch.device) -> Any:
 def with_overhead(problem: Problem, overhead: RuntimeOverhead) -> Problem:
     """``problem`` (a :class:`~fxsplit.ir.Problem`) costing ``overhead``: its action overhead set
     and ``overhead.message_s`` added to the latency of its default link and of every pair's."""
-    def shifted(spec: LinkSpec) -> LinkSpec:
-        return LinkSpec(bytes_per_s=spec.bytes_per_s, latency_s=spec.latency_s + overhead.message_s)
-
-    return problem.with_(action_overhead_s=overhead.action_s, link=shifted(problem.link),
-                         links=tuple((i, j, shifted(spec)) for i, j, spec in problem.links))
+    return problem.with_latency_added(overhead.message_s).with_(action_overhead_s=overhead.action_s)
