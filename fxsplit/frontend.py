@@ -209,7 +209,12 @@ def _with_microbatch_graphs(condensed: Condensed, captured: Captured, reference:
                     type(exc).__name__, exc)
         return condensed
     formulas = block_formulas(captured.gm, graph, nodes, simplify=False)
-    table = tuple((n / batch, g) for n, g in zip(sizes, graphs_at(graph, formulas, sizes), strict=True))
+    graphs = graphs_at(graph, formulas, sizes)
+    skipped = [n for n, g in zip(sizes, graphs, strict=True) if g is None]
+    if skipped:
+        log.info("%s: no cost formulas at %s samples per micro-batch (the model cannot take so few); those scale "
+                 "linearly", name, ", ".join(f"{n:g}" for n in skipped))
+    table = tuple((n / batch, g) for n, g in zip(sizes, graphs, strict=True) if g is not None)
     return dataclasses.replace(condensed, graph=dataclasses.replace(graph, microbatch_graphs=table))
 
 

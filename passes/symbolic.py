@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,45 @@ SEQ = sympy.Symbol("s", positive=True, integer=True)
 FORMULA_FIELDS = ("flops", "fwd_s", "bwd_s", "activation_bytes", "output_bytes", "param_bytes")
 _NODE_FIELDS = ("flops", "fwd_s", "bwd_s", "activation_bytes", "value_bytes", "param_bytes")
 
+#: Plain-Python forms of the integer functions torch's symbolic shapes put in formulas (a
+#: ``reshape(-1, k)`` gives ``FloorDiv(b, ...)``). At a fraction of a sample (the solvers' mean
+#: micro-batch) they are evaluated as Python evaluates them on floats.
+_TORCH_SYMPY_FUNCTIONS: dict[str, Any] = {
+    "FloorDiv": lambda a, b: a // b,
+    "CleanDiv": lambda a, b: a // b,
+    "CeilDiv": lambda a, b: -(-a // b),
+    "IntTrueDiv": lambda a, b: a / b,
+    "FloatTrueDiv": lambda a, b: a / b,
+    "Mod": lambda a, b: a % b,
+    "PythonMod": lambda a, b: a % b,
+    "ModularIndexing": lambda a, d, m: (a // d) % m,
+    "PowByNatural": lambda a, b: a**b,
+    "FloatPow": lambda a, b: a**b,
+    "ToFloat": float,
+    "Identity": lambda a: a,
+    "FloorToInt": math.floor,
+    "CeilToInt": math.ceil,
+    "TruncToInt": math.trunc,
+    "TruncToFloat": lambda a: float(math.trunc(a)),
+    "RoundToInt": round,
+    "Max": max,
+    "Min": min,
+}
+
+
+def _numbers(exprs: Sequence[sympy.Expr]) -> Any:
+    """``exprs`` compiled to one Python function of :data:`BATCH` returning their values."""
+    return sympy.lambdify([BATCH], list(exprs), modules=[_TORCH_SYMPY_FUNCTIONS, "math"])
+
+
+def _number(expr: sympy.Expr) -> float:
+    """``expr``, whose symbols are all substituted, as a float (torch's integer functions of a
+    fraction included, see :data:`_TORCH_SYMPY_FUNCTIONS`)."""
+    try:
+        return float(expr)
+    except TypeError:
+        return float(_numbers([expr])(0)[0])
+
 
 @dataclass(frozen=True)
 class BlockFormulas:
@@ -81,7 +121,7 @@ class BlockFormulas:
         Raises:
             ConfigError: for a ``seq`` when the formulas are of the batch only.
         """
-        return {k: float(self.subs(v, batch, seq)) for k, v in self.fields.items()}
+        return {k: _number(self.subs(v, batch, seq)) for k, v in self.fields.items()}
 
     def subs(self, expr: sympy.Expr | int, batch: int, seq: int | None = None) -> sympy.Expr:
         """``expr`` (one of this block's formulas) at ``batch`` and ``seq`` (None: the captured
@@ -405,7 +445,7 @@ def graph_at(graph: CondensedGraph, formulas: Sequence[BlockFormulas], batch: in
         ConfigError: for a ``seq`` when the formulas are of the batch only.
     """
     values = [f.at(batch, seq) for f in formulas]
-    sizes = [float(formulas[e.src].subs(formulas[e.src].edges.get(e.dst, 0), batch, seq)) for e in graph.edges]
+    sizes = [_number(formulas[e.src].subs(formulas[e.src].edges.get(e.dst, 0), batch, seq)) for e in graph.edges]
     return _graph_with(graph, values, sizes)
 
 
@@ -424,11 +464,16 @@ def _graph_with(graph: CondensedGraph, values: Sequence[dict[str, float]], edge_
 
 
 def graphs_at(graph: CondensedGraph, formulas: Sequence[BlockFormulas], batches: Sequence[float], *,
-              seq: int | None = None) -> list[CondensedGraph]:
+              seq: int | None = None) -> list[CondensedGraph | None]:
     """:func:`graph_at` for each of ``batches`` (samples; a fraction of one is allowed), with
     every formula compiled once (``sympy.lambdify``): milliseconds per batch size where
     :func:`graph_at` substitutes symbol by symbol. Falls back to :func:`graph_at` where a
     formula has no plain-Python form.
+
+    Returns:
+        One graph per batch size; None where the formulas have no value at that size (a
+        division by zero: a ``reshape(-1, k)`` of fewer elements than ``k``, which the model
+        cannot run either).
 
     Raises:
         ConfigError: for a ``seq`` when the formulas are of the batch only.
@@ -442,11 +487,26 @@ def graphs_at(graph: CondensedGraph, formulas: Sequence[BlockFormulas], batches:
     exprs += [formulas[e.src].edges.get(e.dst, sympy.Integer(0)) for e in graph.edges]
     exprs = [sympy.sympify(x).subs(SEQ, length) if length is not None else sympy.sympify(x) for x in exprs]
     try:
-        evaluate = sympy.lambdify([BATCH], exprs, modules=["math"])
-        rows = [[float(v) for v in evaluate(b)] for b in batches]
+        evaluate = _numbers(exprs)
     except (NameError, TypeError, ValueError, AttributeError) as exc:  # a torch sympy function python lacks
         log.debug("graphs_at: lambdify failed (%s), substituting instead", exc)
-        return [graph_at(graph, formulas, b, seq=seq) for b in batches]  # type: ignore[arg-type]
+        evaluate = None
     width, n = len(FORMULA_FIELDS), len(graph.blocks)
-    return [_graph_with(graph, [dict(zip(FORMULA_FIELDS, row[i * width:(i + 1) * width], strict=True))
-                                for i in range(n)], row[n * width:]) for row in rows]
+    out: list[CondensedGraph | None] = []
+    for b in batches:
+        try:
+            if evaluate is None:
+                out.append(graph_at(graph, formulas, b, seq=seq))  # type: ignore[arg-type]
+                continue
+            row = [float(v) for v in evaluate(b)]
+        except ZeroDivisionError as exc:
+            log.debug("graphs_at: no costs at %s samples (%s)", b, exc)
+            out.append(None)
+            continue
+        except (NameError, TypeError, ValueError, AttributeError) as exc:
+            log.debug("graphs_at: lambdify failed at %s samples (%s), substituting instead", b, exc)
+            out.append(graph_at(graph, formulas, b, seq=seq))  # type: ignore[arg-type]
+            continue
+        out.append(_graph_with(graph, [dict(zip(FORMULA_FIELDS, row[i * width:(i + 1) * width], strict=True))
+                                       for i in range(n)], row[n * width:]))
+    return out

@@ -4,6 +4,7 @@ the sequence length), checked against concrete captures and annotations at three
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import sympy
@@ -266,3 +267,44 @@ def test_a_graph_exported_at_a_fixed_batch_skips_the_symbolic_run(monkeypatch) -
     graph = front_end(case.model, case.example_inputs, {}, reference=A100, cost_model="analytic",
                       options=CompileOptions(dynamic_batch=False, capture_method="export")).condensed.graph
     assert graph.microbatch_graphs == ()
+
+
+class _Regroup(nn.Module):
+    """``x.reshape(-1, k)`` before a linear: the symbolic batch enters through ``FloorDiv``."""
+
+    def __init__(self, width: int, k: int) -> None:
+        super().__init__()
+        self.k, self.lin = k, nn.Linear(k, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x.reshape(-1, self.k))).reshape(x.shape[0], -1)
+
+
+def test_formulas_with_torch_integer_functions_evaluate_at_whole_and_fractional_sizes() -> None:
+    """Regression: a ``reshape(-1, k)`` put ``FloorDiv`` in the formulas, which neither
+    ``lambdify`` nor ``float`` could evaluate, and ``compile`` failed in the front end with a
+    TypeError. The compiled evaluation equals the substituting one at whole sizes, and gives the
+    Python value at the solvers' fractional mean micro-batch."""
+    from fxsplit.frontend import front_end
+    from fxsplit.options import CompileOptions
+    from fxsplit.passes.symbolic import graphs_at
+
+    model = nn.Sequential(_Regroup(1024, 2048), _Regroup(1024, 256))  # two rows per sample: FloorDiv(b, 2)
+    x = torch.randn(16, 1024)
+    ins = front_end(model, (x,), {}, reference=A100, cost_model="analytic", options=CompileOptions(), microbatches=3)
+    graph = ins.condensed.graph
+    assert sorted(round(f, 6) for f, _ in graph.microbatch_graphs) == [round(16 / 3 / 16, 6), round(6 / 16, 6)]
+    formulas = block_formulas(ins.captured.gm, graph,
+                              symbolic_node_costs(ins.captured.gm, None, ins.captured.batched_inputs, A100),
+                              simplify=False)
+    from torch.utils._sympy.functions import FloorDiv
+
+    assert any(sympy.sympify(v).has(FloorDiv) for f in formulas for v in f.fields.values())
+    for batch, fast in zip((2, 6), graphs_at(graph, formulas, (2, 6)), strict=True):
+        slow = graph_at(graph, formulas, batch)
+        assert [b.flops for b in fast.blocks] == pytest.approx([b.flops for b in slow.blocks], rel=1e-12)
+    at_6 = sum(b.flops for b in graph_at(graph, formulas, 6).blocks)
+    assert at_6 == pytest.approx(6 / 16 * sum(b.flops for b in graph.blocks), rel=1e-9)
+    fractional, one = graphs_at(graph, formulas, (16 / 3, 1))
+    assert fractional is not None and all(math.isfinite(b.flops) and b.flops >= 0 for b in fractional.blocks)
+    assert one is None  # one sample is 1024 elements: reshape(-1, 2048) cannot take it, the formula divides by 0
