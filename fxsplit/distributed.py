@@ -60,11 +60,14 @@ from fxsplit.runtime.dist_state import StageState, materialise
 from fxsplit.runtime.distributed import DistributedPipeline, from_rank0
 from fxsplit.runtime.links import probe_collective_link
 from fxsplit.runtime.overhead import (
-    PROBE_BATCH,
+    BUSY_LAYERS,
+    BUSY_ROWS,
+    BUSY_WIDTH,
     PROBE_MICROBATCHES,
-    PROBE_WIDTH,
+    BusyBlock,
     RuntimeOverhead,
-    action_overhead,
+    bare_module_s,
+    busy_overhead,
     untouched_rng,
 )
 from fxsplit.runtime.tensor_parallel import ParallelGraph, ParallelPlan
@@ -708,17 +711,21 @@ def _choose_strategies(found: Any, gm: torch.fx.GraphModule, strategy: str | Seq
 _OVERHEAD_MEMO: dict[tuple[str, int], RuntimeOverhead] = {}
 
 
-def probe_distributed_overhead(device: torch.device, steps: int = 20) -> RuntimeOverhead:
-    """Per-action and per-message seconds of this module's runtime over the world's ranks
-    (:mod:`fxsplit.runtime.overhead`); collective: call on every rank, which all get rank 0's
-    reading. Memoised per process and device.
+def probe_distributed_overhead(device: torch.device, steps: int = 10) -> RuntimeOverhead:
+    """Per-action and per-message seconds of this module's runtime over the world's ranks, and
+    how much slower the stages compute inside it (:mod:`fxsplit.runtime.overhead`); collective:
+    call on every rank, which all get rank 0's reading. Memoised per process and device.
 
-    A pipeline of one tiny linear layer per rank (:func:`compile` with analytic costs over its
-    probed links) runs ``steps`` training steps after one warm-up. The per-action part is every
-    rank's trace (median forward and backward per micro-batch) minus the layer's bare time; the
-    per-message part is the latency :func:`fxsplit.calibrate.fit_link_latency` adds to the
-    probed links so that the plan, refitted to the measured actions, predicts rank 0's median
-    step wall (barrier to barrier): what the runtime spends per message beyond the ping-pong.
+    Two pipelines of busy stages, one :class:`~fxsplit.runtime.overhead.BusyBlock` per rank (one
+    and four 512-wide layers on 64 rows per micro-batch, 256 KiB messages; :func:`compile` with
+    analytic costs over its probed links), each run ``steps`` training steps after one warm-up;
+    then every rank times its stage bare, all at once. Each traced action (the median forward
+    and backward per micro-batch) is read as ``a + c x bare``
+    (:func:`~fxsplit.runtime.overhead.busy_overhead`). The per-message part is the latency
+    :func:`fxsplit.calibrate.fit_link_latency` adds to the probed links so that a pipeline's
+    plan, refitted to the traced actions, predicts rank 0's median step wall (barrier to
+    barrier), the mean of the two pipelines': what a message costs beyond the ping-pong of idle
+    ranks.
 
     Raises:
         ConfigError: without an initialised process group of at least 2 ranks.
@@ -733,45 +740,64 @@ def probe_distributed_overhead(device: torch.device, steps: int = 20) -> Runtime
 
 
 def _probe_overhead(device: torch.device, steps: int, world: int) -> RuntimeOverhead:
-    def build() -> nn.Module:
-        return nn.Sequential(*(nn.Linear(PROBE_WIDTH, PROBE_WIDTH) for _ in range(world)))
+    traced, bare, extras = [], [], []
+    for layers in BUSY_LAYERS:
+        found = _probe_pipeline(device, steps, world, layers)
+        if isinstance(found, str):
+            log.warning("the runtime-overhead probe failed on rank 0 (%s); the plan does not charge the runtime's own "
+                        "work per action and message", found)
+            return RuntimeOverhead(0.0, 0.0, 0.0)
+        traced.append(found[0])
+        bare.append(found[1])
+        extras.append(found[2])
+    out = busy_overhead(traced, bare, statistics.fmean(extras))
+    log.info("runtime overhead over %d ranks: %.1f us per forward, %.1f us per backward, %.1f us per message, "
+             "compute x %.3f", world, out.forward_s * 1e6, out.backward_s * 1e6, out.message_s * 1e6,
+             out.compute_factor)
+    return out
 
-    x, target = torch.randn(PROBE_BATCH, PROBE_WIDTH), torch.randn(PROBE_BATCH, PROBE_WIDTH)
-    options = CompileOptions(allow_idle_devices=False, profile_cache_dir=False, action_overhead_s=0.0, recompute="none")
+
+def _probe_pipeline(device: torch.device, steps: int, world: int, layers: int
+                    ) -> tuple[tuple[float, float], tuple[float, float], float] | str:
+    """One probe pipeline of :class:`~fxsplit.runtime.overhead.BusyBlock` stages (one per rank):
+    rank 0's ``((traced forward_s, backward_s), (bare forward_s, backward_s), message_s)``, on
+    every rank; the failure's text when rank 0 could not measure it."""
+    def build() -> nn.Module:
+        return nn.Sequential(*(BusyBlock(layers) for _ in range(world)))
+
+    rows = BUSY_ROWS * PROBE_MICROBATCHES
+    x, target = torch.randn(rows, BUSY_WIDTH), torch.randn(rows, BUSY_WIDTH)
+    options = CompileOptions(allow_idle_devices=False, profile_cache_dir=False, action_overhead_s=0.0, recompute="none",
+                             symbolic_costs=False)
     pipe = compile(build, (x,), schedule="1f1b", microbatches=PROBE_MICROBATCHES, cost_model="analytic",
                    state_dict=build().state_dict(), options=options)
     try:
         walls, per_step = pipe.timed_steps(x.to(device), target=target.to(device), loss_fn=nn.functional.mse_loss,
                                            steps=steps)
+        dist.barrier()  # every rank times its bare stage at once, as the ranks profile together
+        bare = bare_module_s(BusyBlock(layers).to(device), torch.randn(BUSY_ROWS, BUSY_WIDTH, device=device))
 
-        def measured() -> RuntimeOverhead:
-            found = action_overhead(per_step, device)
+        def measured() -> tuple[tuple[float, float], tuple[float, float], float]:
+            traced = (statistics.median(st["fwd_s"] for step in per_step for st in step),
+                      statistics.median(st["bwd_s"] for step in per_step for st in step))
             ctx, plan = pipe.context, pipe.running_plan()
             if ctx is None or ctx.problem is None:
-                return found
+                return traced, bare, 0.0
             m = pipe.microbatches
-            refit = refit_problem(ctx.problem.with_(action_overhead_s=found.action_s),
-                                  [Measurement.of(plan, stage_rows(plan, per_step))], m, "1f1b")
+            refit = refit_problem(ctx.problem, [Measurement.of(plan, stage_rows(plan, per_step))], m, "1f1b")
             extra = fit_link_latency(refit, [list(st.blocks) for st in plan.stages], [st.device for st in plan.stages],
                                      m, "1f1b", statistics.median(walls))[1]
-            return dataclasses.replace(found, message_s=max(0.0, float(extra)))
+            return traced, bare, float(extra)
 
-        def answer() -> RuntimeOverhead | str:  # rank 0 never leaves the others waiting in the broadcast
-            try:
+        def answer() -> tuple[tuple[float, float], tuple[float, float], float] | str:
+            try:  # rank 0 never leaves the others waiting in the broadcast
                 return measured()
-            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
                 return f"{type(exc).__name__}: {exc}"
 
-        found = from_rank0(answer)
+        return from_rank0(answer)
     finally:
         pipe.close()
-    if isinstance(found, str):
-        log.warning("the runtime-overhead probe failed on rank 0 (%s); the plan does not charge the runtime's own "
-                    "work per action and message", found)
-        return RuntimeOverhead(0.0, 0.0, 0.0)
-    log.info("runtime overhead over %d ranks: %.1f us per forward, %.1f us per backward, %.1f us per message", world,
-             found.forward_s * 1e6, found.backward_s * 1e6, found.message_s * 1e6)
-    return found
 
 
 def _runtime_overhead(options: CompileOptions, device: torch.device, world: int, cost_model: str

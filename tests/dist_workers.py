@@ -896,3 +896,33 @@ def cli_replicas(rank: int, world: int, out_dir: str) -> str:
         run_distributed("gpt", steps=2, microbatches="2", schedule="1f1b", size="tiny", batch_size=8, lr=0.1,
                         backend="gloo", timeout_s=60.0, replicas=2)
     return buf.getvalue()
+
+
+def packed_boundary_equal(rank: int, world: int, out_dir: str, plan_json: str, runs: list[tuple[str, int]],
+                          batch: int) -> dict[str, Any]:
+    """The zoo gpt cut right after an attention's ``chunk`` (``plan_json``): one train step per
+    ``(schedule, microbatches)`` and a forward equal the unsplit model's; reports how this rank's
+    boundary travels (wire tensors and messages)."""
+    case = _case("gpt", batch)
+    inputs, target = case.make_batch(batch, 3)
+    ref_loss, ref_grads = reference(case, inputs, target)
+    out: dict[str, Any] = {}
+    for schedule, m in runs:
+        tag = f"packed/{schedule}/m={m}"
+        from fxsplit.ir import Plan
+
+        plan = Plan.from_json(plan_json).with_(schedule=schedule, microbatches=m)
+        pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule=schedule, microbatches=m,
+                           state_dict=case.model.state_dict(), timeout_s=30, plan=plan)
+        loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
+        out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
+        module = pipe.module
+        packing = module.out_packing if pipe.is_first else module.in_packing
+        out[tag]["wire"] = len(packing.shapes) if packing is not None else None
+        out[tag]["messages"] = len(packing.groups) if packing is not None else None
+        got = pipe(*inputs)
+        if pipe.is_last:
+            with torch.no_grad():
+                torch.testing.assert_close(got, case.model(*inputs), rtol=1e-4, atol=1e-5)
+        pipe.close()
+    return out

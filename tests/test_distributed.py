@@ -574,3 +574,43 @@ def test_cli_runs_replicated_stages_beside_the_unsplit_model(tmp_path):
     assert "predicted step time (" in text and "measured / predicted" in text, text
     loss, grad = printed_differences(text)
     assert grad < 1e-5 and loss < 1e-5, text
+
+
+def _plan_after_chunk(batch: int) -> str:
+    """A 2-stage plan of the zoo gpt cut right after its first attention's ``chunk`` of q, k, v
+    (JSON): the boundary carries the residual stream and the three chunks."""
+    import fxsplit.models as zoo
+    from fxsplit.api import CompileOptions
+    from fxsplit.compiler import evaluate_fixed
+    from fxsplit.dist_build import to_meta
+    from fxsplit.frontend import front_end
+    from fxsplit.ir import DeviceSpec, LinkSpec, Problem
+
+    spec = DeviceSpec("cpu", peak_flops=50e9, memory_bandwidth_bytes_per_s=20e9, memory_bytes=64 * 2**30, torch_device="cpu")
+    with torch.device("meta"):
+        case = zoo.get("gpt", batch_size=batch)
+    cond = front_end(case.model, to_meta(case.example_inputs), {}, reference=spec, cost_model="analytic",
+                     options=CompileOptions(allow_idle_devices=False)).condensed
+    cut = next(b.id for b in cond.graph.blocks if any(name.startswith("chunk") for name in b.nodes))
+    problem = Problem(cond.graph, (spec.with_(name="rank0"), spec.with_(name="rank1")), LinkSpec(),
+                      allow_idle_devices=False)
+    n = len(cond.graph)
+    return evaluate_fixed(problem, [list(range(cut + 1)), list(range(cut + 1, n))], [0, 1], 2, "gpipe").with_(
+        microbatches=2, schedule="gpipe").to_json()
+
+
+def test_a_boundary_of_several_tensors_travels_packed_and_trains_like_the_unsplit_model(tmp_path):
+    """A cut through an attention block sends the residual stream and q, k, v: four float tensors
+    that need gradients, and the attention masks, which used to be six messages forward (each
+    costing the runtime a send, a receive and their bookkeeping, while the plan charged one).
+    They now travel as one buffer per dtype (fxsplit.runtime.dist_stage.Packing), and the step,
+    every gradient and the forward are the unsplit model's, with equal and unequal
+    micro-batches, under GPipe and 1F1B."""
+    batch = 5
+    results = launch(w.packed_boundary_equal, 2, tmp_path, _plan_after_chunk(batch),
+                     [("gpipe", 2), ("1f1b", 4)], batch, deadline_s=120)
+    check_ok(results)
+    for rank in (0, 1):
+        for tag, r in results[rank]["result"].items():
+            # the float activations in one message, the attention masks (bool) in another
+            assert r["wire"] is not None and r["wire"] >= 5 and r["messages"] == 2, (rank, tag, r)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from fxsplit.errors import ConfigError
-from fxsplit.runtime.dist_stage import Layout, decode, encode
+from fxsplit.runtime.dist_stage import Layout, Packing, decode, encode
 from fxsplit.runtime.dist_state import StageState, parameters_on_meta, retarget_meta_devices
 
 
@@ -351,3 +353,43 @@ def test_rank0s_profile_is_cached_only_when_the_machine_was_quiet(load, cached, 
     graph = profiled_blocks(ins.captured.gm, ins.condensed.graph, flat, flags, torch.device("cpu"), 2, options)
     assert sum(b.fwd_s for b in graph.blocks) > 0
     assert bool(list(tmp_path.glob("*.json"))) is cached
+
+
+_WIRE = st.lists(st.tuples(st.lists(st.integers(0, 4), max_size=3), st.sampled_from(["float32", "int64", "bool", "float64"]),
+                           st.booleans()), min_size=1, max_size=7)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_WIRE)
+def test_packing_round_trips_values_and_gradients(spec) -> None:
+    """Property: unpack(pack(wire)) is the wire (values, shapes, dtypes), one message per
+    (dtype, needs a gradient), in order of first appearance; and the gradients that come back
+    through the packed buffer are each tensor's own."""
+    gen = torch.Generator().manual_seed(len(spec))
+    wire = []
+    for shape, dtype, grad in spec:
+        dt = getattr(torch, dtype)
+        t = (torch.randn(shape, generator=gen, dtype=dt) if dt.is_floating_point
+             else torch.randint(0, 2 if dt == torch.bool else 9, shape, generator=gen).to(dt))
+        wire.append(t.requires_grad_(grad and dt.is_floating_point))
+    packing = Packing.of([t.to("meta") for t in wire])
+    keys = list(dict.fromkeys((t.dtype, t.requires_grad) for t in wire))
+    assert [(wire[g[0]].dtype, wire[g[0]].requires_grad) for g in packing.groups] == keys
+    assert sorted(i for g in packing.groups for i in g) == list(range(len(wire)))
+    messages = packing.pack(wire)
+    metas = packing.metas([t.to("meta") for t in wire])
+    assert [(m.shape, m.dtype, m.requires_grad) for m in messages] == [(m.shape, m.dtype, m.requires_grad) for m in metas]
+    received = [m.detach().requires_grad_(m.requires_grad) for m in messages]
+    back = packing.unpack(received)
+    for a, b in zip(wire, back, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.detach(), b.detach())
+    weights = [torch.randn(t.shape, generator=gen, dtype=t.dtype) if t.requires_grad else None for t in wire]
+    terms = [(b * w).sum() for b, w in zip(back, weights, strict=True) if w is not None]
+    if not terms:
+        return
+    torch.stack([x.double() for x in terms]).sum().backward()
+    torch.autograd.backward([m for m in messages if m.requires_grad],
+                            [r.grad for r, m in zip(received, messages, strict=True) if m.requires_grad])
+    for t, w in zip(wire, weights, strict=True):
+        if w is not None:
+            torch.testing.assert_close(t.grad, w)

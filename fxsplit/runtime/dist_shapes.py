@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxsplit.errors import InternalError, PlanError
 from fxsplit.options import precision
 from fxsplit.passes.shapes import fake_state
-from fxsplit.runtime.dist_stage import SCALAR_DTYPES, Layout
+from fxsplit.runtime.dist_stage import SCALAR_DTYPES, Layout, Packing
 
 __all__ = ["WireShapes", "boundary_values", "wire_metas"]
 
@@ -165,6 +165,7 @@ class WireShapes:
         first, last: The stage's position.
         index: The stage index (for messages).
         autocast: ``(device, dtype)`` when the stages run under ``torch.autocast``.
+        pack: Gather a boundary's wire tensors into fewer messages (:meth:`packings`).
     """
 
     def __init__(
@@ -181,8 +182,10 @@ class WireShapes:
         last: bool,
         index: int,
         autocast: tuple[torch.device, torch.dtype] | None = None,
+        pack: bool = True,
     ) -> None:
         self.gm, self.flat_inputs, self.batched = gm, list(flat_inputs), list(batched)
+        self.pack = pack
         self.autocast = autocast
         self.inputs, self.outputs = list(inputs), list(outputs)
         self.in_layouts, self.out_layouts = list(in_layouts), list(out_layouts)
@@ -215,9 +218,33 @@ class WireShapes:
             train: Whether the schedule runs a backward (else no tensor requires a gradient).
 
         Returns:
-            Meta tensors: the stage's wire inputs (first stage: the batched inputs of one
-            micro-batch) and wire outputs (last stage: the model's flat outputs).
+            Meta tensors: the stage's messages in (first stage: the batched inputs of one
+            micro-batch) and out (last stage: the model's flat outputs), packed as
+            :meth:`packings` says.
         """
+        ins, outs = self._wire(size, train)
+        received, sent = self.packings(size, train)
+        return (received.metas(ins) if received is not None else ins,
+                sent.metas(outs) if sent is not None else outs)
+
+    def packings(self, size: int, train: bool) -> tuple[Packing | None, Packing | None]:
+        """How the stage's received and sent wire tensors travel at micro-batch size ``size``
+        (:class:`~fxsplit.runtime.dist_stage.Packing`); None for a side with one message per
+        wire tensor anyway (the first stage's inputs, the last stage's outputs, a boundary
+        whose tensors all differ in dtype or in needing a gradient), or when built with
+        ``pack=False``. Both neighbours compute the same packing of their common boundary."""
+        if not self.pack:
+            return None, None
+        ins, outs = self._wire(size, train)
+
+        def of(metas: tuple[torch.Tensor, ...], end: bool) -> Packing | None:
+            packing = None if end else Packing.of(metas)
+            return packing if packing is not None and len(packing.groups) < len(metas) else None
+
+        return of(ins, self.first), of(outs, self.last)
+
+    def _wire(self, size: int, train: bool) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """The wire tensors in and out, one meta tensor each, before packing."""
         values, model_out = self._at(size)
         if self.first:
             ins = tuple(

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,8 @@ from fxsplit.options import precision
 from fxsplit.runtime.recompute import RecomputedForward
 from fxsplit.runtime.split_backward import backward_input, backward_weight
 
-__all__ = ["Layout", "SCALAR_DTYPES", "StageModule", "SplitBackwardStage", "layout_of", "boundary_layouts", "encode", "decode"]
+__all__ = ["Layout", "Packing", "SCALAR_DTYPES", "StageModule", "SplitBackwardStage", "layout_of", "boundary_layouts",
+           "encode", "decode"]
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +146,72 @@ def decode(wire: Sequence[torch.Tensor], layouts: Sequence[Layout]) -> list[Any]
     return values
 
 
+@dataclass(frozen=True)
+class Packing:
+    """The wire tensors of one boundary gathered into fewer messages.
+
+    Every message costs the runtime and gloo a send, a receive and their bookkeeping whatever its
+    size (a few hundred microseconds on a busy CPU), and the plan charges one message per boundary
+    and direction: a boundary through an attention block (the residual stream and the ``chunk``
+    of q, k, v) was four. Wire tensors of one dtype that alike need a gradient or not travel
+    flattened into one buffer (``torch.cat``; a group of one goes as it is, without a copy); the
+    receiver takes them back as views of that buffer, so autograd returns the gradients packed
+    the same way.
+
+    Attributes:
+        groups: ``[messages]`` the wire-tensor indices each message carries, ascending, the
+            messages ordered by their first index.
+        shapes: ``[wire tensors]`` each wire tensor's shape at the micro-batch size this packing
+            is for.
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, metas: Sequence[torch.Tensor]) -> Packing:
+        """The packing of wire tensors like ``metas`` (meta tensors: shape, dtype, requires_grad).
+
+        Example:
+            >>> m = [torch.empty(2, 3, device="meta", requires_grad=True), torch.empty((), dtype=torch.int64, device="meta"),
+            ...      torch.empty(4, device="meta", requires_grad=True)]
+            >>> Packing.of(m).groups
+            ((0, 2), (1,))
+        """
+        keys: dict[tuple[torch.dtype, bool], list[int]] = {}
+        for i, t in enumerate(metas):
+            keys.setdefault((t.dtype, bool(t.requires_grad)), []).append(i)
+        return cls(tuple(tuple(g) for g in keys.values()), tuple(tuple(t.shape) for t in metas))
+
+    def metas(self, metas: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Meta tensors of the messages (what ``PipelineStage`` sizes its buffers by)."""
+        out = []
+        for group in self.groups:
+            if len(group) == 1:
+                out.append(metas[group[0]])
+            else:
+                first = metas[group[0]]
+                numel = sum(math.prod(self.shapes[i]) for i in group)
+                out.append(torch.empty(numel, dtype=first.dtype, device="meta", requires_grad=first.requires_grad))
+        return tuple(out)
+
+    def pack(self, wire: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The messages of ``wire`` (the sender's side)."""
+        return tuple(wire[g[0]] if len(g) == 1 else torch.cat([wire[i].reshape(-1) for i in g]) for g in self.groups)
+
+    def unpack(self, messages: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The wire tensors, views of the received ``messages`` (the receiver's side)."""
+        wire: list[torch.Tensor | None] = [None] * len(self.shapes)
+        for group, message in zip(self.groups, messages, strict=True):
+            if len(group) == 1:
+                wire[group[0]] = message
+                continue
+            pieces = message.split([math.prod(self.shapes[i]) for i in group])
+            for i, piece in zip(group, pieces, strict=True):
+                wire[i] = piece.view(self.shapes[i])
+        return wire  # type: ignore[return-value]
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous.
 
@@ -184,7 +252,8 @@ class StageModule(nn.Module):
 
     Shape:
         ``forward(*wire)``: the tensors of the received values (first stage: the batched
-        inputs of one micro-batch, ``[micro_batch, ...]``) -> the tensors of the values sent.
+        inputs of one micro-batch, ``[micro_batch, ...]``) -> the tensors of the values sent;
+        both packed into fewer messages when :meth:`use_packing` says so.
     """
 
     def __init__(self, gm: torch.fx.GraphModule, *, first: bool, last: bool, batched: Sequence[bool] = (),
@@ -200,6 +269,14 @@ class StageModule(nn.Module):
         self.batched = list(batched) if first else []
         self._static: list[Any] = [None] * len(self.batched)
         self.forwards = 0
+        self.in_packing: Packing | None = None
+        self.out_packing: Packing | None = None
+
+    def use_packing(self, received: Packing | None, sent: Packing | None) -> None:
+        """Unpack the messages received and pack the tensors sent as these say (None: one message
+        per wire tensor); set before each run at a micro-batch size
+        (:meth:`~fxsplit.runtime.dist_shapes.WireShapes.packings`)."""
+        self.in_packing, self.out_packing = received, sent
 
     def bind_static(self, flat_inputs: Sequence[Any]) -> list[torch.Tensor]:
         """First stage: keep the non-batched inputs, return the batched ones for the schedule."""
@@ -208,7 +285,8 @@ class StageModule(nn.Module):
 
     def _inputs(self, wire: Sequence[torch.Tensor]) -> list[Any]:
         if not self.first:
-            return decode(_contiguous_grads(wire), self.in_layouts)
+            received = _contiguous_grads(wire)
+            return decode(self.in_packing.unpack(received) if self.in_packing is not None else received, self.in_layouts)
         it = iter(wire)
         return [next(it) if b else s for b, s in zip(self.batched, self._static, strict=True)]
 
@@ -222,7 +300,8 @@ class StageModule(nn.Module):
         if self.last:
             return out
         device = next((t.device for t in wire if isinstance(t, torch.Tensor)), torch.device("cpu"))
-        return encode(out, self.out_layouts, device)
+        sent = encode(out, self.out_layouts, device)
+        return self.out_packing.pack(sent) if self.out_packing is not None else sent
 
 
 def _run_split(parallel: Any, *inputs: Any) -> list[Any]:

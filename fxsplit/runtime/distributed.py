@@ -338,6 +338,8 @@ class DistributedPipeline(ParameterAPI):
             else:
                 schedule = ScheduleLoopedBFS(list[Any](stages), count, loss_fn=None, scale_grads=False)
             self._runners[key] = schedule
+        for st in self.stages:  # the modules are shared by every size's stage objects
+            st.module.use_packing(*(st.shapes.packings(size, train) if st.shapes is not None else (None, None)))
         return self._runners[key]
 
     def _groups(self, batch: int) -> list[tuple[int, int, int]]:

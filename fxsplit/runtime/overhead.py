@@ -11,9 +11,18 @@ boundary message also costs more than the send/recv ping-pong that measures the 
 runtime's posting, waiting and bookkeeping): charged as extra link latency, as ``calibrate``
 does after the fact (:func:`fxsplit.calibrate.fit_link_latency`).
 
-Both probes build a real pipeline of a tiny model (one layer per stage), time training steps
-from the runtime's trace, and take off the layer's own time, measured bare in this process
-(:func:`bare_layer_s`); their random draws leave the caller's streams alone (:func:`untouched_rng`).
+Across processes the stages also compute slower inside the pipeline than when timed bare, even
+with every rank timing at once as the profile does: gloo's threads move the messages on the same
+cores, and the runtime's buffers share the caches (``RuntimeOverhead.compute_factor``, which the
+plan applies to every device's speed). And both parts grow when the stages are busy: a message
+arriving while its receiver computes waits for a core.
+
+The local probe builds a real pipeline of a tiny model (one layer per stage), times training
+steps from the runtime's trace, and takes off the layer's own time, measured bare in this process
+(:func:`bare_layer_s`). The distributed one runs two pipelines of busy stages
+(:class:`BusyBlock`, light and heavy, 256 KiB messages) and separates a fixed part per action from
+a factor on the compute (:func:`busy_overhead`). Their random draws leave the caller's streams
+alone (:func:`untouched_rng`).
 
 References:
     Narayanan et al., "PipeDream", SOSP 2019, §3.1 (the profiled per-layer costs the planner
@@ -33,7 +42,8 @@ from torch import nn
 from fxsplit.ir.problem import Problem
 
 __all__ = ["RuntimeOverhead", "with_overhead", "bare_layer_s", "action_overhead", "untouched_rng", "PROBE_WIDTH",
-           "PROBE_BATCH", "PROBE_MICROBATCHES"]
+           "PROBE_BATCH", "PROBE_MICROBATCHES", "BusyBlock", "bare_module_s", "busy_overhead", "BUSY_ROWS", "BUSY_WIDTH",
+           "BUSY_LAYERS"]
 
 PROBE_WIDTH = 16
 """Features of the probe model's layers (a few microseconds of compute per action)."""
@@ -43,6 +53,16 @@ PROBE_BATCH = 16
 
 PROBE_MICROBATCHES = 4
 """Micro-batches of the probe's step (1F1B)."""
+
+BUSY_ROWS = 64
+"""Rows per micro-batch of the distributed probe's busy stages (:class:`BusyBlock`)."""
+
+BUSY_WIDTH = 1024
+"""Features of the busy stages' boundary tensors: 256 KiB per message at :data:`BUSY_ROWS`."""
+
+BUSY_LAYERS = (1, 4)
+"""Linear layers per busy stage in the probe's two pipelines: about 0.4 and 1.2 ms of forward on
+one core of this kind of CPU, so the stages compute while the messages move."""
 
 
 @dataclass(frozen=True)
@@ -56,33 +76,24 @@ class RuntimeOverhead:
             forward + backward per micro-batch is predicted exactly).
         message_s: Seconds per boundary message beyond the link probe's latency (across
             processes; 0 in one process, where stages hand tensors over).
+        compute_factor: How many times longer the stages' operators take inside the running
+            pipeline than timed bare with every rank computing at once (the communication
+            threads and the runtime's memory traffic share the cores); ``>= 1``, 1 where not
+            measured. The plan divides every device's speed by it.
     """
 
     action_s: float
     forward_s: float
     backward_s: float
     message_s: float = 0.0
+    compute_factor: float = 1.0
 
 
 def bare_layer_s(device: torch.device, rows: int, repeats: int = 50) -> tuple[float, float]:
     """Median seconds of one probe layer's forward and of its backward, called directly (what a
     stage action of the probe computes, without the runtime around it)."""
-    layer = nn.Linear(PROBE_WIDTH, PROBE_WIDTH).to(device)
-    x = torch.randn(rows, PROBE_WIDTH, device=device, requires_grad=True)
-    fwd, bwd = [], []
-    for _ in range(repeats + 5):
-        start = time.perf_counter()
-        y = torch.relu(layer(x))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        mid = time.perf_counter()
-        y.backward(torch.ones_like(y))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        end = time.perf_counter()
-        fwd.append(mid - start)
-        bwd.append(end - mid)
-    return statistics.median(fwd[5:]), statistics.median(bwd[5:])
+    layer = nn.Sequential(nn.Linear(PROBE_WIDTH, PROBE_WIDTH), nn.ReLU()).to(device)
+    return bare_module_s(layer, torch.randn(rows, PROBE_WIDTH, device=device), repeats)
 
 
 def action_overhead(per_step: list[list[dict[str, float]]], device: torch.device) -> RuntimeOverhead:
@@ -103,6 +114,64 @@ def untouched_rng(dev: torch.device) -> Any:
 
 
 def with_overhead(problem: Problem, overhead: RuntimeOverhead) -> Problem:
-    """``problem`` (a :class:`~fxsplit.ir.Problem`) costing ``overhead``: its action overhead set
-    and ``overhead.message_s`` added to the latency of its default link and of every pair's."""
-    return problem.with_latency_added(overhead.message_s).with_(action_overhead_s=overhead.action_s)
+    """``problem`` (a :class:`~fxsplit.ir.Problem`) costing ``overhead``: its action overhead set,
+    ``overhead.message_s`` added to the latency of its default link and of every pair's, and
+    every device's speed divided by ``overhead.compute_factor``."""
+    out = problem.with_latency_added(overhead.message_s).with_(action_overhead_s=overhead.action_s)
+    if overhead.compute_factor != 1.0:
+        out = out.with_(devices=tuple(d.with_(speed=d.speed / overhead.compute_factor) for d in out.devices))
+    return out
+
+
+class BusyBlock(nn.Module):
+    """One stage of the distributed probe: ``layers`` linear layers (512 wide, ReLU) on the
+    first 512 features of a ``[rows, width]`` input, the rest passed on, so the boundary tensors
+    are ``width`` wide whatever the compute."""
+
+    def __init__(self, layers: int, width: int = BUSY_WIDTH) -> None:
+        super().__init__()
+        self.width = width
+        self.body = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(512, 512), nn.ReLU())))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.body(x[:, :512]), x[:, 512:]], dim=1)
+
+
+def bare_module_s(module: nn.Module, x: torch.Tensor, repeats: int = 30) -> tuple[float, float]:
+    """Median seconds of ``module``'s forward and of its backward on ``x`` (``[rows, features]``),
+    called directly, gradients accumulating as in training."""
+    x = x.detach().requires_grad_(True)
+    fwd, bwd = [], []
+    for _ in range(repeats + 5):
+        start = time.perf_counter()
+        y = module(x)
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        mid = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        end = time.perf_counter()
+        fwd.append(mid - start)
+        bwd.append(end - mid)
+    return statistics.median(fwd[5:]), statistics.median(bwd[5:])
+
+
+def busy_overhead(traced: list[tuple[float, float]], bare: list[tuple[float, float]], message_s: float) -> RuntimeOverhead:
+    """The runtime's work from two pipelines of busy stages (:class:`BusyBlock`, light and heavy):
+    per pipeline the median forward and backward per micro-batch from the runtime's trace and the
+    bare times of its stage (every rank timing at once). A traced action takes ``a + c x bare``:
+    ``c`` (:attr:`RuntimeOverhead.compute_factor`, kept in ``[1, 2]``) from the two pipelines'
+    differences (forward and backward together), ``a`` per kind from the light pipeline.
+
+    Args:
+        traced, bare: ``[(forward_s, backward_s)]`` of the light and the heavy pipeline.
+        message_s: The per-message part the heavy pipeline's step showed.
+    """
+    (tf0, tb0), (tf1, tb1) = traced
+    (bf0, bb0), (bf1, bb1) = bare
+    grown = (bf1 + bb1) - (bf0 + bb0)
+    factor = ((tf1 + tb1) - (tf0 + tb0)) / grown if grown > 0 else 1.0
+    factor = min(max(factor, 1.0), 2.0)
+    fwd, bwd = max(0.0, tf0 - factor * bf0), max(0.0, tb0 - factor * bb0)
+    return RuntimeOverhead((fwd + bwd) / 2, fwd, bwd, message_s=max(0.0, message_s), compute_factor=factor)
