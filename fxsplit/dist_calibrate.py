@@ -50,7 +50,7 @@ from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime.dist_state import StageState, get_tensor, materialise
 from fxsplit.runtime.distributed import DistributedPipeline, from_rank0
 from fxsplit.runtime.trace import barrier_timed_s
-from fxsplit.schedule import plan_step_s
+from fxsplit.schedule import plan_step_s, with_loss
 
 __all__ = ["CompiledDistributedPipeline", "DistContext", "exchange_state"]
 
@@ -149,9 +149,13 @@ class CompiledDistributedPipeline(DistributedPipeline):
         return self.plan
 
     def predicted_step_s(self) -> float:
-        """The plan's predicted step (:func:`fxsplit.schedule.plan_step_s`) and the tied-gradient
-        all-reduces that end it (:attr:`tied_sync_s`, timed when the pipeline was built), seconds."""
-        return float(plan_step_s(self.running_plan())) + self.tied_sync_s
+        """The plan's predicted step (:func:`fxsplit.schedule.plan_step_s`), seconds, with what
+        the plan could not know when it was made: the loss on the last stage per micro-batch as
+        the latest gathered step measured it (:attr:`loss_s`; until :meth:`calibrate` folds the
+        measured loss into the plan's costs) and the tied-gradient all-reduces that end the step
+        (:attr:`tied_sync_s`, timed when the pipeline was built)."""
+        plan = self.running_plan()
+        return float(plan_step_s(plan if self.calibrated else with_loss(plan, self.loss_s))) + self.tied_sync_s
 
     def calibrate(
         self,

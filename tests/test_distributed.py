@@ -249,7 +249,7 @@ def test_uneven_micro_batches_train_like_the_unsplit_model(tmp_path, world, micr
         from fxsplit.runtime.trace import load_chrome_trace
 
         written = load_chrome_trace(tmp_path / f"trace-{schedule}-{microbatches}-{batch}.json")
-        assert len(written) == 2 * world * microbatches, written
+        assert len(written) == 2 * world * microbatches + microbatches, written  # F and B of each, the losses
 
 
 def _check_gathered_trace(results, tag, world, microbatches):
@@ -262,6 +262,7 @@ def _check_gathered_trace(results, tag, world, microbatches):
     assert all(t == traces[0] for t in traces), f"{tag}: ranks gathered different traces"
     span = {(s, k, i): (a, b) for s, k, i, a, b in traces[0]}
     expected = {(s, k, i) for s in range(world) for k in "FB" for i in range(microbatches)}
+    expected |= {(world - 1, "L", i) for i in range(microbatches)}  # the loss, after the last stage's forward
     assert len(traces[0]) == len(span) and set(span) == expected, f"{tag}: {sorted(span)}"
     slack_s = 1e-3
     for s in range(1, world):
@@ -272,8 +273,11 @@ def _check_gathered_trace(results, tag, world, microbatches):
     assert all(t == times[0] for t in times) and len(times[0]) == world
     for s, row in enumerate(times[0]):
         fwd = [b - a for (st, k, _), (a, b) in span.items() if st == s and k == "F"]
+        loss = [b - a for (st, k, _), (a, b) in span.items() if st == s and k == "L"] or [0.0]
         assert row["fwd_s"] > 0 and row["bwd_s"] > 0, f"{tag}: stage {s}: {row}"
-        assert abs(row["fwd_s"] - sum(fwd) / len(fwd)) < 1e-6, f"{tag}: stage {s}: {row} vs the trace"
+        assert (row["loss_s"] > 0) == (s == world - 1), f"{tag}: stage {s}: {row}"
+        want = sum(fwd) / len(fwd) + sum(loss) / len(loss)  # the last stage's forward with its loss
+        assert abs(row["fwd_s"] - want) < 1e-6, f"{tag}: stage {s}: {row} vs the trace"
 
 
 @pytest.mark.parametrize("batch", [4, 5])

@@ -102,7 +102,7 @@ def test_distributed_probe_gives_every_rank_the_same_overhead(tmp_path) -> None:
 def _compile_worker(rank: int, world: int, out_dir: str) -> dict:
     import fxsplit.distributed as fxd
     import fxsplit.models as zoo
-    from fxsplit.schedule import plan_step_s
+    from fxsplit.schedule import plan_step_s, with_loss
 
     out = {}
     for name, options in (("gpt", CompileOptions(profile_cache_dir=False)),
@@ -115,6 +115,10 @@ def _compile_worker(rank: int, world: int, out_dir: str) -> dict:
                      "plan_step": float(plan_step_s(pipe.running_plan())),
                      "overhead": problem.action_overhead_s if problem is not None else None,
                      "latency": problem.link_between(0, 1).latency_s if problem is not None else None}
+        x, y = case.make_batch(4, 1)
+        pipe.timed_steps(*x, target=y, loss_fn=case.loss_fn, steps=1)  # gathers the step's stage times
+        out[name].update(loss_s=pipe.loss_s, predicted_after=pipe.predicted_step_s(),
+                         with_loss=float(plan_step_s(with_loss(pipe.running_plan(), pipe.loss_s))))
         pipe.close()
     return out
 
@@ -123,7 +127,8 @@ def _compile_worker(rank: int, world: int, out_dir: str) -> dict:
 def test_distributed_compile_charges_the_runtime_and_the_tied_all_reduce(tmp_path) -> None:
     """The plan of fxsplit.distributed.compile charges the probed runtime work (or the number
     given, without probing), and its predicted step ends with the tied embedding's all-reduce,
-    timed at build (the same on every rank); a model without tied weights has none."""
+    timed at build (the same on every rank); a model without tied weights has none. Once a step
+    has run, the predicted step holds the loss measured on the last stage (every rank alike)."""
     from dist_utils import check_ok, launch
 
     results = launch(_compile_worker, 2, tmp_path, deadline_s=240)
@@ -134,5 +139,10 @@ def test_distributed_compile_charges_the_runtime_and_the_tied_all_reduce(tmp_pat
         assert r["gpt"]["predicted"] == pytest.approx(r["gpt"]["plan_step"] + r["gpt"]["tied_sync_s"])
         assert r["mlp"]["tied_sync_s"] == 0.0 and r["mlp"]["predicted"] == r["mlp"]["plan_step"]
     assert a["gpt"]["tied_sync_s"] == b["gpt"]["tied_sync_s"]  # the slowest rank's, on both
+    for name in ("gpt", "mlp"):
+        assert a[name]["loss_s"] == b[name]["loss_s"] > 0, name  # gathered from the last rank
+        for r in (a, b):
+            assert r[name]["with_loss"] > r[name]["plan_step"], name
+            assert r[name]["predicted_after"] == pytest.approx(r[name]["with_loss"] + r[name]["tied_sync_s"]), name
     assert 0 < a["gpt"]["overhead"] < 1e-2  # probed (rank 0 keeps the problem)
     assert a["mlp"]["overhead"] == 2e-3

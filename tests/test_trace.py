@@ -46,7 +46,7 @@ def test_recorder_keeps_the_latest_step() -> None:
     assert [e.name for e in rec.events] == ["0F0", "1F0", "1B0", "0B0"]
     assert rec.events[0].start_s == 0.0
     assert all(b.start_s >= a.start_s for a, b in zip(rec.events, rec.events[1:], strict=False))
-    assert rec.per_stage_s(2)[1].keys() == {"fwd_s", "bwd_s", "bwd_weight_s"}
+    assert rec.per_stage_s(2)[1].keys() == {"fwd_s", "bwd_s", "bwd_weight_s", "loss_s"}
 
 
 def test_span_without_recorder_is_a_no_op() -> None:
@@ -71,4 +71,20 @@ def test_a_rank_recorder_steps_only_at_begin() -> None:
         rec.add(0, "F", 1, t0 + 2.0, t0 + 2.25)
     assert [(e.name, e.start_s, e.duration_s) for e in rec.events] == [("0F0", 1.0, 0.5), ("0F1", 2.0, 0.25)]
     copy = TraceRecorder.from_events(rec.events)
-    assert copy.events == rec.events and copy.per_stage_s(1) == [{"fwd_s": 0.375, "bwd_s": 0.0, "bwd_weight_s": 0.0}]
+    assert copy.events == rec.events
+    assert copy.per_stage_s(1) == [{"fwd_s": 0.375, "bwd_s": 0.0, "bwd_weight_s": 0.0, "loss_s": 0.0}]
+
+
+def test_a_loss_recorded_apart_counts_in_the_forward_and_alone() -> None:
+    """Across processes torch's runtime computes the loss outside the last stage's forward; the
+    recorder keeps it as ``L`` and reports the stage's forward with it (as the local pipeline's
+    forward includes it) and the loss alone, and the Chrome trace files it as a loss."""
+    rec = TraceRecorder(auto_step=False)
+    rec.begin(0.0)
+    for i in range(2):
+        rec.add(1, "F", i, 1.0 + i, 1.5 + i)
+        rec.add(1, "L", i, 1.5 + i, 1.5 + 0.125 * (i + 1) + i)
+    assert rec.per_stage_s(2)[1] == {"fwd_s": 0.6875, "bwd_s": 0.0, "bwd_weight_s": 0.0, "loss_s": 0.1875}
+    assert rec.per_stage_s(2)[0]["loss_s"] == 0.0
+    cats = {e["name"]: e["cat"] for e in rec.to_chrome()["traceEvents"] if e.get("ph") == "X"}
+    assert cats == {"1F0": "forward", "1L0": "loss", "1F1": "forward", "1L1": "loss"}

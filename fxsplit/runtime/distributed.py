@@ -267,6 +267,10 @@ class DistributedPipeline(ParameterAPI):
         self._wall_t0 = 0.0  # time.time() at the start of the latest recorded step
         # seconds the step's tied-gradient all-reduces take (measure_tied_sync_s; 0: not measured)
         self.tied_sync_s = 0.0
+        # seconds of the loss per micro-batch on the last stage in the latest gathered step
+        # (stage_times_s, every rank; 0: not measured)
+        self.loss_s = 0.0
+        self._forwarded = 0  # the micro-batch of the latest forward (the loss that follows is its)
 
     # -- structure ---------------------------------------------------------------------------
     @property
@@ -373,6 +377,7 @@ class DistributedPipeline(ParameterAPI):
                 out = _m(chunk, *args, **kwargs)
                 k = "I" if _k == "B" and kwargs.get("full_backward") is False else _k  # a zero-bubble input half
                 self.recorder.add(index, k, chunk + self._mb_offset, start, action_end_s(stage.device))
+                self._forwarded = chunk + self._mb_offset
                 return out
 
             setattr(stage, attr, timed)
@@ -424,8 +429,11 @@ class DistributedPipeline(ParameterAPI):
                 self._loss_fn, outs, self.batched_outputs, self._unflatten, target, self._mb_size,
                 self._target_dim or 0)
         weight = 1.0 if self._reduction == "sum" else self._weight
+        start = time.perf_counter()
         with precision(self.device, autocast_dtype(self.autocast)):  # as the unsplit model runs it
             loss = self._loss_fn(self._unflatten(outs), target) * weight
+        if self._recording and self.recorder is not None:  # the loss of the forward just run, on the last stage
+            self.recorder.add(self.num_stages - 1, "L", self._forwarded, start, action_end_s(self.device))
         self._losses.append(loss.detach())
         return loss if self._scaler is None else scale_loss(self._scaler, loss)  # what goes backward
 
@@ -578,10 +586,12 @@ class DistributedPipeline(ParameterAPI):
         ``train_step``, from every rank's trace; collective (one ``all_gather_object``).
 
         Returns:
-            ``[num_stages]`` dicts ``{"fwd_s", "bwd_s"}`` on every rank, the local pipeline's
-            :meth:`TraceRecorder.per_stage_s` layout (what ``calibrate`` and the fidelity bench
-            read). The times are the stage's ``forward_one_chunk`` / ``backward_one_chunk``
-            (compute, the loss excluded; sends and receives are separate actions).
+            ``[num_stages]`` dicts ``{"fwd_s", "bwd_s", "bwd_weight_s", "loss_s"}`` on every
+            rank, the local pipeline's :meth:`TraceRecorder.per_stage_s` layout (what
+            ``calibrate`` and the fidelity bench read). The times are the stage's
+            ``forward_one_chunk`` / ``backward_one_chunk`` (sends and receives are separate
+            actions); the last stage's forward includes the loss, as the local pipeline's does,
+            and its ``loss_s`` says how much (kept in :attr:`loss_s`).
 
         Raises:
             ConfigError: when ``recorder`` is None.
@@ -589,9 +599,10 @@ class DistributedPipeline(ParameterAPI):
         times = self._recorder_or_raise().per_stage_s(self.num_stages)
         rows: list[Any] = [None] * self.num_ranks
         dist.all_gather_object(rows, [(s, times[s]) for s in self.stage_indices], group=self.group)
-        out = [{"fwd_s": 0.0, "bwd_s": 0.0, "bwd_weight_s": 0.0} for _ in range(self.num_stages)]
+        out = [{"fwd_s": 0.0, "bwd_s": 0.0, "bwd_weight_s": 0.0, "loss_s": 0.0} for _ in range(self.num_stages)]
         for stage, row in (pair for held in rows for pair in held):
             out[stage] = row
+        self.loss_s = out[-1]["loss_s"]
         return out
 
     def gather_trace(self) -> list[TraceEvent]:

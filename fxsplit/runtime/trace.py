@@ -47,7 +47,9 @@ class TraceEvent:
 
     Attributes:
         stage: Pipeline stage (the row of the trace).
-        kind: ``"F"`` (forward), ``"B"`` (backward), or a zero-bubble backward's halves ``"I"`` / ``"W"``.
+        kind: ``"F"`` (forward), ``"B"`` (backward), a zero-bubble backward's halves ``"I"`` /
+            ``"W"``, or ``"L"``: the loss after the last stage's forward (recorded apart across
+            processes, where torch's runtime computes it outside the stage).
         microbatch: Micro-batch index.
         start_s: Seconds from the start of the step (the start of ``0F0``).
         duration_s: Seconds the action took, ``>= 0``.
@@ -120,16 +122,18 @@ class TraceRecorder:
         return max((e.end_s for e in self.events), default=0.0)
 
     def per_stage_s(self, num_stages: int) -> list[dict[str, float]]:
-        """``[num_stages]`` dicts ``{"fwd_s", "bwd_s", "bwd_weight_s"}``: mean seconds per
-        micro-batch; a backward split into ``I`` and ``W`` (zero-bubble) counts both halves in
-        ``bwd_s`` and its ``W`` in ``bwd_weight_s``."""
+        """``[num_stages]`` dicts ``{"fwd_s", "bwd_s", "bwd_weight_s", "loss_s"}``: mean seconds
+        per micro-batch; a backward split into ``I`` and ``W`` (zero-bubble) counts both halves in
+        ``bwd_s`` and its ``W`` in ``bwd_weight_s``; a loss recorded apart (``L``, across
+        processes) counts in ``fwd_s`` and alone in ``loss_s``."""
         out = []
         for s in range(num_stages):
             mean = {}
-            for kind in ("F", "B", "I", "W"):
+            for kind in ("F", "L", "B", "I", "W"):
                 times = [e.duration_s for e in self.events if e.stage == s and e.kind == kind]
                 mean[kind] = sum(times) / len(times) if times else 0.0
-            out.append({"fwd_s": mean["F"], "bwd_s": mean["B"] + mean["I"] + mean["W"], "bwd_weight_s": mean["W"]})
+            out.append({"fwd_s": mean["F"] + mean["L"], "bwd_s": mean["B"] + mean["I"] + mean["W"],
+                        "bwd_weight_s": mean["W"], "loss_s": mean["L"]})
         return out
 
     def to_chrome(self, stage_names: Sequence[str] | None = None, process_name: str = "fxsplit pipeline") -> dict[str, Any]:
@@ -146,7 +150,7 @@ class TraceRecorder:
             meta.append({"ph": "M", "pid": 0, "tid": s, "name": "thread_name", "args": {"name": label}})
             meta.append({"ph": "M", "pid": 0, "tid": s, "name": "thread_sort_index", "args": {"sort_index": s}})
         events = [
-            {"name": e.name, "cat": "forward" if e.kind == "F" else "backward", "ph": "X", "pid": 0, "tid": e.stage,
+            {"name": e.name, "cat": {"F": "forward", "L": "loss"}.get(e.kind, "backward"), "ph": "X", "pid": 0, "tid": e.stage,
              "ts": e.start_s * 1e6, "dur": e.duration_s * 1e6,
              "args": {"stage": e.stage, "kind": e.kind, "microbatch": e.microbatch}}
             for e in self.events

@@ -30,6 +30,7 @@ from fxsplit.schedule.simulate import (
     plan_step_s,
     simulate,
     simulate_plan,
+    with_loss,
 )
 from fxsplit.schedule.validate import Fault, find_faults, validate
 
@@ -60,5 +61,6 @@ __all__ = [
     "register",
     "simulate",
     "simulate_plan",
+    "with_loss",
     "validate",
 ]

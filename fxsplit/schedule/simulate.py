@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fxsplit.errors import ScheduleError
 from fxsplit.ir.plan import Plan
@@ -30,7 +30,7 @@ from fxsplit.schedule.engine import execute
 from fxsplit.schedule.generators import make
 from fxsplit.schedule.validate import validate
 
-__all__ = ["Event", "Timeline", "simulate", "simulate_plan", "plan_step_s"]
+__all__ = ["Event", "Timeline", "simulate", "simulate_plan", "plan_step_s", "with_loss"]
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +238,28 @@ def plan_step_s(plan: Plan) -> float:
     if plan.schedule not in SIMULATED_SCHEDULES:
         return plan.makespan_s
     return simulate_plan(plan).makespan_s
+
+
+def with_loss(plan: Plan, loss_s: float) -> Plan:
+    """``plan`` with ``loss_s`` seconds per micro-batch added to its last stage's forward (the
+    loss computed after it, which the plan's costs leave out when the loss was not known at
+    planning) and its bottleneck and makespan recomputed; ``plan`` itself for ``loss_s <= 0``.
+
+    Example:
+        >>> from fxsplit.ir import CondensedGraph, DeviceSpec, Problem, evaluate
+        >>> pb = Problem(CondensedGraph.chain([1.0, 1.0]), (DeviceSpec("a"), DeviceSpec("b")), microbatches=4)
+        >>> plan = evaluate(pb, [[0], [1]])
+        >>> plan_step_s(plan), plan_step_s(with_loss(plan, 0.5))
+        (5.0, 7.0)
+    """
+    if not plan.stages or loss_s <= 0:
+        return plan
+    last = plan.stages[-1]
+    stages = (*plan.stages[:-1], replace(last, fwd_s=last.fwd_s + loss_s))
+    bottleneck = max(st.time_s for st in stages)
+    makespan = sum(st.time_s for st in stages) + (plan.microbatches - 1) * bottleneck
+    objective = bottleneck if plan.objective == "bottleneck" else makespan
+    return replace(plan, stages=stages, bottleneck_s=bottleneck, makespan_s=makespan, objective_s=objective)
 
 
 def _per_stage(name: str, values: Sequence[float] | Sequence[int], n: int) -> list[float]:
