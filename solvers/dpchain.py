@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fxsplit.solvers.cancel import Cancel
 from fxsplit.solvers.layout import Layout
 from fxsplit.solvers.tables import DownsetTables
+
+if TYPE_CHECKING:
+    from fxsplit.solvers.dpcore import Bands
 
 __all__ = ["is_nested", "run_nested"]
 
@@ -41,12 +45,15 @@ def is_nested(tb: DownsetTables) -> bool:
 
 def run_nested(tb: DownsetTables, layout: Layout, f: np.ndarray, par_move: np.ndarray, par_j: np.ndarray, *,
                cost_of: Callable[[np.ndarray, np.ndarray], np.ndarray], combine: str, cap_s: float,
-               want_break: bool, reach: float, deadline: float | None, cancel: Cancel | None) -> float:
+               want_break: bool, reach: float, deadline: float | None, cancel: Cancel | None,
+               bands: Bands | None = None) -> float:
     """Fill ``f``, ``par_move``, ``par_j`` (``[slots, n + 1]``) for nested tables; returns the
     smallest stage cost above ``cap_s`` seen (``inf`` when none).
 
     ``cost_of(i, js) -> [G, P]`` costs the stages ``I \\ J`` of the pairs under every signature
-    (:func:`fxsplit.solvers.dpcore._stage_costs` bound to the run's arguments).
+    (:func:`fxsplit.solvers.dpcore._stage_costs` bound to the run's arguments). ``bands``: the
+    narrowed run's work bands (:class:`fxsplit.solvers.dpcore.Bands`), as the general loop
+    applies them (downsets outside every band are not costed; a move ends only in its slot's).
 
     Raises:
         DPTimeoutError, DPCancelledError: as :func:`fxsplit.solvers.dpcore.run_dp`.
@@ -69,6 +76,8 @@ def run_nested(tb: DownsetTables, layout: Layout, f: np.ndarray, par_move: np.nd
         rows = np.arange(start, min(start + chunk, n + 1))
         js = rows[:, None] + offsets[None, :]
         valid = (js >= lo[rows, None]) & (js >= 0)
+        if bands is not None:
+            valid &= bands.admissible[rows, None]
         ii, cc = np.nonzero(valid)
         if len(ii) == 0:
             continue
@@ -90,6 +99,8 @@ def run_nested(tb: DownsetTables, layout: Layout, f: np.ndarray, par_move: np.nd
                 val = prev + band[sig] if combine == "sum" else np.maximum(prev, band[sig])
                 arg = np.argmin(val, axis=1)
                 best = val[at, arg]
+                if bands is not None:
+                    best = np.where(bands.outside(np.array([dst]), work[rows])[0], np.inf, best)
                 better = best < f[dst, rows]
                 if better.any():
                     f[dst, rows[better]] = best[better]

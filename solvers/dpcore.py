@@ -39,7 +39,7 @@ from fxsplit.solvers.dpchain import is_nested, run_nested
 from fxsplit.solvers.layout import Layout, Signature
 from fxsplit.solvers.tables import DownsetTables
 
-__all__ = ["DPCancelledError", "DPResult", "DPTimeoutError", "check_stop", "run_dp"]
+__all__ = ["Bands", "DPCancelledError", "DPResult", "DPTimeoutError", "check_stop", "run_dp"]
 
 CostOf = Callable[[np.ndarray, np.ndarray], np.ndarray]
 """``cost_of(i, js)``: ``[G, P]`` costs of the stages ``I \\ J`` for the pairs ``(i[p], js[p])``."""
@@ -174,6 +174,49 @@ class _Moves:
         )
 
 
+@dataclass(frozen=True)
+class Bands:
+    """The work ``W(I)`` a downset may hold in each slot of a plan whose every stage costs at
+    most ``bound_s`` (the narrowed runs of :func:`run_dp`).
+
+    A stage costs at least its work over its device's speed (communication, the runtime's work
+    and recomputation only add), so the stages placed so far hold at most ``bound_s`` times the
+    speed of the devices they use (``hi``), and the devices left can take at most ``bound_s``
+    times theirs of the rest (``lo = W(all) - bound_s x speed left``). No such plan passes through
+    a state outside its slot's band: a bound as in branch and bound, exact whenever the optimum's
+    stages cost at most ``bound_s`` (the condition under which the narrowed run is exact anyway).
+
+    Attributes:
+        lo, hi: ``[num_slots]`` the band of each slot, rounding tolerance included, seconds.
+        admissible: ``[num_downsets]`` the downsets some move may end in.
+    """
+
+    lo: np.ndarray
+    hi: np.ndarray
+    admissible: np.ndarray
+
+    @classmethod
+    def of(cls, tb: DownsetTables, layout: Layout, bound_s: float, tol: float) -> Bands:
+        used = np.zeros(layout.num_slots)
+        speed_of: dict[int, float] = {}
+        for m in sorted(layout.moves, key=lambda mv: layout.stages[mv.src]):
+            speed = layout.sigs[m.sig].speed
+            used[m.dst] = used[m.src] + speed  # every path into a slot uses the same devices
+            speed_of[m.unit] = speed
+        total = sum(speed * len(layout.units[unit]) for unit, speed in speed_of.items())
+        lo = float(tb.work_s[tb.full]) - bound_s * (total - used) - tol
+        hi = bound_s * used + tol
+        admissible = np.zeros(tb.num, dtype=bool)
+        for dst in sorted({m.dst for m in layout.moves}):
+            admissible |= (tb.work_s >= lo[dst]) & (tb.work_s <= hi[dst])
+        return cls(lo, hi, admissible)
+
+    def outside(self, dst: np.ndarray, work: np.ndarray) -> np.ndarray:
+        """``[len(dst), len(work)]``: True where a downset of work ``work[p]`` lies outside the
+        band of slot ``dst[m]``."""
+        return (work[None, :] < self.lo[dst][:, None]) | (work[None, :] > self.hi[dst][:, None])
+
+
 def _update(f: np.ndarray, par_move: np.ndarray, par_j: np.ndarray, targets: np.ndarray, moves: np.ndarray,
             dst: np.ndarray, vals: np.ndarray, js: np.ndarray) -> None:
     """Store the best candidate of each downset in ``targets`` (not set before) for each slot.
@@ -285,7 +328,7 @@ def run_dp(
     par_j = np.zeros((layout.num_slots, num), dtype=np.int32)
     mv, sigs = _Moves.of(layout), _Sigs.of(layout)
     next_break = math.inf
-    reach = math.inf
+    reach, tol = math.inf, 0.0
     if math.isfinite(bound_s) and kind == "time":
         tol = 1e-9 * max(1.0, float(np.abs(tb.work_s).max()))  # the sums' rounding
         reach = bound_s * float(sigs.speed.max()) + tol
@@ -293,9 +336,10 @@ def run_dp(
     def cost_of(i: np.ndarray, js: np.ndarray) -> np.ndarray:
         return _stage_costs(tb, i, js, sigs, comm_factor, kind)
 
+    bands = Bands.of(tb, layout, bound_s, tol) if math.isfinite(reach) else None  # states outside stay inf
     if is_nested(tb):  # a chain of downsets: vectorised by stage (dpchain)
         next_break = run_nested(tb, layout, f, par_move, par_j, cost_of=cost_of, combine=combine, cap_s=cap_s,
-                                want_break=want_break, reach=reach, deadline=deadline, cancel=cancel)
+                                want_break=want_break, reach=reach, deadline=deadline, cancel=cancel, bands=bands)
         return _result(tb, layout, f, par_move, par_j, next_break, want_break, reach, bound_s, cost_of)
     nwords = tb.words.shape[1]
     cols = [np.ascontiguousarray(tb.words[:, w]) for w in range(nwords)]
@@ -304,10 +348,13 @@ def run_dp(
         first, last = int(tb.layer_start[size]), int(tb.layer_start[size + 1])
         if n_active == 0 or first == last:
             continue
+        rows = np.arange(first, last)
+        if bands is not None:  # downsets no move may end in
+            rows = rows[bands.admissible[rows]]
         rows_per_chunk = max(1, _CHUNK_ELEMENTS // (first * n_active))
-        for lo in range(first, last, rows_per_chunk):
-            check_stop(cancel, deadline, lo, num)
-            pi, js = _pairs(tb, cols, np.arange(lo, min(lo + rows_per_chunk, last)), first, reach)
+        for lo in range(0, len(rows), rows_per_chunk):
+            check_stop(cancel, deadline, int(rows[lo]), num)
+            pi, js = _pairs(tb, cols, rows[lo:lo + rows_per_chunk], first, reach)
             if len(js) == 0:
                 continue
             cost = _stage_costs(tb, pi, js, sigs, comm_factor, kind)
@@ -319,6 +366,8 @@ def run_dp(
             prev = f[mv.src[:n_active, None], js[None, :]]
             here = cost[mv.sig[:n_active]]
             val = prev + here if combine == "sum" else np.maximum(prev, here)
+            if bands is not None:  # each move ends only in its slot's band
+                val[bands.outside(mv.dst[:n_active], tb.work_s[pi])] = np.inf
             starts = np.flatnonzero(np.r_[True, pi[1:] != pi[:-1]])
             seg_min = np.minimum.reduceat(val, starts, axis=1)
             counts = np.diff(np.r_[starts, len(pi)])

@@ -48,7 +48,15 @@ def test_auto_falls_back_to_cpsat_when_dp_times_out(monkeypatch: pytest.MonkeyPa
     # 70B Llama, under the 20000 budget) although 32 devices with 1F1B memory make 528 moves per
     # pair, and let dp's time-out SolverError escape. Now auto estimates the work, and when the
     # DP still times out it runs cpsat with the time left. Here the estimate is forced to lie.
+    # The DP itself is too quick on any small graph now (work bands, solvers.dpcore.Bands), so its
+    # clock runs out at the first check.
+    from fxsplit.solvers import dpcore
+
+    def out_of_time(cancel, deadline, done, num) -> None:
+        raise dpcore.DPTimeoutError(f"dp timed out after {done}/{num} downsets (forced by the test)")
+
     monkeypatch.setattr(auto, "estimate_dp", lambda problem, max_downsets=None: DPEstimate(1, seconds=0.0))
+    monkeypatch.setattr(dpcore, "check_stop", out_of_time)
     plan = solve(_independent(14, 3), "auto", time_limit_s=1.0)
     assert plan.solver == "cpsat" and plan.stats["auto"]["dp_timed_out"] is True
     assert plan.solve_time_s < 3.0
