@@ -165,7 +165,6 @@ class WireShapes:
         first, last: The stage's position.
         index: The stage index (for messages).
         autocast: ``(device, dtype)`` when the stages run under ``torch.autocast``.
-        pack: Gather a boundary's wire tensors into fewer messages (:meth:`packings`).
     """
 
     def __init__(
@@ -182,15 +181,14 @@ class WireShapes:
         last: bool,
         index: int,
         autocast: tuple[torch.device, torch.dtype] | None = None,
-        pack: bool = True,
     ) -> None:
         self.gm, self.flat_inputs, self.batched = gm, list(flat_inputs), list(batched)
-        self.pack = pack
         self.autocast = autocast
         self.inputs, self.outputs = list(inputs), list(outputs)
         self.in_layouts, self.out_layouts = list(in_layouts), list(out_layouts)
         self.first, self.last, self.index = first, last, index
         self._values: dict[int, tuple[dict[str, Any], tuple[Any, ...]]] = {}
+        self._packings: dict[tuple[int, bool], tuple[Packing | None, Packing | None]] = {}
 
     def _at(self, size: int) -> tuple[dict[str, Any], tuple[Any, ...]]:
         if size not in self._values:
@@ -231,17 +229,18 @@ class WireShapes:
         """How the stage's received and sent wire tensors travel at micro-batch size ``size``
         (:class:`~fxsplit.runtime.dist_stage.Packing`); None for a side with one message per
         wire tensor anyway (the first stage's inputs, the last stage's outputs, a boundary
-        whose tensors all differ in dtype or in needing a gradient), or when built with
-        ``pack=False``. Both neighbours compute the same packing of their common boundary."""
-        if not self.pack:
-            return None, None
-        ins, outs = self._wire(size, train)
+        whose tensors all differ in dtype or in needing a gradient). Both neighbours compute the
+        same packing of their common boundary. Memoised per size and ``train``."""
+        key = (size, train)
+        if key not in self._packings:
+            ins, outs = self._wire(size, train)
 
-        def of(metas: tuple[torch.Tensor, ...], end: bool) -> Packing | None:
-            packing = None if end else Packing.of(metas)
-            return packing if packing is not None and len(packing.groups) < len(metas) else None
+            def of(metas: tuple[torch.Tensor, ...], end: bool) -> Packing | None:
+                packing = None if end else Packing.of(metas)
+                return packing if packing is not None and len(packing.groups) < len(metas) else None
 
-        return of(ins, self.first), of(outs, self.last)
+            self._packings[key] = (of(ins, self.first), of(outs, self.last))
+        return self._packings[key]
 
     def _wire(self, size: int, train: bool) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """The wire tensors in and out, one meta tensor each, before packing."""

@@ -377,7 +377,8 @@ class DistributedPipeline(ParameterAPI):
                 out = _m(chunk, *args, **kwargs)
                 k = "I" if _k == "B" and kwargs.get("full_backward") is False else _k  # a zero-bubble input half
                 self.recorder.add(index, k, chunk + self._mb_offset, start, action_end_s(stage.device))
-                self._forwarded = chunk + self._mb_offset
+                if _k == "F":
+                    self._forwarded = chunk + self._mb_offset
                 return out
 
             setattr(stage, attr, timed)
