@@ -898,20 +898,23 @@ def cli_replicas(rank: int, world: int, out_dir: str) -> str:
     return buf.getvalue()
 
 
-def packed_boundary_equal(rank: int, world: int, out_dir: str, plan_json: str, runs: list[tuple[str, int]],
+def packed_boundary_equal(rank: int, world: int, out_dir: str, plan_json: str, runs: list[tuple[str, int, bool]],
                           batch: int) -> dict[str, Any]:
     """The zoo gpt cut right after an attention's ``chunk`` (``plan_json``): one train step per
-    ``(schedule, microbatches)`` and a forward equal the unsplit model's; reports how this rank's
-    boundary travels (wire tensors and messages)."""
+    ``(schedule, microbatches, recompute)`` and a forward equal the unsplit model's; reports how
+    this rank's boundary travels (wire tensors and messages)."""
+    import dataclasses
+
+    from fxsplit.ir import Plan
+
     case = _case("gpt", batch)
     inputs, target = case.make_batch(batch, 3)
     ref_loss, ref_grads = reference(case, inputs, target)
     out: dict[str, Any] = {}
-    for schedule, m in runs:
-        tag = f"packed/{schedule}/m={m}"
-        from fxsplit.ir import Plan
-
+    for schedule, m, recompute in runs:
+        tag = f"packed/{schedule}/m={m}/recompute={recompute}"
         plan = Plan.from_json(plan_json).with_(schedule=schedule, microbatches=m)
+        plan = plan.with_(stages=tuple(dataclasses.replace(st, recompute=recompute) for st in plan.stages))
         pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule=schedule, microbatches=m,
                            state_dict=case.model.state_dict(), timeout_s=30, plan=plan)
         loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
@@ -920,6 +923,7 @@ def packed_boundary_equal(rank: int, world: int, out_dir: str, plan_json: str, r
         packing = module.out_packing if pipe.is_first else module.in_packing
         out[tag]["wire"] = len(packing.shapes) if packing is not None else None
         out[tag]["messages"] = len(packing.groups) if packing is not None else None
+        out[tag]["recomputed"] = module.recomputed is not None
         got = pipe(*inputs)
         if pipe.is_last:
             with torch.no_grad():

@@ -609,12 +609,15 @@ def test_a_boundary_of_several_tensors_travels_packed_and_trains_like_the_unspli
     costing the runtime a send, a receive and their bookkeeping, while the plan charged one).
     They now travel as one buffer per dtype (fxsplit.runtime.dist_stage.Packing), and the step,
     every gradient and the forward are the unsplit model's, with equal and unequal
-    micro-batches, under GPipe and 1F1B."""
+    micro-batches, under GPipe, 1F1B and zero-bubble (the input half's gradients go back packed),
+    and with the stages recomputing their forward from the received views."""
     batch = 5
     results = launch(w.packed_boundary_equal, 2, tmp_path, _plan_after_chunk(batch),
-                     [("gpipe", 2), ("1f1b", 4)], batch, deadline_s=120)
+                     [("gpipe", 2, False), ("1f1b", 4, False), ("zero-bubble", 4, False), ("1f1b", 2, True)],
+                     batch, deadline_s=120)
     check_ok(results)
     for rank in (0, 1):
         for tag, r in results[rank]["result"].items():
             # the float activations in one message, the attention masks (bool) in another
             assert r["wire"] is not None and r["wire"] >= 5 and r["messages"] == 2, (rank, tag, r)
+            assert r["recomputed"] == tag.endswith("recompute=True"), (rank, tag, r)
