@@ -102,9 +102,9 @@ def _dist_timed(pipe: Any, x: Any, y: Any, loss_fn: Any, kwargs: dict, steps: in
               for s, st in enumerate(plan["stages"])]
     replay = simulate(make(schedule, len(stages), pipe.microbatches), [r["meas_fwd_s"] for r in stages],
                       [r["meas_bwd_s"] for r in stages], stage_comm_s=[st["comm_s"] for st in plan["stages"]]).makespan_s
-    # the plan's step and the tied-gradient all-reduces that end it (pipe.tied_sync_s), as predicted_step_s
+    # the plan's step and the all-reduces that end it (pipe.sync_s), as predicted_step_s
     return {"stages": stages, "step": (pipe.predicted_step_s(), statistics.median(step_s)),
-            "replay_s": replay + pipe.tied_sync_s}
+            "replay_s": replay + pipe.sync_s}
 
 
 def _rank_setup(keep_freed: bool) -> None:

@@ -152,10 +152,10 @@ class CompiledDistributedPipeline(DistributedPipeline):
         """The plan's predicted step (:func:`fxsplit.schedule.plan_step_s`), seconds, with what
         the plan could not know when it was made: the loss on the last stage per micro-batch as
         the latest gathered step measured it (:attr:`loss_s`; until :meth:`calibrate` folds the
-        measured loss into the plan's costs) and the tied-gradient all-reduces that end the step
-        (:attr:`tied_sync_s`, timed when the pipeline was built)."""
+        measured loss into the plan's costs) and the all-reduces that end the step, of tied
+        gradients and over the replicas (:attr:`sync_s`, timed when the pipeline was built)."""
         plan = self.running_plan()
-        return float(plan_step_s(plan if self.calibrated else with_loss(plan, self.loss_s))) + self.tied_sync_s
+        return float(plan_step_s(plan if self.calibrated else with_loss(plan, self.loss_s))) + self.sync_s
 
     def calibrate(
         self,
@@ -284,9 +284,9 @@ class CompiledDistributedPipeline(DistributedPipeline):
         try:
             m, kind = self.microbatches, self.schedule_kind
             stages, devices = [st.blocks for st in running.stages], [st.device for st in running.stages]
-            # the tied all-reduces after the last backward are timed apart (tied_sync_s), not the links'
+            # the all-reduces after the last backward are timed apart (sync_s), not the links'
             refit, extra = fit_link_latency(refit_problem(ctx.problem, measured, m, kind), stages, devices, m, kind,
-                                            max(0.0, step_s - self.tied_sync_s))
+                                            max(0.0, step_s - self.sync_s))
             probed = statistics.mean(ctx.problem.link_between(a, b).latency_s
                                      for a, b in zip(devices, devices[1:], strict=False))
             old = evaluate(per_microbatch(refit, m, kind), stages, devices, solver=running.solver, status=running.status)
@@ -325,6 +325,7 @@ class CompiledDistributedPipeline(DistributedPipeline):
         self.close()
         self.__dict__.update(new.__dict__)
         self.measure_tied_sync_s()  # the new stages' tied copies may sit on other ranks
+        self.measure_replica_sync_s()
         log.info("rank %d: rebuilt stage(s) %s on the calibrated plan (%d tensors)", rank, list(self.stage_indices),
                  len(values))
 

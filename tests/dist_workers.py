@@ -767,7 +767,10 @@ def replicas_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, st
     """For each ``(model, schedule, replicas, microbatches, batch)``: a pipeline of ``world /
     replicas`` stages, each stage replicated: one step's loss and every gradient equal the unsplit
     model's on the whole batch; the replicas hold equal weights after an SGD step; a forward
-    gives the whole batch's output; a checkpoint merges into the model's state dict."""
+    gives the whole batch's output; a checkpoint merges into the model's state dict. Reports the
+    predicted step and its all-reduce terms."""
+    from fxsplit.schedule import plan_step_s
+
     out: dict[str, Any] = {}
     for name, schedule, replicas, m, batch in runs:
         tag = f"{name}/{schedule}/dp={replicas}/m={m}"
@@ -787,7 +790,8 @@ def replicas_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, st
         loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
         out[tag].update(compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag))
         out[tag].update(broadcast=float(loss), stages=list(pipe.stage_indices), replica=pipe.replicas.index,
-                        num_stages=pipe.num_stages)
+                        num_stages=pipe.num_stages, replica_sync_s=pipe.replica_sync_s, tied_sync_s=pipe.tied_sync_s,
+                        predicted=pipe.predicted_step_s(), plan_step=float(plan_step_s(pipe.running_plan())))
         out[tag]["weights"] = forward_then_sgd(pipe, case, inputs)
         ckpt = os.path.join(out_dir, f"ckpt-{name}-{replicas}")
         pipe.save(ckpt)

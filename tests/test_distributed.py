@@ -479,7 +479,8 @@ def test_replicated_stages_train_like_the_unsplit_model_on_the_whole_batch(tmp_p
     """Issue 11 (stage replication, PipeDream): 4 ranks as 2 stages x 2 replicas, the tied GPT
     and the MLP, GPipe and 1F1B; every rank's loss and every gradient (by name) equal the
     unsplit model's on the whole batch; a stage's replicas hold the same weights after SGD; the
-    checkpoint merges into the whole state dict."""
+    checkpoint merges into the whole state dict; the predicted step ends with the replicas'
+    gradient all-reduce, timed at build."""
     import fxsplit.models as zoo
     from fxsplit.checkpoint import consolidate
 
@@ -491,6 +492,10 @@ def test_replicated_stages_train_like_the_unsplit_model_on_the_whole_batch(tmp_p
         assert {rank: (row["stages"], row["replica"]) for rank, row in rows.items()} == {
             0: ([0], 0), 1: ([0], 1), 2: ([1], 0), 3: ([1], 1)}, tag
         assert len({row["broadcast"] for row in rows.values()}) == 1, tag
+        # the replicas' gradient all-reduce ends every step: timed at build (the slowest rank's) and predicted
+        assert len({row["replica_sync_s"] for row in rows.values()}) == 1 and rows[0]["replica_sync_s"] > 0, tag
+        for row in rows.values():
+            assert row["predicted"] == pytest.approx(row["plan_step"] + row["tied_sync_s"] + row["replica_sync_s"]), tag
         for a, b in ((0, 1), (2, 3)):  # replicas of one stage
             assert rows[a]["checked"] == rows[b]["checked"] and rows[a]["checked"], tag
             initial = rows[a]["initial"]  # each initialised its own; replica 0's values reached the other

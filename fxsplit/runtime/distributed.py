@@ -267,6 +267,8 @@ class DistributedPipeline(ParameterAPI):
         self._wall_t0 = 0.0  # time.time() at the start of the latest recorded step
         # seconds the step's tied-gradient all-reduces take (measure_tied_sync_s; 0: not measured)
         self.tied_sync_s = 0.0
+        # seconds the replicas' gradient all-reduce takes (measure_replica_sync_s; 0: not measured or none)
+        self.replica_sync_s = 0.0
         # seconds of the loss per micro-batch on the last stage in the latest gathered step
         # (stage_times_s, every rank; 0: not measured)
         self.loss_s = 0.0
@@ -722,6 +724,34 @@ class DistributedPipeline(ParameterAPI):
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         self.tied_sync_s = float(slowest.item())
         return self.tied_sync_s
+
+    def measure_replica_sync_s(self, repeats: int = 3) -> float:
+        """Time the all-reduce :meth:`train_step` ends with over the replicas of this rank's stages
+        (one flattened buffer of its gradients, as ``_average_replicas`` sends it), set
+        :attr:`replica_sync_s` to the slowest rank's and return it (0 without replicas);
+        collective over the default group. Median of ``repeats`` after one warm-up."""
+        took = 0.0
+        if self.replicas is not None and self.replicas.count > 1:
+            params = [_local(p) for p in dict.fromkeys(self.parameters()) if p.requires_grad]
+            if params:
+                buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
+                times = []
+                for _ in range(1 + repeats):
+                    start = time.perf_counter()
+                    dist.all_reduce(buffer, group=self.replicas.group)
+                    times.append(time.perf_counter() - start)
+                took = statistics.median(times[1:])
+        slowest = torch.tensor([took], dtype=torch.float64, device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        self.replica_sync_s = float(slowest.item())
+        return self.replica_sync_s
+
+    @property
+    def sync_s(self) -> float:
+        """Seconds of the step's tail after the last backward: the tied-gradient all-reduces and
+        the replicas' gradient all-reduce, as measured (:meth:`measure_tied_sync_s`,
+        :meth:`measure_replica_sync_s`)."""
+        return self.tied_sync_s + self.replica_sync_s
 
     def _copies(self, name: str) -> list[torch.Tensor]:
         """This rank's copies of graph state ``name``, one per stage holding it."""
