@@ -327,6 +327,10 @@ def compile(  # noqa: A001 - the public name users expect
             the dimension no op mixes.
         options: :class:`CompileOptions`.
 
+    The random draws compile makes (timings, checks) leave the caller's random streams (CPU and
+    the CUDA devices named) as they were, so what a seeded script draws after it does not depend
+    on compiling.
+
     Returns:
         The pipeline: ``pipe(*inputs)``, ``pipe.train_step(*inputs, target=..., loss_fn=...)``.
 
@@ -340,20 +344,34 @@ def compile(  # noqa: A001 - the public name users expect
     from fxsplit.calibrate import CompiledPipeline
     from fxsplit.compiler import compile_pipeline
     from fxsplit.overhead import resolve_action_overhead
+    from fxsplit.runtime.overhead import untouched_rng
 
     options = options or CompileOptions()
     options = with_batch_dim(options, batch_dim)
     _check_compile_args(solver, schedule, microbatches, objective, cost_model)
     _check_inputs_bind(model, example_inputs, example_kwargs, options.batch_dim)
-    specs = _device_specs(devices, memory_limit_bytes)
-    if cost_model == "auto":
-        cost_model = resolve_cost_model(model, (example_inputs, example_kwargs), options.reference or specs[0])
-    options = resolve_action_overhead(options, specs, cost_model)
-    return compile_pipeline(
-        model, specs, tuple(example_inputs), dict(example_kwargs or {}), microbatches=microbatches,
-        schedule=schedule, solver=solver, cost_model=cost_model, objective=objective, options=options,
-        build=CompiledPipeline.build,
-    )
+    with untouched_rng():  # timings and checks draw: the caller's CPU stream stays, and below its devices'
+        specs = _device_specs(devices, memory_limit_bytes)
+        if cost_model == "auto":
+            cost_model = resolve_cost_model(model, (example_inputs, example_kwargs), options.reference or specs[0])
+        with untouched_rng(*_torch_devices(specs)):
+            options = resolve_action_overhead(options, specs, cost_model)
+            return compile_pipeline(
+                model, specs, tuple(example_inputs), dict(example_kwargs or {}), microbatches=microbatches,
+                schedule=schedule, solver=solver, cost_model=cost_model, objective=objective, options=options,
+                build=CompiledPipeline.build,
+            )
+
+
+def _torch_devices(specs: Sequence[DeviceSpec]) -> list[torch.device]:
+    """The torch devices of ``specs`` (labels that name none, such as ``"fast0"``, left out)."""
+    out = []
+    for spec in specs:
+        try:
+            out.append(torch.device(spec.torch_device))
+        except (RuntimeError, ValueError):
+            continue
+    return out
 
 
 def resolve_cost_model(model: nn.Module, inputs: Any, reference: DeviceSpec) -> str:

@@ -54,6 +54,18 @@ def test_compile_charges_the_probed_overhead_only_with_timed_costs() -> None:
     assert all(st.fwd_s >= 0.01 and st.bwd_s >= 0.01 for st in given.plan.stages)
 
 
+@pytest.mark.parametrize("cost_model", ["analytic", "profiled"])
+def test_compile_leaves_the_callers_random_stream_alone(cost_model: str) -> None:
+    """Regression: fxsplit.compile advanced the global random stream (its checks and timings
+    draw), so a seeded script drew other batches after compiling than without it."""
+    model, x = _model()
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=2, cost_model=cost_model,
+                    options=CompileOptions(profile_cache_dir=False))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), "sometimes", True])
 def test_a_bad_option_is_a_config_error(bad: object) -> None:
     model, x = _model()

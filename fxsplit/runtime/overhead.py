@@ -107,10 +107,11 @@ def action_overhead(per_step: list[list[dict[str, float]]], device: torch.device
     return RuntimeOverhead((fwd + bwd) / 2, fwd, bwd)
 
 
-def untouched_rng(dev: torch.device) -> Any:
-    """A context in which a probe's random draws (weights, batches, the compile's checks) leave
-    the caller's random streams as they were."""
-    return torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else [])
+def untouched_rng(*devices: torch.device) -> Any:
+    """A context in which random draws (a probe's weights and batches, a compile's checks and
+    timings) leave the caller's random streams as they were: the CPU's and those of the CUDA
+    ``devices``."""
+    return torch.random.fork_rng(devices=sorted({d for d in devices if d.type == "cuda"}, key=str))
 
 
 def with_overhead(problem: Problem, overhead: RuntimeOverhead) -> Problem:
