@@ -314,6 +314,8 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    if args.compare_profiling and args.ranks != 2:
+        parser.error("--compare-profiling compares how the 2 ranks profile: give --ranks 2 as well")
     torch.set_num_threads(1)
     if args.keep_freed_memory:
         from fxsplit.runtime.host_memory import keep_freed_memory
@@ -328,7 +330,7 @@ def main() -> None:
         cases = [c for c in cases if c[0] in args.only.split(",")]
     if args.ranks == 2:  # one row per model (the stage count is the world size)
         cases = list({c[0]: c for c in reversed(cases)}.values())[::-1]
-    if args.compare_profiling and args.ranks == 2:
+    if args.compare_profiling:
         found = []
         for name, model, size, overrides, _p, m, batch in cases:
             for first in (True, False):
