@@ -324,8 +324,7 @@ class CompiledDistributedPipeline(DistributedPipeline):
         new.context = ctx
         self.close()
         self.__dict__.update(new.__dict__)
-        self.measure_tied_sync_s()  # the new stages' tied copies may sit on other ranks
-        self.measure_replica_sync_s()
+        self.measure_sync_s()  # the new stages' tied copies and replicas may sit on other ranks
         log.info("rank %d: rebuilt stage(s) %s on the calibrated plan (%d tensors)", rank, list(self.stage_indices),
                  len(values))
 

@@ -477,8 +477,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     pipe.hybrid = hybrid
     pipe.context = DistContext(model_fn, meta_model, captured, to_meta((args, kwargs)), planned.problem,
                                example_batch(captured, (args, kwargs))[2], solver, options)
-    pipe.measure_tied_sync_s()  # the step's tail after the last backward, in predicted_step_s
-    pipe.measure_replica_sync_s()
+    pipe.measure_sync_s()  # the step's tail after the last backward, in predicted_step_s
     _barrier(timeout_s)
     if rank == 0:
         log.info("pipeline of %d stages over %d ranks: %s x %d, stage sizes %s", plan.num_stages, world, schedule, m,

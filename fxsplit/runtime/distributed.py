@@ -746,6 +746,13 @@ class DistributedPipeline(ParameterAPI):
         self.replica_sync_s = float(slowest.item())
         return self.replica_sync_s
 
+    def measure_sync_s(self) -> float:
+        """:meth:`measure_tied_sync_s` and :meth:`measure_replica_sync_s` (collective); returns
+        :attr:`sync_s`."""
+        self.measure_tied_sync_s()
+        self.measure_replica_sync_s()
+        return self.sync_s
+
     @property
     def sync_s(self) -> float:
         """Seconds of the step's tail after the last backward: the tied-gradient all-reduces and
