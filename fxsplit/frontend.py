@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from fxsplit.passes.capture import Captured, capture
 from fxsplit.passes.condense import Condensed
 from fxsplit.passes.frontend import front_end_passes
 from fxsplit.passes.manager import PassManager, PassRecord
+from fxsplit.passes.measure import grad_accumulate_bytes_per_s
 from fxsplit.passes.profile import device_name, open_cache, profile_sizes
 from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
 from fxsplit.schedule.explore import default_microbatches
@@ -159,6 +161,7 @@ def front_end(
     condensed = pm.artifacts.get("condense_antichains")
     if not isinstance(condensed, Condensed):
         raise InternalError(f"the front end's last pass made {type(condensed).__name__}, not Condensed (a bug in fxsplit)")
+    condensed = _with_grad_accumulation(condensed, reference if cost_model == "analytic" else where)
     batch, sizes = _microbatch_sizes(flat, batched, microbatches)
     if sizes and cost_model == "analytic" and options.symbolic_costs:
         with precision(where, autocast_dtype(options.autocast)):
@@ -216,6 +219,27 @@ def _with_microbatch_graphs(condensed: Condensed, captured: Captured, reference:
                  "linearly", name, ", ".join(f"{n:g}" for n in skipped))
     table = tuple((n / batch, g) for n, g in zip(sizes, graphs, strict=True) if g is not None)
     return dataclasses.replace(condensed, graph=dataclasses.replace(graph, microbatch_graphs=table))
+
+
+def _with_grad_accumulation(condensed: Condensed, timed_on: DeviceSpec | str) -> Condensed:
+    """``condensed`` whose blocks cost adding a micro-batch's parameter gradients into the
+    step's (:attr:`~fxsplit.ir.Block.grad_accumulate_s`, own and tied copies): at the
+    reference's memory bandwidth (an add reads two and writes one) for analytic costs, at the
+    rate measured on the device that timed the nodes otherwise
+    (:func:`~fxsplit.passes.measure.grad_accumulate_bytes_per_s`)."""
+    if isinstance(timed_on, DeviceSpec):
+        bytes_per_s = timed_on.memory_bandwidth_bytes_per_s / 3
+    else:
+        try:
+            bytes_per_s = grad_accumulate_bytes_per_s(timed_on)
+        except ConfigError:  # a label with no torch device here: not modelled
+            return condensed
+    if not (bytes_per_s > 0 and math.isfinite(bytes_per_s)):
+        return condensed
+    graph = condensed.graph
+    blocks = tuple(dataclasses.replace(b, grad_accumulate_s=(b.param_bytes + b.replica_param_bytes) / bytes_per_s)
+                   if b.param_bytes + b.replica_param_bytes else b for b in graph.blocks)
+    return dataclasses.replace(condensed, graph=dataclasses.replace(graph, blocks=blocks))
 
 
 def _tensor_device_type(flat: Sequence[Any]) -> str:

@@ -96,6 +96,50 @@ def test_scaled_keeps_the_fixed_part_whole(fwd: float, share: float, f: float) -
     assert not CondensedGraph((got,)).validate()
 
 
+@given(bwd=st.one_of(st.just(0.0), st.floats(1e-6, 10.0)), weight=st.floats(0.0, 1.0), acc=st.floats(0.0, 5.0),
+       m=st.integers(1, 16), factor=st.floats(0.1, 10.0))
+def test_every_micro_batch_after_the_first_adds_its_gradients(bwd: float, weight: float, acc: float, m: int,
+                                                              factor: float) -> None:
+    """Property: a micro-batch of ``1/m`` of the batch costs its share of the backward plus
+    ``(m - 1)/m`` of the block's gradient accumulation (every micro-batch after a step's first
+    adds into the gradient there: the profile, which starts every step without gradients, does
+    not see it); one micro-batch pays none; the weight-gradient half keeps its share; a refit
+    factor on the backward scales the accumulation with it (as calibrate measures it)."""
+    block = Block(0, "b", bwd_s=bwd, bwd_weight_s=bwd * weight, grad_accumulate_s=acc)
+    got = CondensedGraph((block,)).scaled(1.0 / m).blocks[0]
+    assert got.bwd_s == pytest.approx(bwd / m + acc * (m - 1) / m)
+    if bwd > 0:
+        assert got.bwd_weight_s == pytest.approx(weight * got.bwd_s)
+    assert not CondensedGraph((got,)).validate()
+    refit = CondensedGraph((block,)).with_time_factors([1.0], [factor]).scaled(1.0 / m).blocks[0]
+    assert refit.bwd_s == pytest.approx(factor * got.bwd_s)
+    assert CondensedGraph.from_json(CondensedGraph((block,)).to_json()).blocks[0] == block
+
+
+def test_the_front_end_costs_adding_the_gradients_at_the_rate_measured(ref_device: DeviceSpec) -> None:
+    """Profiled costs: each block's accumulation is its parameter bytes (own and tied copies) at
+    the add rate measured on the device that timed the nodes; analytic costs: at the reference's
+    memory bandwidth, an add reading two and writing one."""
+    from fxsplit.frontend import front_end
+    from fxsplit.passes.measure import grad_accumulate_bytes_per_s
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.randn(8, 64)
+    rate = grad_accumulate_bytes_per_s("cpu")
+    assert rate > 0 and grad_accumulate_bytes_per_s("cpu") == rate  # memoised
+    profiled = front_end(model, (x,), {}, reference=ref_device.with_(torch_device="cpu"), cost_model="profiled",
+                         options=CompileOptions(profile_cache_dir=False)).condensed.graph
+    analytic = front_end(model, (x,), {}, reference=ref_device, cost_model="analytic",
+                         options=CompileOptions()).condensed.graph
+    with_params = [b for b in profiled.blocks if b.param_bytes]
+    assert with_params and all(b.grad_accumulate_s == pytest.approx(b.param_bytes / rate) for b in with_params)
+    assert all(b.grad_accumulate_s == 0.0 for b in profiled.blocks if not b.param_bytes + b.replica_param_bytes)
+    for b in analytic.blocks:
+        assert b.grad_accumulate_s == pytest.approx(3 * (b.param_bytes + b.replica_param_bytes)
+                                                    / ref_device.memory_bandwidth_bytes_per_s)
+
+
 def test_a_fixed_part_larger_than_the_time_is_a_fault() -> None:
     graph = CondensedGraph((Block(0, "b", fwd_s=1.0, fwd_fixed_s=2.0),))
     with pytest.raises(PlanError, match="fwd_fixed_s=2.0 > fwd_s=1.0"):

@@ -41,6 +41,11 @@ class Block:
         buffer_bytes: Bytes of non-trainable state (buffers) the block owns.
         activation_bytes: Bytes kept for backward per micro-batch.
         output_bytes: Bytes of the block's outputs per micro-batch.
+        grad_accumulate_s: Seconds to add one micro-batch's gradients of the block's parameters
+            into those the step's earlier micro-batches left (every micro-batch after a step's
+            first does; a profile that starts each step from no gradients does not see it), on
+            the reference device; :meth:`CondensedGraph.scaled` charges ``(1 - fraction)`` of it
+            to each micro-batch's backward. 0: not modelled.
     """
 
     id: int
@@ -57,6 +62,7 @@ class Block:
     bwd_weight_s: float = 0.0
     activation_bytes: int = 0
     output_bytes: int = 0
+    grad_accumulate_s: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -173,7 +179,7 @@ class CondensedGraph:
         f = batch_fraction
         for fraction, graph in self.microbatch_graphs:
             if math.isclose(fraction, f, rel_tol=1e-9):
-                return graph
+                return graph._accumulating(1.0 - f)
         blocks = tuple(
             replace(b, flops=b.flops * f, fwd_s=b.fwd_fixed_s + (b.fwd_s - b.fwd_fixed_s) * f,
                     bwd_s=(bwd := b.bwd_fixed_s + (b.bwd_s - b.bwd_fixed_s) * f),
@@ -182,7 +188,20 @@ class CondensedGraph:
             for b in self.blocks
         )
         edges = tuple(replace(e, size_bytes=int(e.size_bytes * f)) for e in self.edges)
-        return CondensedGraph(blocks=blocks, edges=edges, name=self.name)
+        return CondensedGraph(blocks=blocks, edges=edges, name=self.name)._accumulating(1.0 - f)
+
+    def _accumulating(self, share: float) -> CondensedGraph:
+        """This graph with ``share`` of each block's :attr:`Block.grad_accumulate_s` added to its
+        backward, the weight-gradient half keeping its share of it (as when times scale; a
+        measured share, :meth:`with_weight_shares`, stays the one measured); itself when nothing
+        accumulates."""
+        if share <= 0 or not any(b.grad_accumulate_s for b in self.blocks):
+            return self
+        blocks = tuple(
+            replace(b, bwd_s=(bwd := b.bwd_s + share * b.grad_accumulate_s),
+                    bwd_weight_s=b.bwd_weight_s * bwd / b.bwd_s if b.bwd_s > 0 else b.bwd_weight_s)
+            if b.grad_accumulate_s else b for b in self.blocks)
+        return replace(self, blocks=blocks, microbatch_graphs=())
 
     def with_time_factors(self, fwd_factors: Sequence[float], bwd_factors: Sequence[float]) -> CondensedGraph:
         """Block times multiplied by per-block factors (fixed parts too): costs refitted to
@@ -207,7 +226,7 @@ class CondensedGraph:
                 raise PlanError(f"{label} must be positive and finite; block {bad[0][0]} has {bad[0][1]!r}")
         blocks = tuple(
             replace(b, fwd_s=b.fwd_s * f, fwd_fixed_s=b.fwd_fixed_s * f, bwd_s=b.bwd_s * g, bwd_fixed_s=b.bwd_fixed_s * g,
-                    bwd_weight_s=b.bwd_weight_s * g)
+                    bwd_weight_s=b.bwd_weight_s * g, grad_accumulate_s=b.grad_accumulate_s * g)
             for b, f, g in zip(self.blocks, fwd_factors, bwd_factors, strict=True)
         )
         # the micro-batch costs from the formulas get the same factors: a factor fitted on one
