@@ -169,7 +169,9 @@ class CondensedGraph:
         Times scale as ``t(f) = fixed + (t - fixed) * f`` (the fixed part, ``fwd_fixed_s`` /
         ``bwd_fixed_s``, is paid by every micro-batch whatever its size); FLOPs, activation, output
         and edge bytes scale linearly; parameter and buffer bytes do not. Used to turn whole-batch
-        annotations into per-micro-batch costs (``batch_fraction = 1 / microbatches``).
+        annotations into per-micro-batch costs (``batch_fraction = 1 / microbatches``), so each
+        backward also pays ``1 - batch_fraction`` of its block's :attr:`Block.grad_accumulate_s`
+        (the step's micro-batches after the first add their gradients into the first's).
 
         Example:
             >>> g = CondensedGraph((Block(0, "b", fwd_s=5.0, fwd_fixed_s=1.0),))
@@ -260,7 +262,8 @@ class CondensedGraph:
             if b.id != i:
                 faults.append(f"block at position {i} has id {b.id}; ids must be 0..n-1 in order")
             for attr in ("flops", "fwd_s", "bwd_s", "param_bytes", "buffer_bytes", "replica_param_bytes",
-                         "activation_bytes", "output_bytes", "fwd_fixed_s", "bwd_fixed_s", "bwd_weight_s"):
+                         "activation_bytes", "output_bytes", "fwd_fixed_s", "bwd_fixed_s", "bwd_weight_s",
+                         "grad_accumulate_s"):
                 value = getattr(b, attr)
                 if not math.isfinite(value):
                     faults.append(f"block {i} ({b.name!r}) has {attr}={value}; costs must be finite numbers")
