@@ -235,13 +235,13 @@ def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[
     if together is None and profile["profile_cache"] is not None:
         save_unless_busy(profile["profile_cache"], load, "rank 0's profile")
     costs = {n.name: n.meta["fxsplit.cost"] for n in work.graph.nodes if n.op != "output"}
-    rate = grad_accumulate_bytes_per_s(str(device))  # adding gradients, at the rate measured here too
     blocks = []
     for b in graph.blocks:
         parts = [costs[n] for n in b.nodes if n in costs]
         blocks.append(replace(b, fwd_s=sum(c.fwd_s for c in parts), bwd_s=sum(c.bwd_s for c in parts),
                               fwd_fixed_s=sum(c.fwd_fixed_s for c in parts),
                               bwd_fixed_s=sum(c.bwd_fixed_s for c in parts),
-                              bwd_weight_s=sum(c.bwd_weight_s for c in parts),
-                              grad_accumulate_s=(b.param_bytes + b.replica_param_bytes) / rate))
-    return CondensedGraph(tuple(blocks), graph.edges, graph.name)
+                              bwd_weight_s=sum(c.bwd_weight_s for c in parts)))
+    # adding the gradients, at the rate measured here too
+    return CondensedGraph(tuple(blocks), graph.edges, graph.name).with_grad_accumulation(
+        grad_accumulate_bytes_per_s(str(device)))

@@ -236,10 +236,7 @@ def _with_grad_accumulation(condensed: Condensed, timed_on: DeviceSpec | str) ->
             return condensed
     if not (bytes_per_s > 0 and math.isfinite(bytes_per_s)):
         return condensed
-    graph = condensed.graph
-    blocks = tuple(dataclasses.replace(b, grad_accumulate_s=(b.param_bytes + b.replica_param_bytes) / bytes_per_s)
-                   if b.param_bytes + b.replica_param_bytes else b for b in graph.blocks)
-    return dataclasses.replace(condensed, graph=dataclasses.replace(graph, blocks=blocks))
+    return dataclasses.replace(condensed, graph=condensed.graph.with_grad_accumulation(bytes_per_s))
 
 
 def _tensor_device_type(flat: Sequence[Any]) -> str:

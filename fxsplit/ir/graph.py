@@ -236,6 +236,20 @@ class CondensedGraph:
         table = tuple((frac, g.with_time_factors(fwd_factors, bwd_factors)) for frac, g in self.microbatch_graphs)
         return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table)
 
+    def with_grad_accumulation(self, bytes_per_s: float) -> CondensedGraph:
+        """Each block's :attr:`Block.grad_accumulate_s` set to its parameter bytes, own and tied
+        copies, at ``bytes_per_s`` of gradient added into the step's (the micro-batch graphs'
+        too).
+
+        Example:
+            >>> CondensedGraph((Block(0, "b", param_bytes=10),)).with_grad_accumulation(5.0).blocks[0].grad_accumulate_s
+            2.0
+        """
+        blocks = tuple(replace(b, grad_accumulate_s=(b.param_bytes + b.replica_param_bytes) / bytes_per_s)
+                       for b in self.blocks)
+        table = tuple((frac, g.with_grad_accumulation(bytes_per_s)) for frac, g in self.microbatch_graphs)
+        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table)
+
     def with_weight_shares(self, shares: Sequence[float | None]) -> CondensedGraph:
         """Each block's ``bwd_weight_s`` set to ``shares[b] x bwd_s`` (None keeps it): the part
         of the backward that computes weight gradients, as measured (zero-bubble's ``W``).
