@@ -76,11 +76,12 @@ def run_case(name: str, model: str, size: str, overrides: dict, p: int, m: int, 
     Every stage on ``device``; on CUDA the actions run in turn too (``executor="sequential"``)."""
     case = zoo.get(model, size=size, batch_size=batch, **overrides)
     options = CompileOptions(allow_idle_devices=False, profile_cache_dir=False, executor="sequential")
+    x, y = case.make_batch(batch, 1)
     start = time.perf_counter()
     pipe = fxsplit.compile(case.model.to(device), [device] * p, case.example_inputs, case.example_kwargs or None,
-                           microbatches=m, schedule=schedule, cost_model=cost_model, options=options)
+                           microbatches=m, schedule=schedule, cost_model=cost_model, options=options,
+                           loss_fn=case.loss_fn, target=y)
     compile_s = time.perf_counter() - start
-    x, y = case.make_batch(batch, 1)
     report = pipe.calibrate(*x, target=y, loss_fn=case.loss_fn, steps=steps, **(case.example_kwargs or {}))
     return {"name": name, "cost_model": cost_model, "device": device, "stages": p, "microbatches": m, "batch": batch,
             "schedule": schedule, "compile_s": compile_s, "before": _rows(report.before), "after": _rows(report.after),

@@ -7,10 +7,11 @@ it made; ``fxsplit.compile`` goes on to plan, split and run (the steps live in
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect as pyinspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -297,6 +298,8 @@ def compile(  # noqa: A001 - the public name users expect
     objective: ObjectiveName = "makespan",
     batch_dim: int | None = None,
     options: CompileOptions | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
 ) -> CompiledPipeline:
     """Split ``model`` across ``devices`` and return a :class:`~fxsplit.runtime.Pipeline`.
 
@@ -326,6 +329,11 @@ def compile(  # noqa: A001 - the public name users expect
             a model whose dim 0 mixes samples runs one micro-batch, and the log or warning names
             the dimension no op mixes.
         options: :class:`CompileOptions`.
+        loss_fn, target: The loss ``train_step`` will compute (``loss_fn(output, target) ->
+            scalar``) and a target for ``example_inputs``: the last stage computes it after its
+            forward, so with a timed cost model (profiled, measured) compile times it on the
+            model's outputs and plans the last stage with it (``options.loss_fn``); without it
+            the plan leaves the loss out (``calibrate`` measures it later).
 
     The random draws compile makes (timings, checks) leave the caller's random streams (CPU and
     the CUDA devices named) as they were, so what a seeded script draws after it does not depend
@@ -348,6 +356,10 @@ def compile(  # noqa: A001 - the public name users expect
 
     options = options or CompileOptions()
     options = with_batch_dim(options, batch_dim)
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise ConfigError(f"compile(loss_fn={loss_fn!r}) needs a callable loss_fn(output, target) -> scalar, or None")
+        options = dataclasses.replace(options, loss_fn=loss_fn, loss_target=target)
     _check_compile_args(solver, schedule, microbatches, objective, cost_model)
     _check_inputs_bind(model, example_inputs, example_kwargs, options.batch_dim)
     with untouched_rng():  # timings and checks draw: the caller's CPU stream stays, and below its devices'

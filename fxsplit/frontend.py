@@ -11,6 +11,8 @@ import dataclasses
 import logging
 import math
 import os
+import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ from fxsplit.passes.frontend import front_end_passes
 from fxsplit.passes.manager import PassManager, PassRecord
 from fxsplit.passes.measure import grad_accumulate_bytes_per_s
 from fxsplit.passes.profile import device_name, open_cache, profile_sizes
-from fxsplit.runtime.microbatch import batch_size_of, split_microbatches
+from fxsplit.runtime.microbatch import batch_size_of, split_microbatches, split_target
 from fxsplit.schedule.explore import default_microbatches
 
 __all__ = ["Inspection", "capture_with", "front_end", "load_per_core", "profile_options", "save_unless_busy", "with_batch_dim"]
@@ -162,6 +164,13 @@ def front_end(
     if not isinstance(condensed, Condensed):
         raise InternalError(f"the front end's last pass made {type(condensed).__name__}, not Condensed (a bug in fxsplit)")
     condensed = _with_grad_accumulation(condensed, reference if cost_model == "analytic" else where)
+    if options.loss_fn is not None:
+        if cost_model == "analytic":
+            log.info("%s: the loss is not costed with the analytic cost model (it is timed, on %s, by the profiled "
+                     "and measured ones)", name, where)
+        else:
+            with precision(where, autocast_dtype(options.autocast)):
+                condensed = _with_loss_cost(condensed, captured, flat, options, microbatches)
     batch, sizes = _microbatch_sizes(flat, batched, microbatches)
     if sizes and cost_model == "analytic" and options.symbolic_costs:
         with precision(where, autocast_dtype(options.autocast)):
@@ -237,6 +246,80 @@ def _with_grad_accumulation(condensed: Condensed, timed_on: DeviceSpec | str) ->
     if not (bytes_per_s > 0 and math.isfinite(bytes_per_s)):
         return condensed
     return dataclasses.replace(condensed, graph=condensed.graph.with_grad_accumulation(bytes_per_s))
+
+
+def _with_loss_cost(condensed: Condensed, captured: Captured, flat: Sequence[Any], options: CompileOptions,
+                    microbatches: int | str) -> Condensed:
+    """``condensed`` with ``options.loss_fn`` on ``options.loss_target`` charged to the block
+    that makes the outputs (:meth:`~fxsplit.ir.CondensedGraph.with_loss`): its forward and
+    backward timed on the model's own outputs at the example batch and at one micro-batch
+    (``t = t0 + t1 x samples`` fitted, as the profiled cost model fits nodes).
+
+    Raises:
+        ConfigError: when the loss fails on the model's outputs or does not give a scalar.
+    """
+    buffers = [(b, b.clone()) for b in captured.gm.buffers()]
+    try:
+        with torch.no_grad():  # the model's outputs at the example batch; its buffers (batch statistics) put back
+            outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in captured.gm(*flat)]
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    batch = _example_batch(flat, captured.batched_inputs)
+    m = microbatches if isinstance(microbatches, int) and microbatches > 1 else min(batch, 4)
+    points = [(batch, outputs, options.loss_target)]
+    if m > 1:
+        target_dim = captured.layout.target_dim if captured.layout is not None else 0
+        outs, sizes = split_microbatches(outputs, m, batch, captured.batched_outputs)
+        points.append((sizes[0], outs[0], split_target(options.loss_target, m, batch, target_dim)[0]))
+    timed = [(n, *_loss_times_s(options.loss_fn, captured, outs, target)) for n, outs, target in points]
+    (n1, f1, b1), (n0, f0, b0) = timed[0], timed[-1]
+    fwd_fixed = bwd_fixed = 0.0
+    if n0 < n1:  # t = t0 + t1 * n through the two points, t0 clamped to [0, t(n0)]
+        fwd_fixed = min(max(0.0, f0 - (f1 - f0) / (n1 - n0) * n0), f0)
+        bwd_fixed = min(max(0.0, b0 - (b1 - b0) / (n1 - n0) * n0), b0)
+    log.info("the loss costs %.3f ms forward, %.3f ms backward at %d samples (%.3f / %.3f ms fixed per micro-batch)",
+             f1 * 1e3, b1 * 1e3, n1, fwd_fixed * 1e3, bwd_fixed * 1e3)
+    return dataclasses.replace(condensed, graph=condensed.graph.with_loss(f1, b1, fwd_fixed, bwd_fixed))
+
+
+def _loss_times_s(loss_fn: Any, captured: Captured, outputs: Sequence[Any], target: Any,
+                  repeats: int = 5) -> tuple[float, float]:
+    """Median seconds of ``loss_fn``'s forward and of its backward on ``outputs`` (the model's
+    flat outputs, made leaves that need a gradient where floating), after one warm-up."""
+    fwd, bwd = [], []
+    for _ in range(repeats + 1):
+        leaves = [o.detach().requires_grad_(o.is_floating_point()) if isinstance(o, torch.Tensor) else o
+                  for o in outputs]
+        try:
+            start = time.perf_counter()
+            loss = loss_fn(captured.unflatten_outputs(leaves), target)
+            mid = time.perf_counter()
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                raise TypeError(f"it returned {type(loss).__name__}"
+                                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}, not a scalar tensor")
+            if loss.requires_grad:
+                loss.backward()
+            _sync(loss.device)
+            end = time.perf_counter()
+        except Exception as exc:
+            raise ConfigError(f"compile cannot cost loss_fn={getattr(loss_fn, '__name__', loss_fn)!r}: on the model's "
+                              f"outputs ({', '.join(_shape(o) for o in outputs)}) and the target given, it failed: "
+                              f"{type(exc).__name__}: {exc}. Pass the loss and target train_step will get, or "
+                              f"loss_fn=None to plan without the loss") from exc
+        fwd.append(mid - start)
+        bwd.append(end - mid)
+    return statistics.median(fwd[1:]), statistics.median(bwd[1:])
+
+
+def _shape(value: Any) -> str:
+    return f"{list(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _tensor_device_type(flat: Sequence[Any]) -> str:

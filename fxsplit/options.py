@@ -121,6 +121,12 @@ class CompileOptions:
             trivial stages (:mod:`fxsplit.runtime.overhead`, memoised per process); ``"auto"``
             (default) probes when the cost model times the devices (profiled or measured; under
             ``fxsplit.distributed`` unless ``cost_model="analytic"``), else 0.
+        loss_fn, loss_target: The loss ``train_step`` will compute on the last stage
+            (``loss_fn(output, target) -> scalar``) and a target for the example batch: with a
+            timed cost model (profiled, measured) the loss's forward and backward are timed on
+            the model's outputs and charged to the block that makes them, so the plan balances
+            the last stage with its loss (``fxsplit.compile(loss_fn=..., target=...)`` sets
+            them). None: the plan leaves the loss out.
     """
 
     capture_method: str = "auto"
@@ -144,3 +150,5 @@ class CompileOptions:
     autocast: str | None = None
     symbolic_costs: bool = True
     action_overhead_s: float | str = "auto"
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    loss_target: Any = None

@@ -15,7 +15,7 @@ import fxsplit
 import fxsplit.passes.profile as profile_mod
 from fxsplit.api import CompileOptions
 from fxsplit.errors import ConfigError, PlanError
-from fxsplit.ir import Block, CondensedGraph, DeviceSpec
+from fxsplit.ir import Block, CondensedGraph, DeviceSpec, Edge
 from fxsplit.passes.capture import capture
 from fxsplit.passes.costs import AnnotateCosts
 from fxsplit.passes.measure import time_nodes_in_context
@@ -138,6 +138,92 @@ def test_the_front_end_costs_adding_the_gradients_at_the_rate_measured(ref_devic
     for b in analytic.blocks:
         assert b.grad_accumulate_s == pytest.approx(3 * (b.param_bytes + b.replica_param_bytes)
                                                     / ref_device.memory_bandwidth_bytes_per_s)
+
+
+@given(n=st.integers(1, 6), data=st.data(), fwd=st.floats(0.0, 5.0), bwd=st.floats(0.0, 5.0),
+       fixed=st.floats(0.0, 1.0), m=st.integers(1, 16))
+def test_the_loss_goes_to_the_block_that_makes_the_outputs(n: int, data: st.DataObject, fwd: float, bwd: float,
+                                                           fixed: float, m: int) -> None:
+    """Property: the loss is charged whole to the last sink block (the one a chain's last stage
+    holds) and nowhere else; a micro-batch of 1/m pays its share plus the fixed part whole."""
+    edges = tuple(Edge(u, v) for u in range(n) for v in range(u + 1, n)
+                  if data.draw(st.booleans(), label=f"edge {u}->{v}"))
+    graph = CondensedGraph(tuple(Block(i, f"b{i}", fwd_s=0.1, bwd_s=0.2) for i in range(n)), edges)
+    sink = max(b for b in range(n) if not graph.successors(b))
+    got = graph.with_loss(fwd, bwd, fixed * fwd, fixed * bwd)
+    for before, after in zip(graph.blocks, got.blocks, strict=True):
+        if before.id == sink:
+            assert after.fwd_s == pytest.approx(before.fwd_s + fwd) and after.bwd_s == pytest.approx(before.bwd_s + bwd)
+            assert after.bwd_weight_s == before.bwd_weight_s  # the loss has no weights
+        else:
+            assert after == before
+    assert got.total_time_s == pytest.approx(graph.total_time_s + fwd + bwd)
+    per_mb = got.scaled(1.0 / m).blocks[sink]
+    assert per_mb.fwd_s == pytest.approx(0.1 / m + fixed * fwd + (1 - fixed) * fwd / m)
+    assert not got.validate()
+
+
+def test_compile_times_the_loss_on_the_models_outputs_and_plans_it_on_the_last_stage() -> None:
+    """A loss that takes 20 ms (it sleeps) lands on the block that makes the logits, and the
+    model's other blocks and its buffers (batch statistics) are as without it."""
+    import time as _time
+
+    from fxsplit.frontend import front_end
+
+    def slow_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        _time.sleep(0.02)
+        return nn.functional.cross_entropy(out, target)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    stats = [b.clone() for b in model.buffers()]
+    cpu = DeviceSpec("cpu")
+    graph = front_end(model, (x,), {}, reference=cpu, cost_model="measured",
+                      options=CompileOptions(loss_fn=slow_loss, loss_target=y)).condensed.graph
+    sink = max(b.id for b in graph.blocks if not graph.successors(b.id))
+    assert any("linear" in n for n in graph.blocks[sink].nodes)  # the logits
+    assert graph.blocks[sink].fwd_s >= 0.02
+    assert all(b.fwd_s < 0.02 for b in graph.blocks if b.id != sink)
+    assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers(), strict=True))
+    analytic = front_end(model, (x,), {}, reference=cpu, cost_model="analytic",
+                         options=CompileOptions(loss_fn=slow_loss, loss_target=y)).condensed.graph
+    assert all(b.fwd_s < 0.02 for b in analytic.blocks)  # analytic costs leave the loss out (said in the log)
+
+
+def test_a_plan_given_the_loss_lightens_the_last_stage() -> None:
+    """Eight equal layers on two devices: with a loss as slow as several layers, the last stage
+    takes fewer layers than the first, and the plan predicts it with the loss."""
+    import time as _time
+
+    def slow_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        _time.sleep(0.004)
+        return nn.functional.mse_loss(out, target)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(m for _ in range(8) for m in (nn.Linear(256, 256), nn.ReLU())))
+    x, y = torch.randn(32, 256), torch.randn(32, 256)
+    pipe = fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=2, schedule="1f1b", cost_model="measured",
+                           options=CompileOptions(allow_idle_devices=False), loss_fn=slow_loss, target=y)
+    first, last = pipe.plan.stages
+    graph = pipe.context.problem.graph
+    layers = [sum(1 for b in st.blocks if graph.blocks[b].param_bytes) for st in (first, last)]
+    assert layers[1] < layers[0], layers
+    assert last.fwd_s >= 0.002  # half the batch's loss, per micro-batch
+    loss = pipe.train_step(x, target=y, loss_fn=slow_loss)
+    assert loss.item() == pytest.approx(nn.functional.mse_loss(model(x), y).item(), rel=1e-5)
+
+
+def test_a_loss_that_fails_on_the_outputs_is_a_config_error() -> None:
+    model = nn.Linear(4, 3)
+    x = torch.randn(6, 4)
+    with pytest.raises(ConfigError, match=r"cannot cost loss_fn=.*\[6, 3\] torch.float32.*loss_fn=None"):
+        fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=2, loss_fn=nn.functional.cross_entropy,
+                        target=torch.randn(5))
+    with pytest.raises(ConfigError, match="not a scalar"):
+        fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=2, loss_fn=lambda out, _t: out, target=None)
+    with pytest.raises(ConfigError, match="needs a callable loss_fn"):
+        fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=2, loss_fn="mse")  # type: ignore[arg-type]
 
 
 def test_a_fixed_part_larger_than_the_time_is_a_fault() -> None:

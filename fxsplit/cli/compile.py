@@ -164,11 +164,13 @@ def register(app: typer.Typer) -> None:
                     bar.update(task, completed=done, total=total,
                                description=f"profiling {model}: micro-batch size {done} of {total}")
 
+                _, example_target = case.make_batch(batch_size, 0)  # the loss is planned on the last stage
                 pipe = fxsplit.compile(
                     case.model, parse_devices(devices), case.example_inputs,
                     microbatches=m, schedule=schedule, solver=solver, objective=objective, cost_model=cost_model,
                     options=CompileOptions(progress=profiled, recompute=recompute_name, autocast=autocast,
                                            phase=lambda text: bar.update(task, description=text)),
+                    loss_fn=case.loss_fn, target=example_target,
                 )
             if calibrate > 0:
                 inputs, target = case.make_batch(batch_size, 999)

@@ -250,6 +250,33 @@ class CondensedGraph:
         table = tuple((frac, g.with_grad_accumulation(bytes_per_s)) for frac, g in self.microbatch_graphs)
         return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table)
 
+    def with_loss(self, fwd_s: float, bwd_s: float, fwd_fixed_s: float = 0.0, bwd_fixed_s: float = 0.0) -> CondensedGraph:
+        """The loss (computed on the last stage after its forward, differentiated first in its
+        backward) charged to the last sink block, the one that makes the model's outputs when
+        a single block does: ``fwd_s`` / ``bwd_s`` seconds for the whole annotated batch, of
+        which ``fwd_fixed_s`` / ``bwd_fixed_s`` are paid by every micro-batch whatever its size
+        (as :attr:`Block.fwd_fixed_s`); the micro-batch graphs get it at their fractions. The
+        loss has no parameters: its backward is input-gradient work (``bwd_weight_s`` unchanged).
+        Where several blocks are sinks, the one last in topological order takes it (the runtime
+        computes the loss on the last stage, which need not hold that block).
+
+        Example:
+            >>> g = CondensedGraph((Block(0, "a"), Block(1, "head", fwd_s=1.0)), (Edge(0, 1),))
+            >>> g.with_loss(0.5, 1.0).blocks[1].fwd_s
+            1.5
+        """
+        if not self.blocks or (fwd_s <= 0 and bwd_s <= 0):
+            return self
+        sink = max(b.id for b in self.blocks if not self.successors(b.id))
+        fwd_fixed_s, bwd_fixed_s = min(fwd_fixed_s, fwd_s), min(bwd_fixed_s, bwd_s)
+        blocks = tuple(replace(b, fwd_s=b.fwd_s + fwd_s, fwd_fixed_s=b.fwd_fixed_s + fwd_fixed_s,
+                               bwd_s=b.bwd_s + bwd_s, bwd_fixed_s=b.bwd_fixed_s + bwd_fixed_s)
+                       if b.id == sink else b for b in self.blocks)
+        table = tuple((frac, g.with_loss(fwd_fixed_s + (fwd_s - fwd_fixed_s) * frac,
+                                         bwd_fixed_s + (bwd_s - bwd_fixed_s) * frac, fwd_fixed_s, bwd_fixed_s))
+                      for frac, g in self.microbatch_graphs)
+        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table)
+
     def with_weight_shares(self, shares: Sequence[float | None]) -> CondensedGraph:
         """Each block's ``bwd_weight_s`` set to ``shares[b] x bwd_s`` (None keeps it): the part
         of the backward that computes weight gradients, as measured (zero-bubble's ``W``).
