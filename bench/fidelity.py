@@ -131,12 +131,13 @@ def _dist_worker(rank: int, port: int, queue: Any, case_args: tuple, steps: int,
     try:
         name, model, size, overrides, p, m, batch = case_args
         case = zoo.get(model, size=size, batch_size=batch, **overrides)
-        start = time.perf_counter()
-        pipe = fxd.compile(lambda: zoo.get(model, size=size, batch_size=batch, **overrides).model, case.example_inputs, case.example_kwargs or None, schedule=schedule,
-                           microbatches=m, state_dict=case.model.state_dict(), cost_model=cost_model,
-                           timeout_s=300.0, options=CompileOptions(profile_cache_dir=False))
-        compile_s = time.perf_counter() - start
         x, y = case.make_batch(batch, 1)
+        start = time.perf_counter()
+        pipe = fxd.compile(lambda: zoo.get(model, size=size, batch_size=batch, **overrides).model, case.example_inputs,
+                           case.example_kwargs or None, schedule=schedule, microbatches=m,
+                           state_dict=case.model.state_dict(), cost_model=cost_model, timeout_s=300.0,
+                           options=CompileOptions(profile_cache_dir=False), loss_fn=case.loss_fn, target=y)
+        compile_s = time.perf_counter() - start
         kwargs = case.example_kwargs or {}
         before = _dist_timed(pipe, x, y, case.loss_fn, kwargs, steps, schedule)
         report = pipe.calibrate(*x, target=y, loss_fn=case.loss_fn, steps=steps, **kwargs)

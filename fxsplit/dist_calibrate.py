@@ -141,6 +141,8 @@ class CompiledDistributedPipeline(DistributedPipeline):
     context: DistContext | None = None
     calibrated: bool = False
     """True once :meth:`calibrate` has costed the plan on measured times (every rank)."""
+    loss_planned: bool = False
+    """True when the plan's costs hold the loss (compile's ``loss_fn``, timed on rank 0)."""
 
     def running_plan(self) -> Plan:
         """The plan this pipeline runs (rank 0's, as every rank holds it)."""
@@ -152,10 +154,12 @@ class CompiledDistributedPipeline(DistributedPipeline):
         """The plan's predicted step (:func:`fxsplit.schedule.plan_step_s`), seconds, with what
         the plan could not know when it was made: the loss on the last stage per micro-batch as
         the latest gathered step measured it (:attr:`loss_s`; until :meth:`calibrate` folds the
-        measured loss into the plan's costs) and the all-reduces that end the step, of tied
-        gradients and over the replicas (:attr:`sync_s`, timed when the pipeline was built)."""
+        measured loss into the plan's costs, and not when compile costed it:
+        :attr:`loss_planned`) and the all-reduces that end the step, of tied gradients and over
+        the replicas (:attr:`sync_s`, timed when the pipeline was built)."""
         plan = self.running_plan()
-        return float(plan_step_s(plan if self.calibrated else with_loss(plan, self.loss_s))) + self.sync_s
+        planned = self.calibrated or self.loss_planned
+        return float(plan_step_s(plan if planned else with_loss(plan, self.loss_s))) + self.sync_s
 
     def calibrate(
         self,

@@ -43,7 +43,7 @@ from fxsplit.dist_profile import (
     shared_cpu,
 )
 from fxsplit.errors import ConfigError, InternalError, PlanError
-from fxsplit.frontend import Inspection, front_end
+from fxsplit.frontend import Inspection, front_end, loss_cost_s
 from fxsplit.ir import CondensedGraph, DeviceSpec, LinkSpec, Plan, Problem
 from fxsplit.options import CompileOptions
 from fxsplit.runtime.distributed import from_rank0
@@ -81,6 +81,9 @@ class DistPlan:
             samples or updates a buffer in forward (empty when nothing does); None when it did not
             run (one micro-batch, the user's plan, meta or fake inputs, a model larger than rank
             0's device).
+        loss_planned: Whether the plan's costs hold the loss (``options.loss_fn``, timed on rank
+            0 with the profiled cost model and a real example batch), so
+            ``predicted_step_s`` need not add the measured one.
     """
 
     captured: Any
@@ -90,6 +93,7 @@ class DistPlan:
     cost_model: str | None = None
     not_per_sample: tuple[str, ...] | None = None
     profiled_ranks: int | str | None = None
+    loss_planned: bool = False
 
 
 def reference_spec(device: torch.device) -> DeviceSpec:
@@ -238,12 +242,22 @@ def _plan(front: Inspection, inputs: tuple[tuple, dict], device: torch.device, c
     mixing = per_sample_on_rank0(captured, inputs, device, work=work) if microbatches != 1 else None
     graph = condensed.graph if used == "analytic" else profiled_blocks(
         captured.gm, condensed.graph, flat, flags, device, microbatches, options, work=work, together=together)
+    loss_planned = options.loss_fn is not None and used == "profiled" and work is not None and _real(flat)
+    if loss_planned:  # the loss on the last rank, timed on the stand-in model's outputs here
+        on_device = pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x,
+                                    (flat, options.loss_target))
+        graph = graph.with_loss(*loss_cost_s(captured, on_device[0], replace(options, loss_target=on_device[1]),
+                                             microbatches, gm=work))
+    elif options.loss_fn is not None:
+        log.info("rank 0 plans without the loss (%s cost model%s); predicted_step_s adds it as measured",
+                 used, "" if _real(flat) else ", no real example batch")
     problem = _problem(graph, reference, links, world, options, overhead)
     choice = plan_pipeline(problem, batch, microbatches, schedule, solver, options)
     plan = choice.plan.with_(microbatches=choice.microbatches, schedule=choice.schedule)
     log.info("rank 0 planned with the %s cost model: %s", used, choice.reason)
     ranks = (together.ranks or "cached") if together is not None and used == "profiled" else 1 if used == "profiled" else None
-    return plan, problem, {"cost_model": used, "not_per_sample": mixing, "profiled_ranks": ranks}
+    return plan, problem, {"cost_model": used, "not_per_sample": mixing, "profiled_ranks": ranks,
+                           "loss_planned": loss_planned}
 
 
 def per_sample_on_rank0(captured: Any, inputs: tuple[tuple, dict], device: torch.device, *,
@@ -335,7 +349,7 @@ def plan_on_rank0(
     together = _profile_together(front, inputs, device, cost_model, microbatches, options,
                                  wanted=rank == 0 and plan is None and failure is None)
     problem: Problem | None = None
-    found: dict[str, Any] = {"cost_model": None, "not_per_sample": None, "profiled_ranks": None}
+    found: dict[str, Any] = {"cost_model": None, "not_per_sample": None, "profiled_ranks": None, "loss_planned": False}
     if rank == 0 and front is not None and plan is None:
         solved, failure = _try(
             lambda: _plan(front, inputs, device, cost_model, links, reference, devices or world, schedule,
@@ -370,7 +384,7 @@ def plan_on_rank0(
     )
     mixing = payload["not_per_sample"]
     return DistPlan(front.captured, chosen, reference, problem, cost_model=payload["cost_model"],
-                    profiled_ranks=payload["profiled_ranks"],
+                    profiled_ranks=payload["profiled_ranks"], loss_planned=payload["loss_planned"],
                     not_per_sample=tuple(mixing) if mixing is not None else None)
 
 

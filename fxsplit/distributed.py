@@ -316,6 +316,8 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     tensor_parallel: int = 1,
     tp_strategy: str = "auto",
     parallel: str = "pipeline",
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
 ) -> CompiledDistributedPipeline:
     """Build this rank's stage of a pipeline over all ranks; call on every rank.
 
@@ -387,6 +389,11 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
             micro-batches of the whole batch
             (default: the world size; each replica runs ``microbatches / dp`` of them) and the
             search is ``pipe.hybrid``.
+        loss_fn, target: The loss ``train_step`` will compute on the last rank and a target for
+            ``example_inputs``: with the profiled cost model and a real example batch rank 0
+            times it on its stand-in model's outputs and plans the last stage with it
+            (``pipe.loss_planned``); otherwise ``predicted_step_s`` adds the loss each step
+            measures.
 
     Returns:
         The :class:`~fxsplit.dist_calibrate.CompiledDistributedPipeline` of this rank (a
@@ -415,6 +422,10 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         raise ConfigError(f"parallel='hybrid' chooses the mesh and the plan itself; drop replicas={replicas}, "
                           f"tensor_parallel={tensor_parallel} and plan, or use parallel='pipeline'")
     options = with_batch_dim(options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0), batch_dim)
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise ConfigError(f"compile(loss_fn={loss_fn!r}) needs a callable loss_fn(output, target) -> scalar, or None")
+        options = dataclasses.replace(options, loss_fn=loss_fn, loss_target=target)
     autocast_dtype(options.autocast)  # an unknown name fails here, on every rank, before any work
     rank, world, device = init_process_group(backend, timeout_s)
     hybrid = None
@@ -475,6 +486,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     if tp > 1:
         pipe.tp_plan = tp_plan
     pipe.hybrid = hybrid
+    pipe.loss_planned = planned.loss_planned
     pipe.context = DistContext(model_fn, meta_model, captured, to_meta((args, kwargs)), planned.problem,
                                example_batch(captured, (args, kwargs))[2], solver, options)
     pipe.measure_sync_s()  # the step's tail after the last backward, in predicted_step_s

@@ -34,7 +34,7 @@ from fxsplit.passes.profile import device_name, open_cache, profile_sizes
 from fxsplit.runtime.microbatch import batch_size_of, split_microbatches, split_target
 from fxsplit.schedule.explore import default_microbatches
 
-__all__ = ["Inspection", "capture_with", "front_end", "load_per_core", "profile_options", "save_unless_busy", "with_batch_dim"]
+__all__ = ["Inspection", "capture_with", "front_end", "load_per_core", "loss_cost_s", "profile_options", "save_unless_busy", "with_batch_dim"]
 
 log = logging.getLogger(__name__)
 
@@ -250,18 +250,29 @@ def _with_grad_accumulation(condensed: Condensed, timed_on: DeviceSpec | str) ->
 
 def _with_loss_cost(condensed: Condensed, captured: Captured, flat: Sequence[Any], options: CompileOptions,
                     microbatches: int | str) -> Condensed:
-    """``condensed`` with ``options.loss_fn`` on ``options.loss_target`` charged to the block
-    that makes the outputs (:meth:`~fxsplit.ir.CondensedGraph.with_loss`): its forward and
-    backward timed on the model's own outputs at the example batch and at one micro-batch
-    (``t = t0 + t1 x samples`` fitted, as the profiled cost model fits nodes).
+    """``condensed`` with ``options.loss_fn`` charged to the block that makes the outputs
+    (:meth:`~fxsplit.ir.CondensedGraph.with_loss`), timed by :func:`loss_cost_s`."""
+    costs = loss_cost_s(captured, flat, options, microbatches)
+    return dataclasses.replace(condensed, graph=condensed.graph.with_loss(*costs))
+
+
+def loss_cost_s(captured: Captured, flat: Sequence[Any], options: CompileOptions, microbatches: int | str,
+                gm: torch.fx.GraphModule | None = None) -> tuple[float, float, float, float]:
+    """``(fwd_s, bwd_s, fwd_fixed_s, bwd_fixed_s)`` of ``options.loss_fn`` on
+    ``options.loss_target``, as :meth:`~fxsplit.ir.CondensedGraph.with_loss` takes them: its
+    forward and backward timed on the model's own outputs (``gm``, default ``captured.gm``, run
+    once on the flat inputs ``flat``, its buffers put back) at the example batch and at one
+    micro-batch (``microbatches`` of them, or 4), ``t = t0 + t1 x samples`` fitted through the
+    two, as the profiled cost model fits nodes.
 
     Raises:
         ConfigError: when the loss fails on the model's outputs or does not give a scalar.
     """
-    buffers = [(b, b.clone()) for b in captured.gm.buffers()]
+    gm = captured.gm if gm is None else gm
+    buffers = [(b, b.clone()) for b in gm.buffers()]
     try:
         with torch.no_grad():  # the model's outputs at the example batch; its buffers (batch statistics) put back
-            outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in captured.gm(*flat)]
+            outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in gm(*flat)]
     finally:
         with torch.no_grad():
             for b, saved in buffers:
@@ -281,7 +292,7 @@ def _with_loss_cost(condensed: Condensed, captured: Captured, flat: Sequence[Any
         bwd_fixed = min(max(0.0, b0 - (b1 - b0) / (n1 - n0) * n0), b0)
     log.info("the loss costs %.3f ms forward, %.3f ms backward at %d samples (%.3f / %.3f ms fixed per micro-batch)",
              f1 * 1e3, b1 * 1e3, n1, fwd_fixed * 1e3, bwd_fixed * 1e3)
-    return dataclasses.replace(condensed, graph=condensed.graph.with_loss(f1, b1, fwd_fixed, bwd_fixed))
+    return f1, b1, fwd_fixed, bwd_fixed
 
 
 def _loss_times_s(loss_fn: Any, captured: Captured, outputs: Sequence[Any], target: Any,

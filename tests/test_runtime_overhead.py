@@ -118,16 +118,21 @@ def _compile_worker(rank: int, world: int, out_dir: str) -> dict:
 
     out = {}
     for name, options in (("gpt", CompileOptions(profile_cache_dir=False)),
-                          ("mlp", CompileOptions(profile_cache_dir=False, action_overhead_s=2e-3))):
-        case = zoo.get(name, size="tiny", batch_size=4)
-        pipe = fxd.compile(lambda n=name: zoo.get(n, size="tiny", batch_size=4).model, case.example_inputs,
-                           microbatches=2, state_dict=case.model.state_dict(), timeout_s=60, options=options)
+                          ("mlp", CompileOptions(profile_cache_dir=False, action_overhead_s=2e-3)),
+                          ("gpt+loss", CompileOptions(profile_cache_dir=False))):
+        model = name.split("+")[0]
+        case = zoo.get(model, size="tiny", batch_size=4)
+        x, y = case.make_batch(4, 1)
+        loss = {"loss_fn": case.loss_fn, "target": y} if name.endswith("+loss") else {}
+        pipe = fxd.compile(lambda n=model: zoo.get(n, size="tiny", batch_size=4).model,
+                           case.example_inputs, microbatches=2, state_dict=case.model.state_dict(), timeout_s=60,
+                           options=options, **loss)
         problem = pipe.context.problem if pipe.context is not None else None
         out[name] = {"tied_sync_s": pipe.tied_sync_s, "predicted": pipe.predicted_step_s(),
+                     "loss_planned": pipe.loss_planned,
                      "plan_step": float(plan_step_s(pipe.running_plan())),
                      "overhead": problem.action_overhead_s if problem is not None else None,
                      "latency": problem.link_between(0, 1).latency_s if problem is not None else None}
-        x, y = case.make_batch(4, 1)
         pipe.timed_steps(*x, target=y, loss_fn=case.loss_fn, steps=1)  # gathers the step's stage times
         out[name].update(loss_s=pipe.loss_s, predicted_after=pipe.predicted_step_s(),
                          with_loss=float(plan_step_s(with_loss(pipe.running_plan(), pipe.loss_s))))
@@ -140,7 +145,8 @@ def test_distributed_compile_charges_the_runtime_and_the_tied_all_reduce(tmp_pat
     """The plan of fxsplit.distributed.compile charges the probed runtime work (or the number
     given, without probing), and its predicted step ends with the tied embedding's all-reduce,
     timed at build (the same on every rank); a model without tied weights has none. Once a step
-    has run, the predicted step holds the loss measured on the last stage (every rank alike)."""
+    has run, the predicted step holds the loss measured on the last stage (every rank alike),
+    unless compile was given the loss and planned it."""
     from dist_utils import check_ok, launch
 
     results = launch(_compile_worker, 2, tmp_path, deadline_s=240)
@@ -158,3 +164,8 @@ def test_distributed_compile_charges_the_runtime_and_the_tied_all_reduce(tmp_pat
             assert r[name]["predicted_after"] == pytest.approx(r[name]["with_loss"] + r[name]["tied_sync_s"]), name
     assert 0 < a["gpt"]["overhead"] < 1e-2  # probed (rank 0 keeps the problem)
     assert a["mlp"]["overhead"] == 2e-3
+    # given the loss, rank 0 plans with it: every rank knows, and the measured one is not added again
+    for r in (a, b):
+        assert r["gpt+loss"]["loss_planned"] and not r["gpt"]["loss_planned"]
+        assert r["gpt+loss"]["predicted_after"] == pytest.approx(r["gpt+loss"]["predicted"])
+        assert r["gpt+loss"]["predicted"] == pytest.approx(r["gpt+loss"]["plan_step"] + r["gpt+loss"]["tied_sync_s"])
