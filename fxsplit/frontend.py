@@ -306,10 +306,11 @@ def _loss_times_s(loss_fn: Any, captured: Captured, outputs: Sequence[Any], targ
         try:
             start = time.perf_counter()
             loss = loss_fn(captured.unflatten_outputs(leaves), target)
-            mid = time.perf_counter()
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                 raise TypeError(f"it returned {type(loss).__name__}"
                                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}, not a scalar tensor")
+            _sync(loss.device)
+            mid = time.perf_counter()
             if loss.requires_grad:
                 loss.backward()
             _sync(loss.device)
