@@ -94,10 +94,14 @@ def _chained_counts(problem: Problem, tb: DownsetTables) -> list[int]:
     return [p for p in stage_counts(problem, min(problem.num_devices, len(problem.graph)), per_p) if p is not None]
 
 
-def _fastest_work_s(problem: Problem, tb: DownsetTables) -> float:
-    """The graph's work on the fastest device, seconds: a lower bound on any plan's sum of stage
-    times (stages only add communication and recomputation to their work)."""
-    return float(tb.work_s[tb.full]) / max(d.speed for d in problem.devices)
+def _fastest_work_s(problem: Problem, tb: DownsetTables, lay: Layout | None = None) -> float:
+    """The graph's work on the fastest device, seconds, plus the runtime's work per micro-batch
+    (:meth:`~fxsplit.ir.Problem.stage_overhead_s`) of the fewest stages a plan over ``lay`` has
+    (one without ``lay``): a lower bound on any plan's sum of stage times (every stage is
+    non-empty and pays that work; stages only add communication and recomputation to their
+    compute)."""
+    fewest = min((lay.stages[t] for t in lay.terminal), default=1) if lay is not None else 1
+    return float(tb.work_s[tb.full]) / max(d.speed for d in problem.devices) + fewest * problem.stage_overhead_s()
 
 
 def _count_lower_bound(problem: Problem, tb: DownsetTables, p: int) -> float:
@@ -220,7 +224,8 @@ class _Sweep:
 
 
 def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau0: float,
-              deadline: float | None, max_rounds: int, cancel: Cancel | None) -> tuple[DPResult, float, int]:
+              deadline: float | None, max_rounds: int, cancel: Cancel | None,
+              first: DPResult | None = None) -> tuple[DPResult, float, int]:
     """Exact makespan by branch and bound over the bottleneck ``τ``.
 
     ``S(τ)``, the least sum of stage times with every stage ``<= τ`` (the DP with ``+`` under a
@@ -237,19 +242,26 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
     located at a stage cost, not by halving to the tolerance; and at ``(best - S(b)) / (m - 1)``
     when that is lower (a plan of that bottleneck costs the best makespan or more). Returns the
     best result, a proven lower bound (the least bound of the intervals left, the optimum when
-    none is) and the number of DP runs.
+    none is) and the number of DP runs. ``first``: the optimal bottleneck's plan, returned without
+    a run when it costs ``L + (m - 1)·τ_0``, the least any plan can (every plan's sum of stage
+    times is the same where nothing but the split's work differs: no links to pay, every stage
+    paying the runtime's work).
     """
     m1 = problem.microbatches - 1
     if m1 == 0:
         smin = run_dp(tb, lay, comm_factor=comm, combine="sum", deadline=deadline, cancel=cancel)
         return smin, smin.value, 1
-    floor = _fastest_work_s(problem, tb)
+    floor = _fastest_work_s(problem, tb, lay)
+    if first is not None and first.stages:  # the bottleneck's plan meets the bound floor + (m - 1)·τ_0: optimal
+        obj = evaluate(problem, *_to_lists(first, lay)).makespan_s
+        if obj <= (floor + m1 * tau0) * (1 + _SWEEP_RTOL):
+            return first, obj, 0
     sweep = _Sweep(problem, tb, lay, comm, deadline, cancel)
     low = sweep(tau0)
     if sweep.best is None:
         raise InternalError("dp makespan sweep found no plan under the optimal bottleneck")
     tau_max = (sweep.best[0] - floor) / m1
-    if tau_max <= tau0:
+    if tau_max <= tau0 * (1 + _SWEEP_RTOL):
         return sweep.best[1], sweep.best[0], sweep.runs
     high = sweep(tau_max)
     # (bound, tie, a, b, S(a)'s result, S(b)): the plans with bottleneck in (a, b]; b is the
@@ -291,9 +303,9 @@ def _may_win(problem: Problem, tb: DownsetTables, counts: list[int], comm: float
     fastest device. One bottleneck run over the chains of ``counts``, narrowed to stages that
     could still win (``τ_p`` is exact below the cut)."""
     m1 = problem.microbatches - 1
-    floor = _fastest_work_s(problem, tb)
-    cut = (best_s - floor) / m1
     lay = _layout(problem, tb, counts)
+    floor = _fastest_work_s(problem, tb, lay)
+    cut = (best_s - floor) / m1
     res = run_dp(tb, lay, comm_factor=comm, deadline=deadline, cancel=cancel, bound_s=cut)
     tau: dict[int, float] = {}  # free order: one terminal slot per mix of device classes
     for slot, v in zip(lay.terminal, res.terminal_values, strict=True):
@@ -331,7 +343,7 @@ def _optimize(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, dea
     if not res.stages:
         return None
     if problem.objective == "makespan":
-        return _makespan(problem, tb, lay, comm, res.value, deadline, max_rounds, cancel)
+        return _makespan(problem, tb, lay, comm, res.value, deadline, max_rounds, cancel, first=res)
     bottleneck = res.value
     if tie_break:
         res = run_dp(tb, lay, comm_factor=comm, combine="sum", cap_s=res.value, deadline=deadline,

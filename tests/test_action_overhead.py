@@ -80,6 +80,36 @@ def test_dp_equals_brute_force(problem: Problem, overhead: float) -> None:
     assert trivial_lower_bound(pb) <= expected * (1 + 1e-9)
 
 
+@SETTINGS
+@given(problems(max_blocks=7, max_devices=3, objective="makespan", memory_mib=(8, 64), device_order=None,
+                comm=False, heterogeneous=True), OVERHEADS, st.booleans())
+def test_dp_equals_brute_force_without_links(problem: Problem, overhead: float, idle: bool) -> None:
+    """Without links every plan's stages add up to the graph's work plus the runtime's work of
+    each stage, so the makespan DP may stop at the optimal bottleneck's plan when it meets
+    ``L + (m - 1)·τ``; what it returns is still the optimum."""
+    pb = problem.with_(action_overhead_s=overhead * sum(b.time_s for b in problem.graph.blocks) / 4,
+                       allow_idle_devices=idle)
+    if count_downsets(pb.graph, limit=40) is None:
+        return
+    expected = brute_force(pb)
+    if math.isinf(expected):
+        return
+    plan = solve(pb, "dp")
+    assert plan.status == "optimal"
+    assert plan.objective_s == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_the_makespan_dp_stops_at_the_bottleneck_when_every_split_costs_the_same_work() -> None:
+    """Four devices alike, no links, every device used: the sum of stage times is the same for
+    every split, so the optimal bottleneck's plan is the optimal makespan's and no sweep runs."""
+    pb = Problem(CondensedGraph.chain([1.0, 3.0, 2.0, 2.0, 1.0, 4.0, 1.0, 2.0]), _devices(4),
+                 link=LinkSpec(math.inf, 0.0), objective="makespan", microbatches=4, schedule="1f1b",
+                 allow_idle_devices=False, action_overhead_s=0.1)
+    plan = solve(pb, "dp")
+    assert plan.stats["rounds"] == 0 and plan.status == "optimal"
+    assert plan.objective_s == pytest.approx(brute_force(pb), rel=1e-12)
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(max_blocks=7, max_devices=3, heterogeneous=True, device_order=None, objective=None,
                 memory_mib=(8, 64)), OVERHEADS)
