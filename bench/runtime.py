@@ -187,9 +187,9 @@ def _worker_fxsplit(rank: int, port: int, queue: Any, args: argparse.Namespace) 
         import fxsplit.distributed as fxd  # type: ignore[import-not-found]
 
         case = make_case(args)
-        pipe = fxd.compile(lambda: make_case(args).model, case.example_inputs, microbatches=args.microbatches,
-                           schedule=args.schedule)
         x, y = case.make_batch(args.batch, 1)
+        pipe = fxd.compile(lambda: make_case(args).model, case.example_inputs, microbatches=args.microbatches,
+                           schedule=args.schedule, loss_fn=case.loss_fn, target=y)  # the loss planned on the last rank
         return (lambda: pipe.train_step(*x, target=y, loss_fn=case.loss_fn)), torch.optim.SGD(list(pipe.parameters()), lr=1e-3)
 
     _timed_on_two_ranks(rank, port, queue, build, args.warmup, args.steps)

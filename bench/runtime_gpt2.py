@@ -100,9 +100,9 @@ def _variant_fxsplit(args: argparse.Namespace, rank: int, kind: str) -> tuple[Ca
 
     x, y = batch(args)
     pipe = fxd.compile(lambda: build_model(args), (x,), schedule=kind, microbatches=args.microbatches,
-                       timeout_s=600.0)
-    if rank == 0:  # the plan's simulated step, as every rank agreed on it
-        _PREDICTED[f"fxsplit {kind}"] = float(pipe.running_plan().makespan_s)
+                       timeout_s=600.0, loss_fn=lm_loss, target=y)  # the loss planned on the last rank
+    if rank == 0:  # the plan's simulated step (the loss in it) and the all-reduces that end it, as every rank agreed
+        _PREDICTED[f"fxsplit {kind}"] = pipe.predicted_step_s()
     return (lambda: pipe.train_step(x, target=y, loss_fn=lm_loss)), torch.optim.SGD(list(pipe.parameters()), lr=1e-4)
 
 
