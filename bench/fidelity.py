@@ -57,6 +57,10 @@ CASES = [
                                     "seq_len": 64}, 2, 4, 8),
 ]
 QUICK = [("mlp-tiny", "mlp", "tiny", {}, 2, 2, 4)]
+# --only hf-gpt2-8l: bench/runtime.py's GPT-2 workload (8 layers, d 512, vocab 8192, 16 x 128, 8
+# micro-batches), ~2 min a run; not in the default set
+EXTRA_CASES = [("hf-gpt2-8l", "hf:gpt2", "tiny", {"n_embd": 512, "n_layer": 8, "n_head": 8, "vocab_size": 8192,
+                                                  "n_positions": 128, "seq_len": 128}, 2, 8, 16)]
 # --device cuda: real-world sizes as well (GPT-2 small's shape, ResNet-18), where kernels, not
 # launches, take the time.
 GPU_CASES = [*CASES,
@@ -329,7 +333,7 @@ def main() -> None:
     cuda = torch.device(args.device).type == "cuda"
     cases = QUICK if args.quick else GPU_CASES if cuda else CASES
     if args.only:
-        cases = [c for c in cases if c[0] in args.only.split(",")]
+        cases = [c for c in [*cases, *EXTRA_CASES] if c[0] in args.only.split(",")]
     if args.ranks == 2:  # one row per model (the stage count is the world size)
         cases = list({c[0]: c for c in reversed(cases)}.values())[::-1]
     if args.compare_profiling:

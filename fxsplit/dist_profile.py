@@ -169,7 +169,7 @@ def _prepare(gm: torch.fx.GraphModule | None, flat: Sequence[Any], batched: Sequ
         if gm is None:
             raise ValueError("this rank has no capture")
         values = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
-        return materialised(gm, device), values, profile_options(values, batched, name, microbatches, options)
+        return materialised(gm, device), values, profile_options(values, batched, name, microbatches, options, str(device))
     except Exception as exc:
         log.warning("rank %d does not profile the graph (%s)", dist.get_rank(), exc)
         return None, [], {"profile_cache": None, "profile_sizes": (), "progress": None}
@@ -228,7 +228,7 @@ def profiled_blocks(gm: torch.fx.GraphModule, graph: CondensedGraph, flat: list[
     work = together.work if together is not None else work if work is not None else materialised(gm, device)
     inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
     profile = profile_options(inputs, batched, device_name(DeviceSpec("rank0", torch_device=str(device))),
-                              microbatches, options)
+                              microbatches, options, str(device))
     cache = together.timings if together is not None else profile["profile_cache"]
     load = load_per_core()  # before timing: what else runs here (as fxsplit.compile judges it)
     profile_node_times(work, inputs, batched, profile["profile_sizes"], str(device), cache=cache)

@@ -145,7 +145,8 @@ def front_end(
     if cost_model == "measured" and isinstance(microbatches, int) and microbatches > 1:
         timed, scale = tuple(split_microbatches(flat, microbatches)[0][0]), float(microbatches)
     batched = None if captured.batched_inputs is None else tuple(captured.batched_inputs)
-    profile = profile_options(flat, batched, device_name(reference), microbatches, options) if cost_model == "profiled" else None
+    profile = profile_options(flat, batched, device_name(reference), microbatches, options,
+                              measure_device or reference.torch_device) if cost_model == "profiled" else None
     load = load_per_core()
     pm = PassManager(front_end_passes(
         flat, reference, cost_model=cost_model, max_downsets=options.max_downsets, name=name,
@@ -382,14 +383,16 @@ def load_per_core() -> float:
 
 
 def profile_options(flat: Sequence[Any], batched: Sequence[bool] | None, device: str, microbatches: int | str,
-                    options: CompileOptions) -> dict[str, Any]:
+                    options: CompileOptions, torch_device: str | None = None) -> dict[str, Any]:
     """Options of the profiled cost model (:class:`~fxsplit.passes.costs.AnnotateCosts`):
     ``batched`` (which of ``flat``, the flat inputs, carry the batch; None: all), the micro-batch
     sizes to time (from the counts that may run: ``microbatches``, or the schedule search's
     defaults for ``"auto"``), the timing cache of ``device`` (its :func:`device_name`) that
-    ``options.profile_cache_dir`` asks for, and ``options.progress``."""
+    ``options.profile_cache_dir`` asks for (timings taken at another speed of ``torch_device``,
+    where they are timed, dropped: :func:`~fxsplit.passes.profile.open_cache`), and
+    ``options.progress``."""
     batched = None if batched is None else tuple(batched)
     batch = _example_batch(flat, batched)
     counts = microbatches if isinstance(microbatches, int) else default_microbatches(batch)
     return {"batched": batched, "profile_sizes": profile_sizes(batch, counts),
-            "profile_cache": open_cache(options.profile_cache_dir, device), "progress": options.progress}
+            "profile_cache": open_cache(options.profile_cache_dir, device, torch_device), "progress": options.progress}

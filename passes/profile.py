@@ -28,6 +28,7 @@ import math
 import os
 import re
 import tempfile
+import time
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec
 from fxsplit.passes.measure import NodeTimes, time_nodes_in_context
 
-__all__ = ["ProfileCache", "fit_affine", "profile_sizes", "profile_node_times", "default_cache_dir", "device_name",
+__all__ = ["ProfileCache", "STALE_RTOL", "reference_kernel_s", "fit_affine", "profile_sizes", "profile_node_times", "default_cache_dir", "device_name",
            "graph_digest", "is_cached"]
 
 log = logging.getLogger(__name__)
@@ -54,13 +55,53 @@ def default_cache_dir() -> Path:
     return Path(base) / "fxsplit" / "profiles"
 
 
-def open_cache(directory: str | os.PathLike[str] | bool | None, device: str) -> ProfileCache | None:
+def open_cache(directory: str | os.PathLike[str] | bool | None, device: str,
+               torch_device: str | None = None) -> ProfileCache | None:
     """The timing cache ``CompileOptions.profile_cache_dir`` asks for: ``False`` none (every node
     timed afresh), ``None``, ``True`` or ``""`` the default folder (:func:`default_cache_dir`), else that
-    folder; ``device`` is the name timings are kept under (:func:`device_name`)."""
+    folder; ``device`` is the name timings are kept under (:func:`device_name`). With
+    ``torch_device`` (where the timings are taken) the machine's speed is measured
+    (:func:`reference_kernel_s`) and timings taken at another speed are dropped
+    (:class:`ProfileCache`)."""
     if directory is False:
         return None
-    return ProfileCache(default_cache_dir() if directory is True or not directory else directory, device)
+    reference = reference_kernel_s(torch_device) if torch_device is not None else None
+    return ProfileCache(default_cache_dir() if directory is True or not directory else directory, device, reference)
+
+
+STALE_RTOL = 0.1
+"""Cached timings are dropped when the machine's reference kernel runs more than this much
+faster or slower (relative) than when they were taken."""
+
+
+def reference_kernel_s(device: str = "cpu", repeats: int = 7) -> float:
+    """Median seconds of a fixed kernel on ``device`` (``"cpu"`` with torch's threads, or a CUDA
+    device): 24 products of 256 x 256 matrices and eight 8 MiB copies, compute and memory as a
+    model's operators use them; a few milliseconds on one core of this kind of CPU.
+
+    Raises:
+        ConfigError: for a device torch does not know.
+    """
+    try:
+        dev = torch.device(device)
+        a = torch.full((256, 256), 0.5, device=dev)  # no random draw: the caller's streams stay
+        src = torch.empty(2 * 2**20, device=dev)
+        dst = torch.empty_like(src)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"reference_kernel_s: no such device {device!r}: {exc}") from exc
+    times = []
+    for _ in range(repeats + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        for _ in range(24):
+            torch.mm(a, a)
+        for _ in range(8):
+            dst.copy_(src)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[len(times[1:]) // 2]
 
 
 def device_name(spec: DeviceSpec) -> str:
@@ -97,23 +138,48 @@ class ProfileCache(MutableMapping[str, NodeTimes]):
     Args:
         directory: Folder of the cache files (created on :meth:`save`).
         device_name: The device's name (``torch.cuda.get_device_name`` or ``"cpu"``).
+        reference_s: The machine's speed now: seconds of :func:`reference_kernel_s` on the
+            device. The file keeps the one measured when its timings were taken; when the two
+            differ by more than :data:`STALE_RTOL` (a VM's neighbours, clocks and thermal state
+            move a machine's speed by 10-40 % between hours), or the file does not say (its
+            first format), the cached timings are dropped and timed again, with a log line.
+            None: not checked.
 
     Keys are ``"{size}|{graph digest}|{node}"``, values ``(fwd_s, bwd_s)``. :attr:`hits` and
-    :attr:`misses` count look-ups since the file was opened.
+    :attr:`misses` count look-ups since the file was opened; :attr:`stale` says whether the
+    file's timings were dropped for the machine's speed.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], device_name: str) -> None:
+    def __init__(self, directory: str | os.PathLike[str], device_name: str, reference_s: float | None = None) -> None:
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{device_name}-torch{torch.__version__}")
         self.path = Path(directory) / f"{slug}.json"
         self._data: dict[str, NodeTimes] = {}
         self.hits = self.misses = 0
         self._dirty = False
+        self.reference_s = reference_s
+        self.stale = False
         if self.path.exists():
             try:
                 raw = json.loads(self.path.read_text())
-                self._data = {k: (float(v[0]), float(v[1])) for k, v in raw.items()}
-            except (ValueError, TypeError, IndexError, OSError) as exc:
+                versioned = isinstance(raw, dict) and "timings" in raw  # else the first format: timings only
+                timings = raw["timings"] if versioned else raw
+                self._data = {k: (float(v[0]), float(v[1])) for k, v in timings.items()}
+                then = raw.get("reference_s") if versioned else None
+            except (ValueError, TypeError, IndexError, OSError, AttributeError) as exc:
                 log.warning("ignoring unreadable profile cache %s (%s); it will be rewritten", self.path, exc)
+                then = None
+            if reference_s is not None and self._data and then is None:
+                log.info("profile cache %s: its timings do not say at what speed of this machine they were taken; "
+                         "timing again", self.path)
+                self._data, self._dirty, self.stale = {}, True, True
+            elif reference_s is not None and then is not None and self._data \
+                    and abs(reference_s / float(then) - 1.0) > STALE_RTOL:
+                log.info("profile cache %s: this machine runs a reference kernel in %.2f ms, %.2f ms when its timings "
+                         "were taken (%+.0f %%); timing again", self.path, reference_s * 1e3, float(then) * 1e3,
+                         (reference_s / float(then) - 1.0) * 100)
+                self._data, self._dirty, self.stale = {}, True, True
+            elif then is not None:
+                self.reference_s = float(then)  # the timings' own speed, kept with them
 
     def __getitem__(self, key: str) -> NodeTimes:
         return self._data[key]
@@ -145,7 +211,7 @@ class ProfileCache(MutableMapping[str, NodeTimes]):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump(self._data, f)
+            json.dump({"reference_s": self.reference_s, "timings": self._data}, f)
         os.replace(tmp, self.path)
         self._dirty = False
 

@@ -427,11 +427,40 @@ def test_cache_file_is_json_and_a_broken_one_is_ignored(tmp_path, caplog: pytest
     cache = ProfileCache(tmp_path, "cpu/odd name")
     cache["k"] = (1.0, 2.0)
     cache.save()
-    assert json.loads(cache.path.read_text()) == {"k": [1.0, 2.0]}
+    assert json.loads(cache.path.read_text()) == {"reference_s": None, "timings": {"k": [1.0, 2.0]}}
     assert "/" not in cache.path.name.replace("torch", "")
     cache.path.write_text("{not json")
     assert len(ProfileCache(tmp_path, "cpu/odd name")) == 0
     assert "ignoring unreadable profile cache" in caplog.text
+
+
+def test_timings_taken_at_another_machine_speed_are_timed_again(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """The file keeps the reference kernel's time its timings were taken at; opened when the
+    machine runs it more than STALE_RTOL faster or slower, the timings are dropped (and said),
+    within it they are kept; a file of the first format (timings only) is read as before, and
+    timed again where the speed is checked."""
+    import logging
+
+    from fxsplit.passes.profile import STALE_RTOL, reference_kernel_s
+
+    cache = ProfileCache(tmp_path, "cpu-test", reference_s=0.010)
+    cache["k"] = (1.0, 2.0)
+    cache.save()
+    close = ProfileCache(tmp_path, "cpu-test", reference_s=0.010 * (1 + STALE_RTOL / 2))
+    assert close["k"] == (1.0, 2.0) and not close.stale and close.reference_s == 0.010
+    with caplog.at_level(logging.INFO, logger="fxsplit.passes.profile"):
+        for now in (0.010 * (1 + 2 * STALE_RTOL), 0.010 * (1 - 2 * STALE_RTOL)):
+            moved = ProfileCache(tmp_path, "cpu-test", reference_s=now)
+            assert len(moved) == 0 and moved.stale and moved.reference_s == now
+    assert "timing again" in caplog.text
+    unchecked = ProfileCache(tmp_path, "cpu-test")
+    assert unchecked["k"] == (1.0, 2.0)
+    cache.path.write_text(json.dumps({"k": [3.0, 4.0]}))  # the first format: read, of unknown speed
+    assert ProfileCache(tmp_path, "cpu-test")["k"] == (3.0, 4.0)
+    assert len(ProfileCache(tmp_path, "cpu-test", reference_s=1.0)) == 0
+    assert 0 < reference_kernel_s("cpu", repeats=1) < 1.0
+    with pytest.raises(ConfigError, match="no such device"):
+        reference_kernel_s("nonsense")
 
 
 def test_compile_with_the_profiled_model_plans_on_micro_batch_costs(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
