@@ -7,7 +7,6 @@ it made; ``fxsplit.compile`` goes on to plan, split and run (the steps live in
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect as pyinspect
 import logging
@@ -23,7 +22,7 @@ from fxsplit.errors import ConfigError
 from fxsplit.frontend import Inspection, front_end, with_batch_dim
 from fxsplit.ir.devices import DeviceSpec
 from fxsplit.ir.names import ObjectiveName
-from fxsplit.options import CompileOptions
+from fxsplit.options import CompileOptions, with_loss_options
 from fxsplit.passes.costs import cuda_spec, measure_cpu_spec
 
 __all__ = ["Inspection", "inspect", "load_model", "analyze", "plan_hybrid", "resolve_cost_model"]
@@ -356,10 +355,7 @@ def compile(  # noqa: A001 - the public name users expect
 
     options = options or CompileOptions()
     options = with_batch_dim(options, batch_dim)
-    if loss_fn is not None:
-        if not callable(loss_fn):
-            raise ConfigError(f"compile(loss_fn={loss_fn!r}) needs a callable loss_fn(output, target) -> scalar, or None")
-        options = dataclasses.replace(options, loss_fn=loss_fn, loss_target=target)
+    options = with_loss_options(options, loss_fn, target)
     _check_compile_args(solver, schedule, microbatches, objective, cost_model)
     _check_inputs_bind(model, example_inputs, example_kwargs, options.batch_dim)
     with untouched_rng():  # timings and checks draw: the caller's CPU stream stays, and below its devices'

@@ -55,7 +55,7 @@ from fxsplit.errors import ConfigError, FxsplitError, NotPerSampleWarning, PlanE
 from fxsplit.frontend import front_end, with_batch_dim
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan
 from fxsplit.ir.problem import LOOPED_SCHEDULES
-from fxsplit.options import CompileOptions, autocast_dtype
+from fxsplit.options import CompileOptions, autocast_dtype, with_loss_options
 from fxsplit.runtime.dist_state import StageState, materialise
 from fxsplit.runtime.distributed import DistributedPipeline, from_rank0
 from fxsplit.runtime.links import probe_collective_link
@@ -422,10 +422,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
         raise ConfigError(f"parallel='hybrid' chooses the mesh and the plan itself; drop replicas={replicas}, "
                           f"tensor_parallel={tensor_parallel} and plan, or use parallel='pipeline'")
     options = with_batch_dim(options or CompileOptions(allow_idle_devices=False, time_limit_s=30.0), batch_dim)
-    if loss_fn is not None:
-        if not callable(loss_fn):
-            raise ConfigError(f"compile(loss_fn={loss_fn!r}) needs a callable loss_fn(output, target) -> scalar, or None")
-        options = dataclasses.replace(options, loss_fn=loss_fn, loss_target=target)
+    options = with_loss_options(options, loss_fn, target)
     autocast_dtype(options.autocast)  # an unknown name fails here, on every rank, before any work
     rank, world, device = init_process_group(backend, timeout_s)
     hybrid = None

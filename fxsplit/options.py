@@ -7,7 +7,7 @@ here (and not in :mod:`fxsplit.api`) lets them be typed without importing the fr
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, LinkSpec
 from fxsplit.ir.names import RecomputeName
 
-__all__ = ["AUTOCAST_DTYPES", "CompileOptions", "autocast_dtype", "precision"]
+__all__ = ["AUTOCAST_DTYPES", "CompileOptions", "autocast_dtype", "precision", "with_loss_options"]
 
 #: ``CompileOptions.autocast`` names and the ``torch.dtype`` names they stand for.
 AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -152,3 +152,18 @@ class CompileOptions:
     action_overhead_s: float | str = "auto"
     loss_fn: Callable[[Any, Any], Any] | None = None
     loss_target: Any = None
+
+
+def with_loss_options(options: CompileOptions, loss_fn: Any, target: Any) -> CompileOptions:
+    """``options`` with the loss ``compile`` was given (``loss_fn``, ``target``: the
+    :attr:`CompileOptions.loss_fn` / ``loss_target`` the plan times); ``options`` itself for
+    ``loss_fn=None``.
+
+    Raises:
+        ConfigError: for a ``loss_fn`` that is not callable.
+    """
+    if loss_fn is None:
+        return options
+    if not callable(loss_fn):
+        raise ConfigError(f"compile(loss_fn={loss_fn!r}) needs a callable loss_fn(output, target) -> scalar, or None")
+    return replace(options, loss_fn=loss_fn, loss_target=target)
