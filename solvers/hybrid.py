@@ -49,6 +49,7 @@ from typing import Any
 
 from fxsplit.errors import ConfigError, InfeasibleError, SolverError
 from fxsplit.ir import CondensedGraph, LinkSpec, Plan, Problem
+from fxsplit.ir.plan import trivial_lower_bound
 from fxsplit.ir.problem import LOOPED_SCHEDULES
 from fxsplit.solvers.data_parallel import data_parallel
 from fxsplit.solvers.registry import solve
@@ -291,19 +292,26 @@ def _replicated_tp(layout: HybridLayout, costs: LayerParallelCosts | None) -> Hy
     return replace(layout, note="; ".join(filter(None, [layout.note, f"tp splits nothing: {layout.tp} copies"])))
 
 
+def _replica_problem(problem: Problem, graph: CondensedGraph, pp: int, dp: int, tp: int) -> Problem:
+    """One replica's pipeline: ``pp`` of ``problem``'s devices ``dp * tp`` ranks apart, over the
+    links between them, ``m / dp`` micro-batches."""
+    group = dp * tp
+    links = tuple((i, j, problem.link_between(i * group, j * group)) for i in range(pp) for j in range(i + 1, pp))
+    return Problem(graph, (problem.devices[0],) * pp, link=problem.link, links=links,
+                   microbatches=problem.microbatches // dp, schedule=problem.schedule, objective="makespan",
+                   training=problem.training, optimizer_state_factor=problem.optimizer_state_factor,
+                   grad_factor=problem.grad_factor, allow_idle_devices=problem.allow_idle_devices,
+                   recompute=problem.recompute, transfer_memory=problem.transfer_memory)
+
+
 def _pipelined(problem: Problem, graph: CondensedGraph, pp: int, dp: int, tp: int, costs: LayerParallelCosts | None,
                solver: str, time_limit_s: float | None) -> HybridLayout:
     """The layout as a pipeline of ``pp`` stages (one: gradient accumulation) of ``m / dp``
     micro-batches per replica, each stage's all-reduce after its last backward."""
     family = costs.family if costs is not None else "none"
     placements = dict(costs.placements) if costs is not None else {}
-    m, device, group = problem.microbatches, problem.devices[0], dp * tp
-    links = tuple((i, j, problem.link_between(i * group, j * group)) for i in range(pp) for j in range(i + 1, pp))
-    sub = Problem(graph, (device,) * pp, link=problem.link, links=links, microbatches=m // dp,
-                  schedule=problem.schedule, objective="makespan", training=problem.training,
-                  optimizer_state_factor=problem.optimizer_state_factor, grad_factor=problem.grad_factor,
-                  allow_idle_devices=problem.allow_idle_devices, recompute=problem.recompute,
-                  transfer_memory=problem.transfer_memory)
+    group = dp * tp
+    sub = _replica_problem(problem, graph, pp, dp, tp)
     try:
         plan = solve(sub, solver, time_limit_s=time_limit_s)
     except InfeasibleError:
@@ -329,7 +337,7 @@ def _pipelined(problem: Problem, graph: CondensedGraph, pp: int, dp: int, tp: in
 
 def plan_hybrid(problem: Problem, layer_costs: Sequence[LayerParallelCosts] = (), *, solver: str = "auto",
                 time_limit_s: float | None = 10.0, max_tp: int | None = None,
-                every_device: bool = False) -> HybridPlan:
+                every_device: bool = False, prune: bool = True) -> HybridPlan:
     """The fastest ``[pp, dp, tp]`` mesh and per-layer plan for ``problem``'s devices.
 
     Args:
@@ -343,6 +351,11 @@ def plan_hybrid(problem: Problem, layer_costs: Sequence[LayerParallelCosts] = ()
         max_tp: Largest ``tp`` tried (e.g. the devices of one node).
         every_device: Only meshes of all ``N`` devices (``pp * dp * tp == N``: a launch whose
             every rank must work); default: any mesh whose size divides ``N``.
+        prune: Solve the pipelined meshes (``pp > 1``) in order of their lower bound
+            (:func:`~fxsplit.ir.plan.trivial_lower_bound` of one replica's pipeline) and leave
+            unsolved (step ``inf``, the bound in its note) one whose bound is no better than the
+            best mesh found and the best of each family it belongs to (:data:`FAMILIES`): the
+            best and every family's best are those of the full search. False: solve every mesh.
 
     Returns:
         The :class:`HybridPlan`.
@@ -358,12 +371,28 @@ def plan_hybrid(problem: Problem, layer_costs: Sequence[LayerParallelCosts] = ()
     by_degree: dict[int, list[LayerParallelCosts]] = {}
     for c in layer_costs:
         by_degree.setdefault(c.degree, []).append(c)
-    layouts = []
+    layouts, pipelines = [], []
     for pp, dp, tp in mesh_shapes(n, max_tp=max_tp):
         if every_device and pp * dp * tp != n:
             continue
         options: list[LayerParallelCosts | None] = [None] if tp == 1 else list(by_degree.get(tp, []))
         for costs in options:
+            if prune and pp > 1 and problem.microbatches % dp == 0:  # solved below, fewest-bound first
+                graph = costs.apply(problem.graph) if costs is not None else problem.graph
+                pipelines.append((trivial_lower_bound(_replica_problem(problem, graph, pp, dp, tp)), pp, dp, tp, costs))
+            else:
+                layouts.append(_layout(problem, pp, dp, tp, costs, solver, time_limit_s))
+    for bound, pp, dp, tp, costs in sorted(pipelines, key=lambda c: c[0]):
+        family = costs.family if costs is not None else "none"
+        stub = HybridLayout(pp, dp, tp, family, math.inf)
+        bars = [min((lay.step_s for lay in layouts if member(lay)), default=math.inf)
+                for member in FAMILIES.values() if member(stub)]
+        best = min((lay.step_s for lay in layouts), default=math.inf)
+        if bound >= max([best, *bars]):  # no better than the best found, nor than its families' bests
+            layouts.append(HybridLayout(pp, dp, tp, family, math.inf,
+                                        placements=dict(costs.placements) if costs is not None else {},
+                                        note=f"not solved: at least {bound:.4g} s, no better than the best found"))
+        else:
             layouts.append(_layout(problem, pp, dp, tp, costs, solver, time_limit_s))
     layouts.sort(key=lambda lay: (lay.step_s, lay.devices, lay.pp, lay.tp))
     if not layouts[0].feasible:

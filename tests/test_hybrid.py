@@ -46,7 +46,7 @@ def test_mesh_shapes_are_every_factorisation_of_every_divisor(n: int, max_tp: in
 def test_the_pipeline_only_plan_and_data_parallelism_are_points_of_the_search(
         graph: CondensedGraph, n: int, m: int, schedule: str) -> None:
     problem = _problem(graph, n, m, schedule=schedule)
-    found = plan_hybrid(problem, solver="dp", time_limit_s=None)
+    found = plan_hybrid(problem, solver="dp", time_limit_s=None, prune=False)
     pipeline = solve(problem, "dp").makespan_s  # today's plan: N devices, idle ones allowed
     pp_only = next(lay for lay in found.layouts if (lay.pp, lay.dp, lay.tp) == (n, 1, 1))
     assert pp_only.step_s == pytest.approx(pipeline)
@@ -54,6 +54,49 @@ def test_the_pipeline_only_plan_and_data_parallelism_are_points_of_the_search(
     if m % n == 0:
         assert found.best.step_s <= data_parallel(problem).step_s + 1e-9
     assert found.layouts == tuple(sorted(found.layouts, key=lambda lay: lay.step_s))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(condensed_graphs(max_blocks=6), st.sampled_from([2, 4, 8]), st.sampled_from([1, 2, 4, 8]),
+       st.sampled_from(["gpipe", "1f1b"]), st.booleans())
+def test_pruned_search_finds_the_best_and_every_familys_best(graph: CondensedGraph, n: int, m: int, schedule: str,
+                                                            with_tp: bool) -> None:
+    """Property: leaving unsolved the pipelined meshes whose lower bound is no better than the
+    best found (and their families' bests) changes neither the best nor any family's best; what
+    it left is no better than those, and says so."""
+    problem = _problem(graph, n, m, schedule=schedule)
+    half = LayerParallelCosts(2, "pase", (0.5,) * len(graph), (0.5,) * len(graph), (0.5,) * len(graph),
+                              {"S(1)": len(graph)}, (1,) * len(graph))
+    costs = [half] if with_tp else []
+    full = plan_hybrid(problem, costs, solver="dp", time_limit_s=None, prune=False)
+    pruned = plan_hybrid(problem, costs, solver="dp", time_limit_s=None)
+    assert pruned.best.step_s == pytest.approx(full.best.step_s, rel=1e-12)
+    for name, lay in full.baselines.items():
+        got = pruned.baselines[name]
+        assert (got is None) == (lay is None), name
+        if lay is not None:
+            assert got.step_s == pytest.approx(lay.step_s, rel=1e-12), name
+    exact = {(lay.pp, lay.dp, lay.tp, lay.family): lay for lay in full.layouts}
+    for lay in pruned.layouts:
+        twin = exact[(lay.pp, lay.dp, lay.tp, lay.family)]
+        if lay.note.startswith("not solved"):
+            assert lay.pp > 1 and twin.step_s >= pruned.best.step_s * (1 - 1e-12)
+            assert float(lay.note.split("at least ")[1].split(" s")[0]) <= twin.step_s * (1 + 1e-3)
+        else:
+            assert lay.step_s == pytest.approx(twin.step_s, rel=1e-12)
+
+
+def test_pruning_leaves_the_meshes_of_fewer_devices_unsolved() -> None:
+    """Eight equal blocks on 8 devices: a pipeline over 2 of them cannot beat one over 8, so the
+    pruned search solves fewer meshes and ends where the full one does."""
+    graph = CondensedGraph.chain([1.0] * 8)
+    problem = _problem(graph, 8, 8)
+    full = plan_hybrid(problem, solver="dp", time_limit_s=None, prune=False)
+    pruned = plan_hybrid(problem, solver="dp", time_limit_s=None)
+    skipped = [lay for lay in pruned.layouts if lay.note.startswith("not solved")]
+    assert skipped and all(not lay.feasible for lay in skipped)
+    assert pruned.best.step_s == full.best.step_s
+    assert pruned.baselines["pipeline"].step_s == full.baselines["pipeline"].step_s
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -84,7 +127,8 @@ def test_replicas_all_reduce_each_stage_after_its_last_backward() -> None:
                                  for i in range(2)))
     problem = Problem(graph, tuple(DeviceSpec(f"d{i}") for i in range(4)), link=LinkSpec(2.0**20, 0.25),
                       microbatches=4, objective="makespan")
-    lay = next(lay for lay in plan_hybrid(problem, solver="dp").layouts if (lay.pp, lay.dp, lay.tp) == (2, 2, 1))
+    lay = next(lay for lay in plan_hybrid(problem, solver="dp", prune=False).layouts
+               if (lay.pp, lay.dp, lay.tp) == (2, 2, 1))
     # each replica: 2 micro-batches through 2 stages of 3 s: 2 * 3 + (2 - 1) * 3 = 9 s
     assert lay.pipeline_s == pytest.approx(9.0)
     # all-reduce of 1 MiB over 2: 2 * 1/2 * 1 s + 2 * 0.25 s = 1.5 s, of 3 MiB 3.5 s; stage 1's
