@@ -55,7 +55,7 @@ def plan_model(name: str, spec: tuple[str, dict[str, Any], int], device_counts: 
     from fxsplit.frontend import front_end
     from fxsplit.ir import DeviceSpec, Problem
     from fxsplit.options import CompileOptions
-    from fxsplit.passes.layer_costs import layer_parallel_costs
+    from fxsplit.passes.layer_costs import per_layer_costs
     from fxsplit.solvers.hybrid import plan_hybrid
 
     builder, kwargs, batch = spec
@@ -70,8 +70,7 @@ def plan_model(name: str, spec: tuple[str, dict[str, Any], int], device_counts: 
     nvlink = cluster(8).intra_node
     start = time.perf_counter()
     degrees = sorted({t for k in device_counts for t in (2, 4, 8) if t <= min(k, 8) and k % t == 0})
-    costs = [layer_parallel_costs(ins.captured.gm, graph, t, family=f, link=nvlink, time_limit_s=time_limit_s)
-             for t in degrees for f in ("pase", "megatron")]
+    costs = per_layer_costs(ins.captured.gm, graph, degrees, link=nvlink, time_limit_s=time_limit_s)
     layers_s = time.perf_counter() - start
     params = sum(p.numel() for p in case.model.parameters())
     for k in device_counts:

@@ -452,7 +452,7 @@ def plan_hybrid(
     """
     from fxsplit.ir import LinkSpec, Problem
     from fxsplit.ir.cluster import Cluster, load_cluster
-    from fxsplit.passes.layer_costs import layer_parallel_costs
+    from fxsplit.passes.layer_costs import per_layer_costs
     from fxsplit.solvers.hybrid import plan_hybrid as search
 
     if isinstance(devices, str | Path):
@@ -474,8 +474,7 @@ def plan_hybrid(
                     options=CompileOptions(), name=name, measure_device="cpu")
     graph = ins.condensed.graph
     degrees = [t for t in range(2, len(specs) + 1) if len(specs) % t == 0 and (max_tp is None or t <= max_tp)]
-    costs = [layer_parallel_costs(ins.captured.gm, graph, t, family=f, link=tp_link, time_limit_s=time_limit_s)
-             for t in degrees for f in families]
+    costs = per_layer_costs(ins.captured.gm, graph, degrees, families, link=tp_link, time_limit_s=time_limit_s)
     problem = Problem(graph, tuple(specs), link=inter, links=links, microbatches=microbatches,
                       schedule=schedule, objective="makespan")  # type: ignore[arg-type]
     return search(problem, costs, time_limit_s=time_limit_s, max_tp=max_tp), ins

@@ -220,7 +220,7 @@ def _choose_mesh(model_fn: Callable[[], nn.Module], args: tuple, kwargs: dict, w
             does not split the example batch, a looped schedule; InfeasibleError when no mesh fits.
     """
     from fxsplit.ir import Problem
-    from fxsplit.passes.layer_costs import layer_parallel_costs
+    from fxsplit.passes.layer_costs import per_layer_costs
     from fxsplit.solvers.hybrid import plan_hybrid
 
     m = world if microbatches is None else microbatches
@@ -239,9 +239,8 @@ def _choose_mesh(model_fn: Callable[[], nn.Module], args: tuple, kwargs: dict, w
         front = front_end(model, to_meta(one_args), to_meta(one_kwargs), reference=reference, cost_model="analytic",
                           options=CompileOptions(), name=type(model).__name__)
         degrees = [t for t in range(2, world + 1) if world % t == 0]
-        costs = [layer_parallel_costs(front.captured.gm, front.condensed.graph, t, family=f, link=link,
-                                      time_limit_s=options.time_limit_s or 30.0)
-                 for t in degrees for f in ("pase", "megatron")]
+        costs = per_layer_costs(front.captured.gm, front.condensed.graph, degrees, link=link,
+                                time_limit_s=options.time_limit_s or 30.0)
         flat, flags, _ = example_batch(front.captured, (one_args, one_kwargs))
         used = rank0_cost_model(front.captured, flat, device, cost_model)
         graph = front.condensed.graph if used == "analytic" else profiled_blocks(

@@ -235,6 +235,26 @@ def test_megatrons_family_shards_the_linear_weights(gpt) -> None:  # type: ignor
         layer_parallel_costs(gpt.captured.gm, graph, 2, family="zero")
 
 
+def test_per_layer_costs_build_each_degrees_strategy_graph_once(gpt, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Both families of a degree read one strategy graph, and give what each computed alone does."""
+    import fxsplit.passes.layer_costs as layer_costs
+
+    graph, link = gpt.condensed.graph, LinkSpec(25e9, 1e-5)
+    alone = [layer_costs.layer_parallel_costs(gpt.captured.gm, graph, 2, family=f, link=link)
+             for f in ("pase", "megatron")]
+    built = []
+    real = layer_costs.strategy_graph
+    monkeypatch.setattr(layer_costs, "strategy_graph", lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    together = layer_costs.per_layer_costs(gpt.captured.gm, graph, [2], link=link)
+    assert built == [2]
+    assert [(c.degree, c.family) for c in together] == [(2, "pase"), (2, "megatron")]
+    for a, b in zip(alone, together, strict=True):
+        for field in ("time_factors", "param_factors", "activation_factors"):
+            assert getattr(a, field) == pytest.approx(getattr(b, field)), field
+    with pytest.raises(ConfigError, match="family="):
+        layer_costs.per_layer_costs(gpt.captured.gm, graph, [2], ("pase", "zero"))
+
+
 def test_plan_hybrid_on_a_cluster_file_and_the_cli(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import fxsplit.cli as cli
 
