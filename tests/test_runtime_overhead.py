@@ -108,7 +108,11 @@ def test_distributed_probe_gives_every_rank_the_same_overhead(tmp_path) -> None:
     a, b = results[0]["result"], results[1]["result"]
     assert a["memoised"] and b["memoised"]
     assert a["found"].message_s == b["found"].message_s  # rank 0's fit, broadcast
-    assert 0.0 < a["found"].action_s < 1e-2 and 0.0 <= a["found"].message_s < 1e-2
+    found = a["found"]
+    assert 0.0 <= found.action_s < 1e-2 and 0.0 <= found.message_s < 1e-2 and 1.0 <= found.compute_factor <= 2.0
+    # the runtime's work is found as a part per action or a factor on the compute: on a loaded
+    # machine the two pipelines' fit can put it all in the factor (CI: 1.40, no fixed part)
+    assert found.action_s > 0.0 or found.compute_factor > 1.0
 
 
 def _compile_worker(rank: int, world: int, out_dir: str) -> dict:
