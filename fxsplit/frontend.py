@@ -30,8 +30,9 @@ from fxsplit.passes.condense import Condensed
 from fxsplit.passes.frontend import front_end_passes
 from fxsplit.passes.manager import PassManager, PassRecord
 from fxsplit.passes.measure import grad_accumulate_bytes_per_s
-from fxsplit.passes.profile import device_name, open_cache, profile_sizes
+from fxsplit.passes.profile import device_name, fit_affine, open_cache, profile_sizes
 from fxsplit.runtime.microbatch import batch_size_of, split_microbatches, split_target
+from fxsplit.runtime.trace import action_end_s
 from fxsplit.schedule.explore import default_microbatches
 
 __all__ = ["Inspection", "capture_with", "front_end", "load_per_core", "loss_cost_s", "profile_options", "save_unless_busy", "with_batch_dim"]
@@ -264,7 +265,7 @@ def loss_cost_s(captured: Captured, flat: Sequence[Any], options: CompileOptions
     forward and backward timed on the model's own outputs (``gm``, default ``captured.gm``, run
     once on the flat inputs ``flat``, its buffers put back) at the example batch and at one
     micro-batch (``microbatches`` of them, or 4), ``t = t0 + t1 x samples`` fitted through the
-    two, as the profiled cost model fits nodes.
+    two as the profiled cost model fits nodes (:func:`~fxsplit.passes.profile.fit_affine`).
 
     Raises:
         ConfigError: when the loss fails on the model's outputs or does not give a scalar.
@@ -285,15 +286,13 @@ def loss_cost_s(captured: Captured, flat: Sequence[Any], options: CompileOptions
         target_dim = captured.layout.target_dim if captured.layout is not None else 0
         outs, sizes = split_microbatches(outputs, m, batch, captured.batched_outputs)
         points.append((sizes[0], outs[0], split_target(options.loss_target, m, batch, target_dim)[0]))
-    timed = [(n, *_loss_times_s(options.loss_fn, captured, outs, target)) for n, outs, target in points]
-    (n1, f1, b1), (n0, f0, b0) = timed[0], timed[-1]
-    fwd_fixed = bwd_fixed = 0.0
-    if n0 < n1:  # t = t0 + t1 * n through the two points, t0 clamped to [0, t(n0)]
-        fwd_fixed = min(max(0.0, f0 - (f1 - f0) / (n1 - n0) * n0), f0)
-        bwd_fixed = min(max(0.0, b0 - (b1 - b0) / (n1 - n0) * n0), b0)
+    sizes = [n for n, _, _ in points]
+    fwd, bwd = zip(*(_loss_times_s(options.loss_fn, captured, outs, target) for _, outs, target in points), strict=True)
+    (f0, f1), (b0, b1) = fit_affine(sizes, fwd), fit_affine(sizes, bwd)  # as the profile fits each node
+    fwd_s, bwd_s = f0 + f1 * batch, b0 + b1 * batch
     log.info("the loss costs %.3f ms forward, %.3f ms backward at %d samples (%.3f / %.3f ms fixed per micro-batch)",
-             f1 * 1e3, b1 * 1e3, n1, fwd_fixed * 1e3, bwd_fixed * 1e3)
-    return f1, b1, fwd_fixed, bwd_fixed
+             fwd_s * 1e3, bwd_s * 1e3, batch, f0 * 1e3, b0 * 1e3)
+    return fwd_s, bwd_s, f0, b0
 
 
 def _loss_times_s(loss_fn: Any, captured: Captured, outputs: Sequence[Any], target: Any,
@@ -310,12 +309,10 @@ def _loss_times_s(loss_fn: Any, captured: Captured, outputs: Sequence[Any], targ
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                 raise TypeError(f"it returned {type(loss).__name__}"
                                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}, not a scalar tensor")
-            _sync(loss.device)
-            mid = time.perf_counter()
+            mid = action_end_s(loss.device)
             if loss.requires_grad:
                 loss.backward()
-            _sync(loss.device)
-            end = time.perf_counter()
+            end = action_end_s(loss.device)
         except Exception as exc:
             raise ConfigError(f"compile cannot cost loss_fn={getattr(loss_fn, '__name__', loss_fn)!r}: on the model's "
                               f"outputs ({', '.join(_shape(o) for o in outputs)}) and the target given, it failed: "
@@ -328,11 +325,6 @@ def _loss_times_s(loss_fn: Any, captured: Captured, outputs: Sequence[Any], targ
 
 def _shape(value: Any) -> str:
     return f"{list(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _tensor_device_type(flat: Sequence[Any]) -> str:

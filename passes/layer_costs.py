@@ -109,8 +109,7 @@ def layer_parallel_costs(gm: torch.fx.GraphModule, graph: CondensedGraph, degree
         ConfigError: for an unknown family, ``degree < 2`` or a graph without shapes.
         SolverError: when no strategy is found within the time limit.
     """
-    if family not in FAMILIES:
-        raise ConfigError(f"family={family!r}; one of {list(FAMILIES)}")
+    _check_family(family)
     start = time.perf_counter()
     found = strategies if strategies is not None else strategy_graph(gm, degree, link=link, op_overhead_s=op_overhead_s)
     g = found.graph if family == "pase" else found.graph.restricted(found.allowing(megatron_placements(gm)))
@@ -134,12 +133,16 @@ def per_layer_costs(gm: torch.fx.GraphModule, graph: CondensedGraph, degrees: Se
     Raises:
         As :func:`layer_parallel_costs`.
     """
-    for family in families:
-        if family not in FAMILIES:
-            raise ConfigError(f"family={family!r}; one of {list(FAMILIES)}")
+    for family in families:  # before any strategy graph is built
+        _check_family(family)
     out: list[LayerParallelCosts] = []
     for degree in degrees:
         found = strategy_graph(gm, degree, link=link, op_overhead_s=op_overhead_s)
         out.extend(layer_parallel_costs(gm, graph, degree, family=f, link=link, time_limit_s=time_limit_s,
                                         op_overhead_s=op_overhead_s, strategies=found) for f in families)
     return out
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ConfigError(f"family={family!r}; one of {list(FAMILIES)}")

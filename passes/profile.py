@@ -28,7 +28,6 @@ import math
 import os
 import re
 import tempfile
-import time
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ import torch.fx
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec
-from fxsplit.passes.measure import NodeTimes, time_nodes_in_context
+from fxsplit.passes.measure import NodeTimes, median_time_s, time_nodes_in_context
 
 __all__ = ["ProfileCache", "STALE_RTOL", "reference_kernel_s", "fit_affine", "profile_sizes", "profile_node_times", "default_cache_dir", "device_name",
            "graph_digest", "is_cached"]
@@ -89,19 +88,14 @@ def reference_kernel_s(device: str = "cpu", repeats: int = 7) -> float:
         dst = torch.empty_like(src)
     except (RuntimeError, ValueError) as exc:
         raise ConfigError(f"reference_kernel_s: no such device {device!r}: {exc}") from exc
-    times = []
-    for _ in range(repeats + 1):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        start = time.perf_counter()
+
+    def kernel() -> None:
         for _ in range(24):
             torch.mm(a, a)
         for _ in range(8):
             dst.copy_(src)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2]
+
+    return median_time_s(kernel, warmup=1, repeats=repeats, device=dev)
 
 
 def device_name(spec: DeviceSpec) -> str:
@@ -168,15 +162,15 @@ class ProfileCache(MutableMapping[str, NodeTimes]):
             except (ValueError, TypeError, IndexError, OSError, AttributeError) as exc:
                 log.warning("ignoring unreadable profile cache %s (%s); it will be rewritten", self.path, exc)
                 then = None
-            if reference_s is not None and self._data and then is None:
-                log.info("profile cache %s: its timings do not say at what speed of this machine they were taken; "
-                         "timing again", self.path)
-                self._data, self._dirty, self.stale = {}, True, True
-            elif reference_s is not None and then is not None and self._data \
-                    and abs(reference_s / float(then) - 1.0) > STALE_RTOL:
-                log.info("profile cache %s: this machine runs a reference kernel in %.2f ms, %.2f ms when its timings "
-                         "were taken (%+.0f %%); timing again", self.path, reference_s * 1e3, float(then) * 1e3,
-                         (reference_s / float(then) - 1.0) * 100)
+            why = ""
+            if reference_s is not None and self._data:
+                if then is None:
+                    why = "its timings do not say at what speed of this machine they were taken"
+                elif abs(reference_s / float(then) - 1.0) > STALE_RTOL:
+                    why = (f"this machine runs a reference kernel in {reference_s * 1e3:.2f} ms, {float(then) * 1e3:.2f} "
+                           f"ms when its timings were taken ({(reference_s / float(then) - 1.0) * 100:+.0f} %)")
+            if why:
+                log.info("profile cache %s: %s; timing again", self.path, why)
                 self._data, self._dirty, self.stale = {}, True, True
             elif then is not None:
                 self.reference_s = float(then)  # the timings' own speed, kept with them

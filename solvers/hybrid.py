@@ -256,8 +256,7 @@ def _check_problem(problem: Problem) -> None:
 
 def _layout(problem: Problem, pp: int, dp: int, tp: int, costs: LayerParallelCosts | None, solver: str,
             time_limit_s: float | None) -> HybridLayout:
-    family = costs.family if costs is not None else "none"
-    placements = dict(costs.placements) if costs is not None else {}
+    family, placements = _family(costs)
     graph = costs.apply(problem.graph) if costs is not None else problem.graph
     m = problem.microbatches
     device = problem.devices[0]
@@ -292,6 +291,11 @@ def _replicated_tp(layout: HybridLayout, costs: LayerParallelCosts | None) -> Hy
     return replace(layout, note="; ".join(filter(None, [layout.note, f"tp splits nothing: {layout.tp} copies"])))
 
 
+def _family(costs: LayerParallelCosts | None) -> tuple[str, dict[str, int]]:
+    """The per-layer plan's family and output placements (``"none"`` and none for ``tp = 1``)."""
+    return (costs.family, dict(costs.placements)) if costs is not None else ("none", {})
+
+
 def _replica_problem(problem: Problem, graph: CondensedGraph, pp: int, dp: int, tp: int) -> Problem:
     """One replica's pipeline: ``pp`` of ``problem``'s devices ``dp * tp`` ranks apart, over the
     links between them, ``m / dp`` micro-batches."""
@@ -308,8 +312,7 @@ def _pipelined(problem: Problem, graph: CondensedGraph, pp: int, dp: int, tp: in
                solver: str, time_limit_s: float | None) -> HybridLayout:
     """The layout as a pipeline of ``pp`` stages (one: gradient accumulation) of ``m / dp``
     micro-batches per replica, each stage's all-reduce after its last backward."""
-    family = costs.family if costs is not None else "none"
-    placements = dict(costs.placements) if costs is not None else {}
+    family, placements = _family(costs)
     group = dp * tp
     sub = _replica_problem(problem, graph, pp, dp, tp)
     try:
@@ -383,14 +386,13 @@ def plan_hybrid(problem: Problem, layer_costs: Sequence[LayerParallelCosts] = ()
             else:
                 layouts.append(_layout(problem, pp, dp, tp, costs, solver, time_limit_s))
     for bound, pp, dp, tp, costs in sorted(pipelines, key=lambda c: c[0]):
-        family = costs.family if costs is not None else "none"
+        family, placements = _family(costs)
         stub = HybridLayout(pp, dp, tp, family, math.inf)
         bars = [min((lay.step_s for lay in layouts if member(lay)), default=math.inf)
                 for member in FAMILIES.values() if member(stub)]
         best = min((lay.step_s for lay in layouts), default=math.inf)
         if bound >= max([best, *bars]):  # no better than the best found, nor than its families' bests
-            layouts.append(HybridLayout(pp, dp, tp, family, math.inf,
-                                        placements=dict(costs.placements) if costs is not None else {},
+            layouts.append(HybridLayout(pp, dp, tp, family, math.inf, placements=placements,
                                         note=f"not solved: at least {bound:.4g} s, no better than the best found"))
         else:
             layouts.append(_layout(problem, pp, dp, tp, costs, solver, time_limit_s))
