@@ -220,7 +220,7 @@ def _recomputes(m: Any, d: CpData, v: CpVars, s: int) -> Any:
 
 def add_loads(m: Any, d: CpData, v: CpVars) -> None:
     """Stage time on its unit: compute (its forward once more when it recomputes) plus
-    communication in and out (twice in training) plus the runtime's work on a non-empty stage
+    communication in and out (twice in training; none on a ``comm_free`` unit) plus the runtime's work on a non-empty stage
     (``fixed_q``: ``use[s, t]`` holds only for one). The bottleneck is at least the slowest block
     and the mean stage, each block on its fastest unit, plus that work."""
     n, k, S = len(d.static_bytes), 2 if d.problem.training else 1, d.num_stages
@@ -238,12 +238,13 @@ def add_loads(m: Any, d: CpData, v: CpVars) -> None:
         again = _recomputes(m, d, v, s)
         for t in d.allowed[s]:
             work = sum(d.time_q[t][b] * v.x[b, s] for b in range(n))
-            m.Add(v.load[s] >= work + k * comm + d.fixed_q).OnlyEnforceIf(v.use[s, t])
+            paid = 0 if d.problem.devices[d.unit_devices[t][0]].comm_free else k * comm  # comm_free: neighbours pay
+            m.Add(v.load[s] >= work + paid + d.fixed_q).OnlyEnforceIf(v.use[s, t])
             if isinstance(again, int) and not again:
                 continue
             redo = sum(d.fwd_q[t][b] * v.x[b, s] for b in range(n))
             lits = [v.use[s, t]] + ([] if isinstance(again, int) else [again])
-            m.Add(v.load[s] >= work + redo + k * comm + d.fixed_q).OnlyEnforceIf(lits)
+            m.Add(v.load[s] >= work + redo + paid + d.fixed_q).OnlyEnforceIf(lits)
         m.Add(v.bottleneck >= v.load[s])
 
 

@@ -7,7 +7,8 @@ Recurrence (``⊕`` is ``max`` for the bottleneck, ``+`` for a sum of stage cost
     f[dst][I] = min over moves (src -> dst) and downsets J ⊊ I of  f[src][J] ⊕ cost(move, J, I)
 
 where ``cost`` is the stage ``I \\ J``'s time on the move's device (compute / speed +
-communication of ``cut(J)`` in and ``cut(I)`` out, paid twice in training, + the runtime's
+communication of ``cut(J)`` in and ``cut(I)`` out, paid twice in training and not at all on a
+``comm_free`` device, + the runtime's
 work per micro-batch, ``Problem.stage_overhead_s``), or ``+inf`` when the
 stage's memory exceeds the device's. With ``cap_s`` (used for the makespan) stage costs above the
 cap are forbidden too, and the smallest forbidden cost is reported as the next breakpoint. With
@@ -91,6 +92,7 @@ class _Sigs:
     lat_out: np.ndarray
     bw_out: np.ndarray
     fixed: np.ndarray
+    comm_scale: np.ndarray
 
     @classmethod
     def of(cls, layout: Layout) -> _Sigs:
@@ -100,7 +102,7 @@ class _Sigs:
         return cls(col(lambda g: g.speed), col(lambda g: g.cap_bytes), col(lambda g: g.flight),
                    col(lambda g: g.link_in.latency_s), col(lambda g: g.link_in.bytes_per_s),
                    col(lambda g: g.link_out.latency_s), col(lambda g: g.link_out.bytes_per_s),
-                   col(lambda g: g.fixed_s))
+                   col(lambda g: g.fixed_s), col(lambda g: g.comm_scale))
 
 
 def check_stop(cancel: Cancel | None, deadline: float | None, done: int, num: int) -> None:
@@ -145,7 +147,7 @@ def _stage_costs(tb: DownsetTables, i: np.ndarray, js: np.ndarray, sigs: _Sigs, 
             return mem - sigs.cap_bytes
     comm = _transfer(cut_in, sigs.lat_in, sigs.bw_in) + _transfer(cut_out, sigs.lat_out, sigs.bw_out)
     work = tb.work_s[i] - tb.work_s[js] + np.where(again, tb.fwd_s[i] - tb.fwd_s[js], 0.0)
-    cost = work / sigs.speed + comm_factor * comm + sigs.fixed
+    cost = work / sigs.speed + comm_factor * sigs.comm_scale * comm + sigs.fixed
     if need and mem is not None:
         cost = np.where(mem < sigs.cap_bytes + 1.0, cost, np.inf)
     return cost

@@ -244,7 +244,8 @@ def _allreduce_s(nbytes: float, n: int, link: LinkSpec) -> float:
 def _check_problem(problem: Problem) -> None:
     problem.check()
     first = problem.devices[0]
-    odd = [d for d in problem.devices if (d.speed, d.memory_bytes) != (first.speed, first.memory_bytes)]
+    odd = [d for d in problem.devices
+           if (d.speed, d.memory_bytes, d.comm_free) != (first.speed, first.memory_bytes, first.comm_free)]
     if odd:
         raise ConfigError(f"device {odd[0].name!r} (speed {odd[0].speed}, {odd[0].memory_bytes} bytes) differs from "
                           f"{first.name!r} (speed {first.speed}, {first.memory_bytes} bytes): a [pp, dp, tp] mesh "

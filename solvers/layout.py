@@ -43,7 +43,8 @@ __all__ = ["Move", "Signature", "Layout", "build_layout", "can_start_from_end", 
 @dataclass(frozen=True)
 class Signature:
     """Cost parameters of a move: device speed and memory, in-flight count, links in and out,
-    and the runtime's seconds per micro-batch on the stage (:meth:`~fxsplit.ir.Problem.stage_overhead_s`)."""
+    the runtime's seconds per micro-batch on the stage (:meth:`~fxsplit.ir.Problem.stage_overhead_s`),
+    and whether the stage pays its transfers (``comm_scale`` 0 on a ``comm_free`` device)."""
 
     speed: float
     cap_bytes: float
@@ -51,6 +52,7 @@ class Signature:
     link_in: LinkSpec
     link_out: LinkSpec
     fixed_s: float = 0.0
+    comm_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -92,10 +94,10 @@ class Layout:
 
 
 def device_classes(problem: Problem) -> list[tuple[int, ...]]:
-    """Devices grouped by ``(speed, memory_bytes)``, in order of first appearance."""
-    classes: dict[tuple[float, int], list[int]] = {}
+    """Devices grouped by ``(speed, memory_bytes, comm_free)``, in order of first appearance."""
+    classes: dict[tuple[float, int, bool], list[int]] = {}
     for i, d in enumerate(problem.devices):
-        classes.setdefault((d.speed, d.memory_bytes), []).append(i)
+        classes.setdefault((d.speed, d.memory_bytes, d.comm_free), []).append(i)
     return [tuple(v) for v in classes.values()]
 
 
@@ -150,7 +152,8 @@ def _sig(problem: Problem, device: int, stage: int, p: int | None, check_memory:
     d = problem.devices[device]
     cap = float(d.memory_bytes) if check_memory else math.inf
     flight = problem.in_flight(stage, p if p is not None else problem.num_devices)
-    return Signature(d.speed, cap, flight if check_memory else 0, link_in, link_out, problem.stage_overhead_s())
+    return Signature(d.speed, cap, flight if check_memory else 0, link_in, link_out, problem.stage_overhead_s(),
+                     0.0 if d.comm_free else 1.0)
 
 
 def _fixed(problem: Problem, max_stages: int, per_p: bool, check_memory: bool,

@@ -99,11 +99,11 @@ def _holds_memory(problem: Problem, b: Block) -> bool:
 
 def _positions_alike(problem: Problem) -> bool:
     """Whether no pipeline position is better than another for a stage: the solver picks the
-    devices (free order), or every device has the same speed and memory and every link is the
-    default one (fixed order)."""
+    devices (free order), or every device has the same speed, memory and transfer terms
+    (``comm_free``) and every link is the default one (fixed order)."""
     if problem.device_order == "free":
         return True
-    return not problem.links and len({(d.speed, d.memory_bytes) for d in problem.devices}) == 1
+    return not problem.links and len({(d.speed, d.memory_bytes, d.comm_free) for d in problem.devices}) == 1
 
 
 def _memory_cannot_bind(problem: Problem) -> bool:

@@ -39,6 +39,9 @@ def problems_with_free_ends(draw: st.DrawFn) -> Problem:
     if draw(st.sampled_from([False, False, False, True])):  # identical devices, where fixed order folds too
         pb = pb.with_(devices=tuple(DeviceSpec(f"d{i}", memory_bytes=pb.devices[0].memory_bytes)
                                     for i in range(pb.num_devices)))
+    if draw(st.sampled_from([False, False, True])):  # a device that pays no transfers (dp.cpp's CPU)
+        which = draw(st.integers(0, pb.num_devices - 1))
+        pb = pb.with_(devices=tuple(d.with_(comm_free=i == which) for i, d in enumerate(pb.devices)))
     g = pb.graph
     ends = [b.id for b in g.blocks if not g.predecessors(b.id) or not g.successors(b.id)]
     free = (set(ends) if draw(st.booleans()) else draw(st.sets(st.sampled_from(ends)))) if ends else set()
@@ -71,7 +74,7 @@ def test_reduction_places_every_block_and_keeps_the_optimum(problem: Problem) ->
     assert all(p in (FIRST, LAST) or 0 <= p < len(red.problem.graph) for p in red.place)
     assert problem.allow_idle_devices  # every device must get a stage: never reduced
     assert problem.device_order == "free" or (
-        not problem.links and len({(d.speed, d.memory_bytes) for d in problem.devices}) == 1)
+        not problem.links and len({(d.speed, d.memory_bytes, d.comm_free) for d in problem.devices}) == 1)
     assert not red.problem.graph.validate()
     folded = [b for b in range(n) if red.place[b] in (FIRST, LAST)
               or red.problem.graph.blocks[red.place[b]].name != problem.graph.blocks[b].name]
@@ -116,7 +119,7 @@ def test_free_ends_sending_nothing_go_to_the_first_and_last_stage() -> None:
     assert plan.stats["folded_blocks"] == 2
 
 
-@pytest.mark.parametrize("case", ["slow first device", "slow first link", "small middle device"])
+@pytest.mark.parametrize("case", ["slow first device", "slow first link", "small middle device", "comm-free middle device"])
 def test_a_spacer_stage_of_free_blocks_can_help_in_fixed_order_so_it_is_not_reduced(case: str) -> None:
     """Found by review: in fixed device order a stage holding only a free block lets the real
     stages skip a slow or small device or a slow link, so folding lost the optimum (claimed
@@ -131,6 +134,12 @@ def test_a_spacer_stage_of_free_blocks_can_help_in_fixed_order_so_it_is_not_redu
         pb = Problem(g, tuple(DeviceSpec(f"d{i}") for i in range(3)), link=LinkSpec(1e9, 0.0),
                      links=((0, 1, LinkSpec(bytes_per_s=100.0, latency_s=0.0)),), training=False)
         best = 1.000001
+    elif case == "comm-free middle device":  # A on the CPU that pays no transfers, B after it: 5
+        g = CondensedGraph((Block(0, "F"), Block(1, "A", fwd_s=4.0), Block(2, "B", fwd_s=3.0)),
+                           (Edge(0, 1, 0), Edge(1, 2, 2)))
+        pb = Problem(g, (DeviceSpec("acc0"), DeviceSpec("cpu", comm_free=True), DeviceSpec("acc1")),
+                     link=LinkSpec(bytes_per_s=1.0, latency_s=0.0), training=False)
+        best = 5.0
     else:
         g = CondensedGraph((Block(0, "A", fwd_s=1.0, param_bytes=10 * MiB), Block(1, "F"),
                             Block(2, "B", fwd_s=1.0, param_bytes=10 * MiB)), (Edge(0, 1, 0), Edge(0, 2, 0)))

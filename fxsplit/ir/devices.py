@@ -37,6 +37,10 @@ class DeviceSpec:
         torch_device: Where the stage runs (``"cuda:1"``); defaults to ``name``.
         op_overhead_s: Fixed cost of launching one operator (kernel launch, dispatch),
             seconds; added to every computing node's forward time (twice to its backward).
+        comm_free: A stage on this device pays nothing for the tensors it receives and sends
+            (its neighbours still pay theirs): the host CPU of Tarnawski et al.'s planner
+            (``dp.cpp``: "CPU does not pay for communication"), where the accelerators' transfers
+            are staged. Default False: every stage pays its boundary transfers.
 
     Raises:
         ConfigError: from :meth:`check` when a number is not positive.
@@ -56,6 +60,7 @@ class DeviceSpec:
     op_overhead_s: float = 0.0
     fp32_peak_flops: float = 0.0
     tf32_peak_flops: float = 0.0
+    comm_free: bool = False
 
     def __post_init__(self) -> None:
         if not self.kind:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -212,8 +213,15 @@ def load_tarnawski(
     backward edge ``u -> v`` touching it adds the precedence ``block(v) -> block(u)``, and blocks
     on a cycle are merged.
     Memory is counted as ``dp.cpp`` counts it, node sizes only (``transfer_memory=False``): the
-    edge costs are time, never bytes held. ``maxCPUs``/``cpuLatency`` are ignored. ``training``
-    is True when any node is a backward node.
+    edge costs are time, never bytes held. ``training`` is True when any node is a backward node.
+
+    ``maxCPUs`` adds that many CPU devices, as ``dp.cpp`` treats them: a CPU stage costs the
+    ``cpuLatency`` of its nodes, has no memory limit and pays no communication
+    (:attr:`DeviceSpec.comm_free`; the accelerator next to it still pays its transfers), and the
+    solver chooses where in the pipeline CPU stages go (``device_order="free"``). A CPU is a
+    device of speed ``fpgaLatency / cpuLatency``, which must be one ratio for every node that
+    has both (the shipped inputs: 10 for the layer graphs, 23 for the operator graphs); nodes
+    with ``supportedOnFpga`` false are refused (they would need a per-node placement).
 
     Communication differs from ``dp.cpp`` in one way: a tensor that skips stages is relayed
     through the stages between (each pays it, as fxsplit's runtime sends it), where ``dp.cpp``
@@ -226,7 +234,9 @@ def load_tarnawski(
         name: Graph name; default the file's stem.
 
     Raises:
-        ConfigError: when a field is missing, or the merged blocks form a cycle.
+        ConfigError: when a field is missing, the merged blocks form a cycle, ``maxCPUs > 0``
+            with ``cpuLatency / fpgaLatency`` not one ratio, or a node not supported on the
+            accelerators.
     """
     path = Path(path)
     data = _read_json(path)
@@ -245,9 +255,47 @@ def load_tarnawski(
     devices = tuple(
         DeviceSpec(f"acc{i}", memory_bytes=cap, kind="acc") for i in range(int(data["maxFPGAs"]))
     )
+    cpus = int(data.get("maxCPUs", 0) or 0)
+    if cpus > 0:
+        speed = _cpu_speed(path, data["nodes"])
+        devices += tuple(DeviceSpec(f"cpu{i}", memory_bytes=CPU_MEMORY_BYTES, speed=speed, kind="cpu", comm_free=True)
+                         for i in range(cpus))
     training = any(n.get("isBackwardNode") for n in data["nodes"])
     return Problem(graph=graph, devices=devices, link=link, training=training,
-                   optimizer_state_factor=0.0, grad_factor=0.0, transfer_memory=False).check()
+                   optimizer_state_factor=0.0, grad_factor=0.0, transfer_memory=False,
+                   device_order="free" if cpus > 0 else "fixed").check()
+
+
+CPU_MEMORY_BYTES = 2**62
+"""Memory of a Tarnawski CPU device: unlimited, as in ``dp.cpp``."""
+
+
+def _cpu_speed(path: Path, nodes: list[dict[str, Any]], rtol: float = 1e-6) -> float:
+    """``fpgaLatency / cpuLatency``, one ratio over every node with both latencies positive.
+
+    Raises:
+        ConfigError: for a node not supported on the accelerators, a node that takes time on one
+            device kind only, or ratios that differ by more than ``rtol``.
+    """
+    ratios: list[tuple[float, int]] = []
+    for n in nodes:
+        if not n.get("supportedOnFpga", True):
+            raise ConfigError(f"{path}: node {n['id']} ({n.get('name', '?')}) has supportedOnFpga false; fxsplit "
+                              "places blocks on any device, so it cannot keep this node on a CPU. Remove maxCPUs "
+                              "or make the node supported")
+        cpu, fpga = float(n.get("cpuLatency", 0.0)), float(n.get("fpgaLatency", 0.0))
+        if (cpu > 0) != (fpga > 0):
+            raise ConfigError(f"{path}: node {n['id']} takes {cpu} on a CPU and {fpga} on an accelerator; a CPU "
+                              "device is a speed factor, so both must be 0 or both positive")
+        if fpga > 0:
+            ratios.append((fpga / cpu, int(n["id"])))
+    if not ratios:
+        return 1.0
+    lo, hi = min(ratios), max(ratios)
+    if hi[0] > lo[0] * (1 + rtol):
+        raise ConfigError(f"{path}: fpgaLatency / cpuLatency is {lo[0]:.6g} at node {lo[1]} but {hi[0]:.6g} at node "
+                          f"{hi[1]}; a CPU device runs every node at one speed factor, so the ratio must be one")
+    return float(statistics.median(r for r, _ in ratios))
 
 
 def _tarnawski_precedence(data: dict[str, Any], block_of: dict[int, str]) -> list[tuple[int, int, float]]:

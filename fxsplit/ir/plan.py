@@ -8,6 +8,7 @@ Cost model of stage ``s`` of ``p`` (0-based) holding blocks ``B_s`` on device ``
 * communication per micro-batch: ``in = cut(I_{s-1})`` arrives over link ``(d_{s-1}, d_s)`` and
   ``out = cut(I_s)`` leaves over ``(d_s, d_{s+1})``; in training both are paid twice (activations
   forward, gradients backward): ``comm_s = k · (link_in(in) + link_out(out))``, ``k ∈ {1, 2}``;
+  0 on a ``comm_free`` device (:attr:`DeviceSpec.comm_free`: its neighbours pay theirs);
 * stage time ``time_s = fwd_s + bwd_s + comm_s``; bottleneck = ``max_s time_s``;
 * makespan of one step with ``m`` micro-batches (fill-drain): ``Σ_s time_s + (m - 1) · bottleneck``;
 * memory: ``(params + replicas) · (1 + grad + optimizer) + buffers + (activations + in) · in_flight(s)
@@ -284,6 +285,8 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
             comm += problem.link_between(devices[s - 1], d).transfer_s(in_bytes)
         if s < p - 1:
             comm += problem.link_between(d, devices[s + 1]).transfer_s(out_bytes)
+        if problem.devices[d].comm_free:  # its neighbours pay the transfers, it does not
+            comm = 0.0
         flight = problem.in_flight(s, p)
         static, act = sum(problem.static_bytes(b) for b in bl), sum(b.activation_bytes for b in bl)
         keep = problem.stage_memory_bytes(static, act, in_bytes, out_bytes, flight, False, transfers=problem.transfer_memory)
