@@ -1,0 +1,103 @@
+"""Tarnawski et al.'s throughput inputs (NeurIPS 2020, msr-fiddle/dnn-partitioning) with their CPUs.
+
+For every ``*.json`` under ``INPUTS/throughput-inputs`` (a checkout of their repository, or the
+files copied from it: this repository does not ship them): ``fxsplit.solvers.solve(..., "auto")``
+on the bottleneck (dp.cpp's max-load) with the file's ``maxFPGAs`` accelerators and ``maxCPUs``
+CPU devices (:func:`fxsplit.ir.formats.load_tarnawski`: speed ``fpgaLatency / cpuLatency``, no
+memory limit, ``comm_free``), and again with the CPUs left out, alternating the two per file.
+Prints the objective, status, gap, wall seconds and the stages per device kind; the plan is
+re-checked on the file's own precedence (:func:`fxsplit.ir.formats.tarnawski_plan_faults`).
+
+Edge costs are read as seconds (``time_unit_s=1``, a 1 B/s link: bytes = cost), as dp.cpp adds
+them to a stage's time.
+
+Run: ``python bench/tarnawski.py INPUTS [--time-limit 60] [--markdown]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from plan_quality import environment, write_json
+from rich.console import Console
+from rich.table import Table
+
+from fxsplit.ir import LinkSpec
+from fxsplit.ir.formats import load_tarnawski, tarnawski_plan_faults
+from fxsplit.solvers import solve
+
+
+def run_one(path: Path, with_cpus: bool, time_limit_s: float) -> dict[str, Any]:
+    """Load (CPUs kept or dropped), solve, re-check; the row's numbers."""
+    data = json.loads(path.read_text())
+    src = path
+    if not with_cpus and data.get("maxCPUs", 0):
+        data["maxCPUs"] = 0
+        src = path.with_name(path.stem + ".nocpu.tmp.json")
+        src.write_text(json.dumps(data))
+    try:
+        pb = load_tarnawski(src, link=LinkSpec(bytes_per_s=1.0, latency_s=0.0), name=path.stem).with_(
+            objective="bottleneck")
+        start = time.perf_counter()
+        plan = solve(pb, "auto", time_limit_s=time_limit_s)
+        wall = time.perf_counter() - start
+        faults = tarnawski_plan_faults(src, pb, plan)
+    finally:
+        if src != path:
+            src.unlink()
+    kinds: dict[str, int] = {}
+    for st in plan.stages:
+        kind = pb.devices[st.device].kind
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return {"file": str(path.relative_to(path.parents[2])), "cpus": int(data.get("maxCPUs", 0)),
+            "fpgas": int(data["maxFPGAs"]), "blocks": len(pb.graph), "objective": plan.objective_s,
+            "status": plan.status, "gap": plan.gap, "wall_s": wall, "stages": kinds, "faults": len(faults),
+            "cpu_speed": next((d.speed for d in pb.devices if d.comm_free), None)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("inputs", type=Path, help="a checkout of msr-fiddle/dnn-partitioning (or a copy of its inputs)")
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    files = sorted((args.inputs / "throughput-inputs").rglob("*.json"))
+    files = [f for f in files if not f.name.endswith(".tmp.json")]
+    if not files:
+        raise SystemExit(f"no throughput-inputs/**/*.json under {args.inputs}")
+    load = os.getloadavg()[0]
+    rows = []
+    for i, f in enumerate(files):
+        for with_cpus in ((True, False) if i % 2 == 0 else (False, True)):
+            rows.append(run_one(f, with_cpus, args.time_limit))
+    title = (f"Tarnawski throughput inputs: auto, bottleneck (max-load), with and without the files' CPUs; "
+             f"load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
+    table = Table(title=title)
+    for col in ("file", "FPGAs", "CPUs", "blocks", "max-load", "status", "gap", "wall s", "stages", "faults"):
+        table.add_column(col)
+    for r in rows:
+        stages = ", ".join(f"{n} {k}" for k, n in sorted(r["stages"].items()))
+        table.add_row(r["file"], str(r["fpgas"]), f"{r['cpus']} (speed {r['cpu_speed']:.4g})" if r["cpus"] else "0",
+                      str(r["blocks"]), f"{r['objective']:.6g}", r["status"], f"{r['gap']:.1e}", f"{r['wall_s']:.2f}",
+                      stages, str(r["faults"]))
+    console = Console(width=200)
+    if args.markdown:
+        cols = [c.header for c in table.columns]
+        print(f"**{title}**\n")
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for r in range(table.row_count):
+            print("| " + " | ".join(str(c._cells[r]) for c in table.columns) + " |")
+    else:
+        console.print(table)
+    write_json(args.out, "tarnawski", {"environment": environment(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
