@@ -15,7 +15,10 @@ Policy of :func:`solve_auto` with a time limit ``T``:
    ``feasible`` waits for the other solver, and the better plan is returned. With
    ``race=False``, ``dp`` alone as in 1. instead;
 3. otherwise ``cpsat`` alone with all of ``T``;
-4. after a ``dp`` time-out in 1., ``cpsat`` with the time left, hinted by ``greedy``.
+4. after a ``dp`` time-out in 1., ``cpsat`` with the time left, hinted by ``greedy``; when the
+   DP had a plan by then (its makespan sweep cut short: ``feasible`` with a proven bound), CP-SAT
+   starts from the cheaper of that plan and the caller's hint, and the cheaper plan comes back
+   with the higher of the two bounds (the DP's alone when CP-SAT finds nothing).
 
 Before any of these the memory bound of :mod:`fxsplit.solvers.relax` runs (infeasibility proven
 in microseconds is reported at once, with its arithmetic), and one micro-batch's makespan is
@@ -36,9 +39,9 @@ import threading
 import time
 from typing import Any
 
-from fxsplit.errors import InfeasibleError
+from fxsplit.errors import ConfigError, InfeasibleError, SolverError
 from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS
-from fxsplit.ir.plan import Plan
+from fxsplit.ir.plan import OPTIMAL_GAP, Plan, evaluate
 from fxsplit.ir.problem import Problem
 from fxsplit.solvers.cancel import Cancel
 from fxsplit.solvers.dp import one_stage_optimum, solve_dp
@@ -98,14 +101,21 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
                 else AUTO_DP_TIME_SHARE * time_limit_s)
     cp_limit = time_limit_s  # None: cpsat's default (its module is imported only when cpsat runs)
     auto: dict[str, Any] = {"dp_estimate_s": est.seconds, "downsets": est.downsets, "dp_timed_out": False}
+    dp_plan: Plan | None = None  # the DP's plan when its time ran out with one
     if est.seconds <= (min(budget, AUTO_RACE_FROM_S) if race else budget):
         logger.info("auto: dp (estimate %.3g s, %s downsets)", est.seconds, est.downsets)
         try:
-            return solve_dp(problem, time_limit_s=dp_limit, max_downsets=max_downsets)
+            dp_plan = solve_dp(problem, time_limit_s=dp_limit, max_downsets=max_downsets)
         except DPTimeoutError as exc:
             logger.info("auto: %s; falling back to cpsat", exc)
             opts.setdefault("hint", "greedy")
             auto["dp_timed_out"] = True
+        else:
+            if not dp_plan.stats.get("timed_out"):
+                return dp_plan
+            logger.info("auto: dp ran out of time with a feasible plan (gap %.2g); cpsat takes the rest", dp_plan.gap)
+            auto["dp_timed_out"] = True
+            opts["hint"] = _better_hint(problem, dp_plan, opts.get("hint"))
     elif est.seconds <= budget:
         logger.info("auto: dp races cpsat (dp estimate %.3g s, %s downsets)", est.seconds, est.downsets)
         return _race(problem, dp_limit, cp_limit, max_downsets, opts, auto)
@@ -114,8 +124,45 @@ def solve_auto(problem: Problem, *, time_limit_s: float | None = None,
     from fxsplit.solvers.cpsat import solve_cpsat
 
     left = None if time_limit_s is None else max(0.01, time_limit_s - (time.perf_counter() - start))
-    plan = solve_cpsat(problem, time_limit_s=left, **opts)
+    try:
+        plan = solve_cpsat(problem, time_limit_s=left, **opts)
+    except SolverError:
+        if dp_plan is None:
+            raise
+        return dp_plan.with_(stats={**dp_plan.stats, "auto": auto})
+    if dp_plan is not None:
+        plan, _ = _combined(dp_plan, plan)
     return plan.with_(stats={**plan.stats, "auto": auto})
+
+
+def _better_hint(problem: Problem, dp_plan: Plan, hint: Any) -> Plan:
+    """The plan CP-SAT starts from after the DP ran out of time: the DP's, or the caller's hint
+    plan where that one costs less on ``problem``."""
+    if isinstance(hint, Plan):
+        try:
+            theirs = evaluate(problem, [list(st.blocks) for st in hint.stages], [st.device for st in hint.stages])
+        except (ConfigError, ValueError, IndexError):  # a hint for another problem: not used
+            return dp_plan
+        if theirs.objective_s < dp_plan.objective_s:
+            return hint
+    return dp_plan
+
+
+def _combined(dp_plan: Plan, other: Plan | None) -> tuple[Plan, bool]:
+    """The DP's plan cut short and another solver's: the cheaper (the other's also when it is
+    proven optimal at the same cost), with the higher of the two proven bounds, ``optimal`` when
+    that closes the gap to :data:`~fxsplit.ir.plan.OPTIMAL_GAP`; and whether the other's
+    plan was taken."""
+    if other is None:
+        return dp_plan, False
+    take = other.objective_s < dp_plan.objective_s or (
+        other.status == "optimal" and other.objective_s <= dp_plan.objective_s)
+    best = other if take else dp_plan
+    bound = min(max(other.lower_bound_s, dp_plan.lower_bound_s), best.objective_s)
+    best = best.with_(lower_bound_s=bound)
+    if best.status != "optimal" and best.gap <= OPTIMAL_GAP:
+        best = best.with_(status="optimal", lower_bound_s=best.objective_s)
+    return best, take
 
 
 def _race(problem: Problem, dp_limit_s: float, cp_limit_s: float | None, max_downsets: int, opts: dict[str, Any],
@@ -167,8 +214,8 @@ def _race(problem: Problem, dp_limit_s: float, cp_limit_s: float | None, max_dow
         raise
     other: Plan | None = box.get("plan")
     race = {"winner": "dp", "dp_s": dp_s, "cpsat": "stopped" if plan.status == "optimal" else "finished"}
-    if plan.status != "optimal" and other is not None and (
-            other.objective_s < plan.objective_s or (other.status == "optimal" and other.objective_s <= plan.objective_s)):
-        race["winner"] = "cpsat"  # the DP's sweep was cut short; CP-SAT's plan is better or proven
-        plan = other.with_(lower_bound_s=min(max(other.lower_bound_s, plan.lower_bound_s), other.objective_s))
+    if plan.status != "optimal":  # the DP's sweep was cut short: CP-SAT's plan where better or proven
+        plan, took = _combined(plan, other)
+        if took:
+            race["winner"] = "cpsat"
     return plan.with_(stats={**plan.stats, "auto": {**auto, "race": race}})

@@ -45,7 +45,7 @@ import time
 from typing import Any
 
 from fxsplit.errors import InfeasibleError, SolverError
-from fxsplit.ir.plan import Plan, evaluate, trivial_lower_bound
+from fxsplit.ir.plan import OPTIMAL_GAP, Plan, evaluate, trivial_lower_bound
 from fxsplit.ir.problem import Problem
 from fxsplit.solvers.cancel import Cancel, stop_search_when
 from fxsplit.solvers.cpsat_model import CpData, build_model
@@ -59,8 +59,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIME_LIMIT_S = 60.0
 
-OPTIMAL_GAP = 1e-9
-"""Largest relative gap of a plan called ``optimal`` (the DP's: sums in another order)."""
 
 SAFE_PARAMETERS: dict[str, Any] = {"presolve_inclusion_work_limit": 0}
 """CP-SAT parameters set on every solve. ``presolve_inclusion_work_limit=0`` skips

@@ -16,7 +16,9 @@ branch and bound over the bottleneck ``τ``: ``S(τ)`` = least sum of stage time
 ``≤ τ`` (the same DP with ``+``); the plans with bottleneck in ``(a, b]`` cost at least
 ``S(b) + (m - 1) · a``, and intervals whose bound reaches the best makespan found are dropped
 (:func:`_makespan`). It stops with status ``feasible`` and a proven bound after ``max_rounds``
-DP runs.
+DP runs, and when its time limit passes once a plan is found (the sweep's unexplored intervals,
+and stage counts not laid out yet, keep their lower bounds); before any plan a time-out raises
+:class:`~fxsplit.solvers.dpcore.DPTimeoutError`.
 
 1F1B memory depends on the number of stages ``p`` (stage ``s`` holds ``min(m, p - s)``
 micro-batches); when memory can bind, the layout has one chain of slots per ``p``, or, when
@@ -44,7 +46,7 @@ import numpy as np
 
 from fxsplit.errors import ConfigError, InfeasibleError, InternalError
 from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, members
-from fxsplit.ir.plan import Plan, evaluate, trivial_lower_bound
+from fxsplit.ir.plan import OPTIMAL_GAP, Plan, evaluate, trivial_lower_bound
 from fxsplit.ir.problem import Problem
 from fxsplit.solvers.cancel import Cancel
 from fxsplit.solvers.diagnose import (
@@ -52,7 +54,7 @@ from fxsplit.solvers.diagnose import (
     require_one_stage_per_device,
     stage_count_error,
 )
-from fxsplit.solvers.dpcore import DPResult, DPTimeoutError, run_dp
+from fxsplit.solvers.dpcore import DPCancelledError, DPResult, DPTimeoutError, run_dp
 from fxsplit.solvers.layout import Layout, build_layout, can_start_from_end, stage_counts
 from fxsplit.solvers.reduce import solve_reduced
 from fxsplit.solvers.relax import memory_bound_error
@@ -257,13 +259,26 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
         if obj <= (floor + m1 * tau0) * (1 + _SWEEP_RTOL):
             return first, obj, 0
     sweep = _Sweep(problem, tb, lay, comm, deadline, cancel)
-    low = sweep(tau0)
+    least = floor + m1 * tau0  # no plan costs less: a proven bound whenever the sweep stops early
+    try:
+        low = sweep(tau0)
+    except DPCancelledError:
+        raise
+    except DPTimeoutError:
+        if first is None or not first.stages:
+            raise
+        return first, least, sweep.runs  # the optimal bottleneck's plan, with the bound every plan meets
     if sweep.best is None:
         raise InternalError("dp makespan sweep found no plan under the optimal bottleneck")
     tau_max = (sweep.best[0] - floor) / m1
     if tau_max <= tau0 * (1 + _SWEEP_RTOL):
         return sweep.best[1], sweep.best[0], sweep.runs
-    high = sweep(tau_max)
+    try:
+        high = sweep(tau_max)
+    except DPCancelledError:
+        raise
+    except DPTimeoutError:
+        return sweep.best[1], least, sweep.runs
     # (bound, tie, a, b, S(a)'s result, S(b)): the plans with bottleneck in (a, b]; b is the
     # largest stage of the plan found under the cap (S is constant from it up to the cap, and a
     # plan with a bottleneck in between is dominated by that plan)
@@ -276,16 +291,22 @@ def _makespan(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, tau
             continue
         if sweep.runs >= max_rounds:
             break
-        heapq.heappop(heap)
+        popped = heapq.heappop(heap)
         clip = (sweep.best[0] - s_b) / m1  # a larger bottleneck costs the best makespan or more
-        if clip < b:  # S(clip) >= S(b): cost the interval's new end before splitting it
-            if clip > a:
-                res_clip = sweep(clip)
-                heapq.heappush(heap, (res_clip.value + m1 * a, sweep.runs, a, min(clip, res_clip.max_stage),
-                                      res_a, res_clip.value))
-            continue
-        mid = max((a + b) / 2, res_a.next_break)  # S stays S(a) up to a's next stage cost
-        res_mid = sweep(mid)
+        try:
+            if clip < b:  # S(clip) >= S(b): cost the interval's new end before splitting it
+                if clip > a:
+                    res_clip = sweep(clip)
+                    heapq.heappush(heap, (res_clip.value + m1 * a, sweep.runs, a, min(clip, res_clip.max_stage),
+                                          res_a, res_clip.value))
+                continue
+            mid = max((a + b) / 2, res_a.next_break)  # S stays S(a) up to a's next stage cost
+            res_mid = sweep(mid)
+        except DPCancelledError:
+            raise
+        except DPTimeoutError:  # out of time: the interval stays unexplored, its bound stands
+            heapq.heappush(heap, popped)
+            break
         heapq.heappush(heap, (s_b + m1 * mid, sweep.runs, mid, b, res_mid, s_b))
         if mid > res_a.next_break:  # else every plan in (a, mid) is dominated by a's
             heapq.heappush(heap, (res_mid.value + m1 * a, -sweep.runs, a, min(mid, res_mid.max_stage), res_a,
@@ -388,7 +409,9 @@ def solve_dp(
 
     Args:
         problem: The problem; devices in pipeline order (``"fixed"``) or chosen (``"free"``).
-        time_limit_s: Give up after this many seconds (``None``: no limit).
+        time_limit_s: Give up after this many seconds (``None``: no limit); once a plan is
+            found (the optimal bottleneck's, for the makespan) the best so far comes back
+            ``feasible`` with its proven bound instead.
         max_downsets: Downset budget; above it the DP refuses (use ``cpsat``).
         tie_break: Among bottleneck-optimal splits return one with the least sum of stage times.
         max_rounds: Makespan only: most rounds of the bottleneck sweep before returning the best
@@ -409,8 +432,8 @@ def solve_dp(
 
     Returns:
         The plan, built by :func:`evaluate`, status ``optimal`` (or ``feasible`` when the makespan
-        sweep was cut short or the states were reduced), ``lower_bound_s`` = the proven optimum
-        or bound.
+        sweep was cut short by ``max_rounds`` or the time limit, or the states were reduced),
+        ``lower_bound_s`` = the proven optimum or bound.
 
     Raises:
         InfeasibleError: when no split fits in memory (stage, device, overflow, least memory and
@@ -419,7 +442,7 @@ def solve_dp(
             :func:`fxsplit.solvers.solve`).
         DownsetBudgetError: when the graph has more than ``max_downsets`` downsets.
         DPTimeoutError: (a :class:`SolverError`) when ``time_limit_s`` passes before the DP
-            finishes.
+            has a plan.
         SolverError: for free device order with per-pair links.
 
     Example:
@@ -470,15 +493,24 @@ def solve_dp(
     if fitting or not chained:
         optimize(fitting[-1:] if chained else None)
     solved = min(1, len(fitting)) if chained else 1
+    unexplored = math.inf  # a bound on the stage counts left unsolved when time ran out
     if len(fitting) > 1:
         best = min((f[0].objective_s for f in found), default=math.inf)
         rest = [p for p in fitting[:-1] if _count_lower_bound(problem, tb, p) < best * (1 - 1e-9)]
         upper = math.inf
-        if rest and math.isfinite(best) and problem.objective == "makespan" and problem.microbatches > 1:
-            rest, upper = _may_win(problem, tb, rest, comm, best, deadline, cancel)
-        if rest:
-            optimize(rest, upper)
-            solved += len(rest)
+        try:
+            if rest and math.isfinite(best) and problem.objective == "makespan" and problem.microbatches > 1:
+                rest, upper = _may_win(problem, tb, rest, comm, best, deadline, cancel)
+            if rest:
+                optimize(rest, upper)
+                solved += len(rest)
+        except DPCancelledError:
+            raise
+        except DPTimeoutError:
+            if not found:
+                raise
+            # out of time with a plan: the counts not solved keep their lower bound (the plan is feasible)
+            unexplored = min(_count_lower_bound(problem, tb, p) for p in rest)
     if not found:
         if reduced:
             raise InfeasibleError(
@@ -487,16 +519,19 @@ def solve_dp(
                 "for the exact answer and its diagnosis)")
         raise diagnose()
     best_plan = min(found, key=lambda f: (f[0].objective_s, sum(st.time_s for st in f[0].stages)))[0]
-    bound = min(f[1] for f in found)  # pruned stage counts are bounded by the best plan
+    bound = min(min(f[1] for f in found), unexplored)  # pruned stage counts are bounded by the best plan
     stats: dict[str, Any] = {"downsets": tb.num, "slots": slots, "moves": moves,
                              "rounds": sum(f[2] for f in found), "states": states}
     if chained:
         stats["stage_counts"] = f"{solved} of {len(counts)} laid out"
     plan = evaluate(problem, [list(st.blocks) for st in best_plan.stages], [st.device for st in best_plan.stages],
                     solver="dp", lower_bound_s=None if reduced else bound, stats=stats)
-    status = "optimal" if plan.gap <= 1e-9 else "feasible"
+    status = "optimal" if plan.gap <= OPTIMAL_GAP else "feasible"
     if status == "optimal":  # the DP's value and evaluate() differ only by summation order
         plan = plan.with_(lower_bound_s=plan.objective_s)
+    elif not reduced and (math.isfinite(unexplored) or all(f[2] < max_rounds for f in found)):
+        # a gap left neither by max_rounds nor by reduced states: the time limit cut the search short
+        plan = plan.with_(stats={**plan.stats, "timed_out": True})
     plan = plan.with_(status=status, solve_time_s=time.perf_counter() - start)
     logger.debug("dp: %s %.6g s (bound %.6g, %s) in %.3f s", problem.objective, plan.objective_s,
                  bound, status, plan.solve_time_s)

@@ -40,7 +40,11 @@ from fxsplit.ir.graph import CondensedGraph
 from fxsplit.ir.names import LOOPED_SCHEDULES, ObjectiveName, ScheduleName
 from fxsplit.ir.problem import Problem
 
-__all__ = ["StagePlan", "Plan", "evaluate", "trivial_lower_bound", "STATUSES"]
+__all__ = ["StagePlan", "Plan", "evaluate", "trivial_lower_bound", "STATUSES", "OPTIMAL_GAP"]
+
+OPTIMAL_GAP = 1e-9
+"""Largest relative gap (:attr:`Plan.gap`) of a plan any solver calls ``optimal``: the DP's
+values and :func:`evaluate` differ only by summation order."""
 
 STATUSES = ("optimal", "feasible")
 
