@@ -367,8 +367,13 @@ def _optimize(problem: Problem, tb: DownsetTables, lay: Layout, comm: float, dea
         return _makespan(problem, tb, lay, comm, res.value, deadline, max_rounds, cancel, first=res)
     bottleneck = res.value
     if tie_break:
-        res = run_dp(tb, lay, comm_factor=comm, combine="sum", cap_s=res.value, deadline=deadline,
-                     want_break=False, bound_s=res.value, cancel=cancel)
+        try:
+            res = run_dp(tb, lay, comm_factor=comm, combine="sum", cap_s=res.value, deadline=deadline,
+                         want_break=False, bound_s=res.value, cancel=cancel)
+        except DPCancelledError:
+            raise
+        except DPTimeoutError:  # out of time: the optimal bottleneck's plan without the tie-break
+            pass
     return res, bottleneck, 0
 
 

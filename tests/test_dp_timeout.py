@@ -114,3 +114,18 @@ def test_combined_takes_the_cheaper_plan_and_the_higher_bound() -> None:
     assert best.status == "optimal" and best.gap == 0.0
     best, took = auto_mod._combined(base.with_(status="feasible", lower_bound_s=96.0), None)
     assert not took and best.lower_bound_s == 96.0
+
+
+def test_a_tie_break_cut_short_keeps_the_optimal_bottleneck(monkeypatch: pytest.MonkeyPatch) -> None:
+    pb = _problem().with_(objective="bottleneck")
+    optimum = solve(pb, "dp").objective_s
+    real = dp_mod.run_dp
+
+    def run(*args: object, **kwargs: object) -> dp_mod.DPResult:
+        if kwargs.get("combine") == "sum":  # the tie-break among optimal splits
+            raise DPTimeoutError("out of time (test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dp_mod, "run_dp", run)
+    plan = solve(pb, "dp", time_limit_s=60)
+    assert plan.status == "optimal" and plan.objective_s == pytest.approx(optimum)
