@@ -35,7 +35,8 @@ from fxsplit.runtime.microbatch import batch_size_of, split_microbatches, split_
 from fxsplit.runtime.trace import action_end_s
 from fxsplit.schedule.explore import default_microbatches
 
-__all__ = ["Inspection", "capture_with", "front_end", "load_per_core", "loss_cost_s", "profile_options", "save_unless_busy", "with_batch_dim"]
+__all__ = ["Inspection", "capture_with", "front_end", "load_per_core", "loss_cost_s", "loss_times_s", "profile_options",
+           "save_unless_busy", "with_batch_dim"]
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ def loss_cost_s(captured: Captured, flat: Sequence[Any], options: CompileOptions
         outs, sizes = split_microbatches(outputs, m, batch, captured.batched_outputs)
         points.append((sizes[0], outs[0], split_target(options.loss_target, m, batch, target_dim)[0]))
     sizes = [n for n, _, _ in points]
-    fwd, bwd = zip(*(_loss_times_s(options.loss_fn, captured, outs, target) for _, outs, target in points), strict=True)
+    fwd, bwd = zip(*(loss_times_s(options.loss_fn, captured, outs, target) for _, outs, target in points), strict=True)
     (f0, f1), (b0, b1) = fit_affine(sizes, fwd), fit_affine(sizes, bwd)  # as the profile fits each node
     fwd_s, bwd_s = f0 + f1 * batch, b0 + b1 * batch
     log.info("the loss costs %.3f ms forward, %.3f ms backward at %d samples (%.3f / %.3f ms fixed per micro-batch)",
@@ -295,7 +296,7 @@ def loss_cost_s(captured: Captured, flat: Sequence[Any], options: CompileOptions
     return fwd_s, bwd_s, f0, b0
 
 
-def _loss_times_s(loss_fn: Any, captured: Captured, outputs: Sequence[Any], target: Any,
+def loss_times_s(loss_fn: Any, captured: Captured, outputs: Sequence[Any], target: Any,
                   repeats: int = 5) -> tuple[float, float]:
     """Median seconds of ``loss_fn``'s forward and of its backward on ``outputs`` (the model's
     flat outputs, made leaves that need a gradient where floating), after one warm-up."""

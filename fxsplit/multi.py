@@ -37,7 +37,7 @@ from torch import nn
 
 from fxsplit.compiler import assemble
 from fxsplit.errors import ConfigError, InfeasibleError
-from fxsplit.frontend import front_end
+from fxsplit.frontend import front_end, loss_times_s
 from fxsplit.ir import DeviceSpec, Plan, Problem
 from fxsplit.options import CompileOptions
 from fxsplit.passes.costs import measure_cpu_spec
@@ -46,7 +46,6 @@ from fxsplit.runtime import Pipeline
 from fxsplit.runtime.shards import (
     DevicePool,
     ShardedModel,
-    loss_time_s,
     optimizer_state_factor,
     optimizer_step_s,
     run_shards,
@@ -374,7 +373,7 @@ def _shard_task(task: Task, reference: DeviceSpec, cost_model: str, options: Com
                                                   for s, st in enumerate(plan.stages)))
     specs = [reference.with_(torch_device="cpu")] * plan.num_stages
     pipe: Pipeline = assemble(model, captured, plan, specs, "gpipe", 1, options)
-    loss_s = loss_time_s(captured, task.loss_fn, _batch(task, first)[1])
+    loss_s = _loss_s(captured, task.loss_fn, _batch(task, first)[1])
     sharded = ShardedModel(task.name, pipe, task.optimizer, task.loss_fn,
                            (_batch(task, b) for b in itertools.chain([first], batches)), ShardTask(task.name, (0.0,), (0.0,)),
                            tuple(st.memory_bytes for st in plan.stages), model=model)
@@ -386,6 +385,21 @@ def _shard_task(task: Task, reference: DeviceSpec, cost_model: str, options: Com
                              steps, shard_step_s=tuple(optimizer_step_s(task.optimizer, p) for p in sharded.owned),
                              recompute=recompute)
     return sharded
+
+
+def _loss_s(captured: Any, loss_fn: Callable[[Any, Any], Any], target: Any) -> float:
+    """Seconds of the loss's forward and backward (:func:`fxsplit.frontend.loss_times_s`, as
+    ``compile`` times it) on outputs shaped as the model's (zeros, from the capture's output
+    values: the model is not run); 0 when the loss cannot take them (the runtime measures it)."""
+    out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in out_node.args[0]]
+    outputs = [torch.zeros(tuple(int(d) for d in v.shape), dtype=v.dtype) if isinstance(v, torch.Tensor) else v
+               for v in vals]
+    try:
+        return sum(loss_times_s(loss_fn, captured, outputs, target))
+    except ConfigError as exc:  # an output the loss cannot take as zeros
+        log.info("cannot time the loss on stand-in outputs: %s", exc)
+        return 0.0
 
 
 def _batch(task: Task, batch: Any) -> tuple[tuple[Any, ...], Any]:

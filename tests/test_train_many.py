@@ -327,3 +327,20 @@ def test_buffers_read_after_their_update_recompute_as_training_alone() -> None:
     _check_same_as_alone(result, [(ref, ref_opt)])
     torch.testing.assert_close(model.mean, ref.mean)
     assert float(model.t) == float(ref.t) == 3.0
+
+
+def test_a_shard_task_times_its_loss_as_compile_does() -> None:
+    """The last shard's unit carries the loss, timed by frontend.loss_times_s on stand-in zeros
+    of the model's output shapes; a loss that cannot take them costs 0 (the runtime measures it)."""
+    from fxsplit.frontend import capture_with
+    from fxsplit.multi import _loss_s
+    from fxsplit.options import CompileOptions
+
+    model = nn.Linear(4, 3)
+    captured = capture_with(model, (torch.randn(2, 4),), {}, CompileOptions())
+    assert _loss_s(captured, nn.functional.mse_loss, torch.ones(2, 3)) > 0.0
+
+    def fails(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("wrong target")
+
+    assert _loss_s(captured, fails, torch.ones(2, 3)) == 0.0

@@ -42,7 +42,7 @@ from fxsplit.runtime.local import Pipeline
 from fxsplit.schedule import Action
 from fxsplit.schedule.shards import ShardDispatcher, ShardEvent, ShardRun, ShardTask, ShardUnit
 
-__all__ = ["DevicePool", "ShardedModel", "loss_time_s", "optimizer_state_factor", "optimizer_step_s",
+__all__ = ["DevicePool", "ShardedModel", "optimizer_state_factor", "optimizer_step_s",
            "owned_parameters", "run_shards"]
 
 log = logging.getLogger(__name__)
@@ -188,27 +188,6 @@ def optimizer_step_s(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optim
         opt.step()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
-
-
-def loss_time_s(captured: Any, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, repeats: int = 3) -> float:
-    """Seconds of the loss's forward and backward on outputs shaped as the model's (zeros that
-    require grad, from the capture's output values); 0 when it cannot run on them."""
-    out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
-    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in out_node.args[0]]
-    times = []
-    try:
-        flat = [torch.zeros(tuple(int(d) for d in v.shape), dtype=v.dtype, requires_grad=v.dtype.is_floating_point)
-                if isinstance(v, torch.Tensor) else v for v in vals]
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            loss = loss_fn(captured.unflatten_outputs(flat), target)
-            if loss.requires_grad:
-                loss.backward()
-            times.append(time.perf_counter() - start)
-    except Exception as exc:  # an output the loss cannot take as zeros; the runtime measures it anyway
-        log.info("cannot time the loss on stand-in outputs (%s: %s)", type(exc).__name__, exc)
-        return 0.0
-    return sorted(times[1:])[len(times[1:]) // 2]
 
 
 class DevicePool:
