@@ -256,9 +256,12 @@ def _check_problem(problem: Problem) -> None:
 
 
 def _layout(problem: Problem, pp: int, dp: int, tp: int, costs: LayerParallelCosts | None, solver: str,
-            time_limit_s: float | None) -> HybridLayout:
+            time_limit_s: float | None, graph: CondensedGraph | None = None) -> HybridLayout:
+    """The mesh's best layout; ``graph``: ``problem.graph`` with ``costs`` applied, when the
+    caller has it."""
     family, placements = _family(costs)
-    graph = costs.apply(problem.graph) if costs is not None else problem.graph
+    if graph is None:
+        graph = costs.apply(problem.graph) if costs is not None else problem.graph
     m = problem.microbatches
     device = problem.devices[0]
     if m % dp:
@@ -383,10 +386,11 @@ def plan_hybrid(problem: Problem, layer_costs: Sequence[LayerParallelCosts] = ()
         for costs in options:
             if prune and pp > 1 and problem.microbatches % dp == 0:  # solved below, fewest-bound first
                 graph = costs.apply(problem.graph) if costs is not None else problem.graph
-                pipelines.append((trivial_lower_bound(_replica_problem(problem, graph, pp, dp, tp)), pp, dp, tp, costs))
+                bound = trivial_lower_bound(_replica_problem(problem, graph, pp, dp, tp))
+                pipelines.append((bound, pp, dp, tp, costs, graph))
             else:
                 layouts.append(_layout(problem, pp, dp, tp, costs, solver, time_limit_s))
-    for bound, pp, dp, tp, costs in sorted(pipelines, key=lambda c: c[0]):
+    for bound, pp, dp, tp, costs, graph in sorted(pipelines, key=lambda c: c[0]):
         family, placements = _family(costs)
         stub = HybridLayout(pp, dp, tp, family, math.inf)
         bars = [min((lay.step_s for lay in layouts if member(lay)), default=math.inf)
@@ -396,7 +400,7 @@ def plan_hybrid(problem: Problem, layer_costs: Sequence[LayerParallelCosts] = ()
             layouts.append(HybridLayout(pp, dp, tp, family, math.inf, placements=placements,
                                         note=f"not solved: at least {bound:.4g} s, no better than the best found"))
         else:
-            layouts.append(_layout(problem, pp, dp, tp, costs, solver, time_limit_s))
+            layouts.append(_layout(problem, pp, dp, tp, costs, solver, time_limit_s, graph))
     layouts.sort(key=lambda lay: (lay.step_s, lay.devices, lay.pp, lay.tp))
     if not layouts[0].feasible:
         reasons = "; ".join(f"{lay.label}: {lay.note}" for lay in layouts[:12])
