@@ -11,7 +11,14 @@ re-checked on the file's own precedence (:func:`fxsplit.ir.formats.tarnawski_pla
 Edge costs are read as seconds (``time_unit_s=1``, a 1 B/s link: bytes = cost), as dp.cpp adds
 them to a stage's time.
 
-Run: ``python bench/tarnawski.py INPUTS [--time-limit 60] [--markdown]``.
+With ``--objective latency``, every ``*.json`` under ``INPUTS/latency-inputs`` instead: one
+sample's latency as their ``latency-ip/lip.py`` states it (:mod:`fxsplit.ir.placement`), solved
+by :func:`fxsplit.solvers.latency.solve_latency` (CP-SAT, with its proven bound), beside the
+baselines of their Appendix F: everything on CPUs, their greedy, the latency of the max-load
+(throughput) split (fxsplit's own bottleneck plan of the same file, CPUs included, each stage's
+nodes on its device), and fxsplit's interval DP (the CP-SAT hint's best candidate).
+
+Run: ``python bench/tarnawski.py INPUTS [--objective latency] [--time-limit 60] [--markdown]``.
 """
 
 from __future__ import annotations
@@ -27,9 +34,16 @@ from plan_quality import environment, write_json
 from rich.console import Console
 from rich.table import Table
 
+from fxsplit.errors import FxsplitError
 from fxsplit.ir import LinkSpec
-from fxsplit.ir.formats import load_tarnawski, tarnawski_plan_faults
+from fxsplit.ir.formats import load_tarnawski, load_tarnawski_latency, tarnawski_plan_faults
 from fxsplit.solvers import solve
+from fxsplit.solvers.latency import (
+    greedy_latency,
+    interval_latency,
+    placement_of_stages,
+    solve_latency,
+)
 
 
 def run_one(path: Path, with_cpus: bool, time_limit_s: float) -> dict[str, Any]:
@@ -60,13 +74,79 @@ def run_one(path: Path, with_cpus: bool, time_limit_s: float) -> dict[str, Any]:
             "cpu_speed": next((d.speed for d in pb.devices if d.comm_free), None)}
 
 
+def run_latency(path: Path, time_limit_s: float) -> dict[str, Any]:
+    """The latency objective on one file: baselines, then CP-SAT; the row's numbers."""
+    pb = load_tarnawski_latency(path)
+    greedy, interval = greedy_latency(pb), interval_latency(pb)
+    try:  # the max-load split (dp.cpp's objective, here fxsplit's bottleneck plan), costed for latency
+        tp = load_tarnawski(path, link=LinkSpec(bytes_per_s=1.0, latency_s=0.0)).with_(objective="bottleneck")
+        plan = solve(tp, "auto", time_limit_s=time_limit_s)
+        stages = [[nid for b in st.blocks for nid in _node_ids(path, tp, b)] for st in plan.stages]
+        max_load: float | str = placement_of_stages(
+            pb, stages, [not tp.devices[st.device].comm_free for st in plan.stages]).latency_s
+    except FxsplitError as exc:
+        max_load = f"- ({type(exc).__name__})"
+    start = time.perf_counter()
+    best = solve_latency(pb, time_limit_s=time_limit_s)
+    wall = time.perf_counter() - start
+    used = sorted({d for d in best.device if d >= 0})
+    return {"file": str(path.relative_to(path.parents[2])), "nodes": len(pb), "fpgas": pb.accelerators,
+            "all_cpu": pb.all_cpu_s(), "greedy": greedy.latency_s, "max_load_split": max_load,
+            "interval": interval.latency_s, "latency": best.latency_s, "bound": best.lower_bound_s,
+            "gap": best.gap, "status": best.status, "wall_s": wall, "accelerators_used": len(used),
+            "on_cpu": sum(1 for d in best.device if d < 0), "cp_status": best.stats.get("cp_status")}
+
+
+def _node_ids(path: Path, problem: Any, block: int) -> list[int]:
+    """The input's node ids of one block of ``load_tarnawski(path)``."""
+    names = {str(n.get("name", f"n{n['id']}")): int(n["id"]) for n in json.loads(path.read_text())["nodes"]}
+    return [names[n] for n in problem.graph.blocks[block].nodes]
+
+
+def main_latency(args: argparse.Namespace) -> None:
+    files = sorted((args.inputs / "latency-inputs").rglob("*.json"))
+    if not files:
+        raise SystemExit(f"no latency-inputs/**/*.json under {args.inputs}")
+    load = os.getloadavg()[0]
+    rows = [run_latency(f, args.time_limit) for f in files]
+    title = (f"Tarnawski latency inputs: one sample's latency, CP-SAT ({args.time_limit:g} s) beside their "
+             f"baselines; load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
+    cols = ("file", "nodes", "FPGAs", "all on CPUs", "greedy", "max-load split", "interval DP", "fxsplit",
+            "bound", "gap", "status", "wall s", "FPGAs used", "nodes on CPUs")
+    lines = []
+    for r in rows:
+        ml = r["max_load_split"]
+        lines.append([r["file"], str(r["nodes"]), str(r["fpgas"]), f"{r['all_cpu']:.2f}", f"{r['greedy']:.2f}",
+                      ml if isinstance(ml, str) else f"{ml:.2f}", f"{r['interval']:.2f}", f"{r['latency']:.2f}",
+                      f"{r['bound']:.2f}", f"{r['gap']:.1%}", r["status"], f"{r['wall_s']:.1f}",
+                      str(r["accelerators_used"]), str(r["on_cpu"])])
+    if args.markdown:
+        print(f"**{title}**\n")
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for line in lines:
+            print("| " + " | ".join(line) + " |")
+    else:
+        table = Table(title=title)
+        for c in cols:
+            table.add_column(c)
+        for line in lines:
+            table.add_row(*line)
+        Console(width=200).print(table)
+    write_json(args.out, "tarnawski_latency", {"environment": environment(), "rows": rows})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("inputs", type=Path, help="a checkout of msr-fiddle/dnn-partitioning (or a copy of its inputs)")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--objective", choices=("bottleneck", "latency"), default="bottleneck")
     args = ap.parse_args()
+    if args.objective == "latency":
+        main_latency(args)
+        return
     files = sorted((args.inputs / "throughput-inputs").rglob("*.json"))
     files = [f for f in files if not f.name.endswith(".tmp.json")]
     if not files:

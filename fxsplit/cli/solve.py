@@ -135,7 +135,7 @@ def solve_command(
     devices: Annotated[int | None, typer.Option("--devices", help="N identical devices.")] = None,
     devices_file: Annotated[Path | None, typer.Option("--devices-file", help="JSON devices file.")] = None,
     solver: Annotated[str, typer.Option("--solver", help=SOLVER_HELP)] = "auto",
-    objective: Annotated[str | None, typer.Option("--objective", help=f"{OBJECTIVE_HELP} (default: the problem file's, else bottleneck)")] = None,
+    objective: Annotated[str | None, typer.Option("--objective", help=f"{OBJECTIVE_HELP} (default: the problem file's, else bottleneck), or latency (Tarnawski files: one sample's latency, nodes placed on accelerators and CPUs)")] = None,
     microbatches: Annotated[int | None, typer.Option("--microbatches", help="Micro-batches per step.")] = None,
     schedule: Annotated[str | None, typer.Option("--schedule", help=PROBLEM_SCHEDULE_HELP)] = None,
     memory_limit: Annotated[str | None, typer.Option("--memory-limit", help="Bytes per device (16GiB, 1e9).")] = None,
@@ -147,6 +147,11 @@ def solve_command(
     from fxsplit.solvers import available_solvers, solve
 
     err = Console(stderr=True)
+    if objective == "latency":
+        _solve_latency(err, graph, format, devices=devices, devices_file=devices_file, solver=solver,
+                       microbatches=microbatches, schedule=schedule, memory_limit=memory_limit, no_comm=no_comm,
+                       time_limit=time_limit, as_json=as_json)
+        return
     try:
         if solver not in available_solvers():
             raise ConfigError(f"unknown solver {solver!r}; available: {', '.join(available_solvers())}")
@@ -173,6 +178,52 @@ def solve_command(
         from fxsplit.viz.tables import plan_table
 
         Console().print(plan_table(plan, problem))
+
+
+LATENCY_SOLVERS = ("auto", "cpsat", "greedy")
+"""``--solver`` under ``--objective latency``: auto and cpsat run :func:`~fxsplit.solvers.latency.solve_latency`."""
+
+
+def _solve_latency(err: Console, graph: Path, format: str, *, devices: int | None, devices_file: Path | None,
+                   solver: str, microbatches: int | None, schedule: str | None, memory_limit: str | None,
+                   no_comm: bool, time_limit: float | None, as_json: bool) -> None:
+    """``fxsplit solve FILE --objective latency``: Tarnawski et al.'s latency placement of FILE,
+    printed beside their baselines (all on CPUs, the greedy)."""
+    from fxsplit.ir.formats import load_tarnawski_latency
+    from fxsplit.solvers.latency import greedy_latency, solve_latency
+
+    try:
+        if not graph.is_file():
+            raise ConfigError(f"graph file {str(graph)!r} does not exist")
+        fmt = format if format != "auto" else detect_format(graph)
+        if fmt != "tarnawski":
+            raise ConfigError(f"--objective latency places the nodes of a Tarnawski et al. JSON file; {str(graph)!r} "
+                              f"reads as {fmt}. Use --objective bottleneck or makespan for pipeline plans")
+        unused = {"--devices-file": devices_file, "--microbatches": microbatches, "--schedule": schedule,
+                  "--no-comm": no_comm or None}
+        given = [flag for flag, value in unused.items() if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} do not apply to --objective latency (one sample through "
+                              "accelerators and CPUs); use --devices N and --memory-limit for the accelerators")
+        if solver not in LATENCY_SOLVERS:
+            raise ConfigError(f"--objective latency is solved by {', '.join(LATENCY_SOLVERS)}, not {solver!r}")
+        problem = load_tarnawski_latency(graph)
+        if devices is not None:
+            problem = problem.with_accelerators(devices)
+        if memory_limit is not None:
+            problem = problem.with_memory(parse_bytes(memory_limit))
+        greedy = greedy_latency(problem)
+        placement = greedy if solver == "greedy" else solve_latency(
+            problem, time_limit_s=60.0 if time_limit is None else time_limit, hint=greedy)
+    except FxsplitError as exc:
+        exit_with_error(err, exc, 2 if isinstance(exc, ConfigError) else 1)
+    baselines = {"all on CPUs": problem.all_cpu_s(), "greedy": greedy.latency_s}
+    if as_json:
+        sys.stdout.write(json.dumps({**placement.to_dict(problem), "baselines": baselines}, indent=1) + "\n")
+    else:
+        from fxsplit.viz.tables import placement_table
+
+        Console().print(placement_table(placement, problem, baselines))
 
 
 def register(app: typer.Typer) -> None:

@@ -31,10 +31,11 @@ from fxsplit.ir.graph import Block, CondensedGraph, Edge
 from fxsplit.ir.problem import Problem
 
 if TYPE_CHECKING:
+    from fxsplit.ir.placement import PlacementProblem
     from fxsplit.ir.plan import Plan
 
-__all__ = ["FORMATS", "detect_format", "load_pipedream", "load_tarnawski", "load_graph_or_problem", "tarnawski_plan_faults",
-           "topological_graph"]
+__all__ = ["FORMATS", "detect_format", "load_pipedream", "load_tarnawski", "load_tarnawski_latency",
+           "load_graph_or_problem", "tarnawski_plan_faults", "topological_graph"]
 
 FORMATS = ("auto", "fxsplit", "pipedream", "tarnawski")
 
@@ -264,6 +265,97 @@ def load_tarnawski(
     return Problem(graph=graph, devices=devices, link=link, training=training,
                    optimizer_state_factor=0.0, grad_factor=0.0, transfer_memory=False,
                    device_order="free" if cpus > 0 else "fixed").check()
+
+
+def load_tarnawski_latency(path: str | Path, *, time_unit_s: float = 1.0, name: str | None = None) -> PlacementProblem:
+    """Read a Tarnawski et al. JSON instance as a single-sample latency problem
+    (:class:`~fxsplit.ir.placement.PlacementProblem`), with the meaning their ``latency-ip/lip.py``
+    gives every field: ``maxFPGAs`` accelerators of ``maxSizePerFPGA`` bytes, each node's
+    ``fpgaLatency``, ``cpuLatency``, ``size`` (0 when absent), ``supportedOnFpga`` and ``colorClass``
+    (a class of its own when absent), and one transfer time per node, its outgoing edges' ``cost``
+    (0 without out-edges). ``maxCPUs`` is read but not a limit: as in their IP, CPU nodes run as
+    soon as their inputs are ready (as many CPUs as the graph is wide).
+
+    Args:
+        path: The JSON file (their ``latency-inputs``; a throughput inference file reads the same).
+        time_unit_s: Seconds per unit of the file's latencies and costs.
+        name: Problem name; default the file's stem.
+
+    Raises:
+        ConfigError: for a missing field, a backward node (latency is for inference), two
+            different costs on one node's out-edges, an edge to an unknown node, or a cycle.
+    """
+    path = Path(path)
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a Tarnawski instance is a JSON object, not a {type(data).__name__}")
+    for key in ("maxSizePerFPGA", "maxFPGAs", "nodes", "edges"):
+        if key not in data:
+            raise ConfigError(f"{path}: Tarnawski JSON needs field {key!r}; found {sorted(data)}")
+    try:
+        return _latency_problem(path, data, time_unit_s, name)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{path}: not a valid Tarnawski latency instance: {type(exc).__name__}: {exc}") from exc
+
+
+def _latency_problem(path: Path, data: dict[str, Any], time_unit_s: float, name: str | None) -> PlacementProblem:
+    from fxsplit.ir.placement import PlacementProblem
+
+    nodes = {int(n["id"]): n for n in data["nodes"]}
+    backward = [i for i, n in nodes.items() if n.get("isBackwardNode")]
+    if backward:
+        raise ConfigError(f"{path}: node {backward[0]} is a backward node ({len(backward)} in all); the latency "
+                          "objective places one inference sample. Use a throughput objective for training graphs")
+    out_cost: dict[int, float] = {}
+    succ: dict[int, set[int]] = {i: set() for i in nodes}
+    for e in data["edges"]:
+        u, v, cost = int(e["sourceId"]), int(e["destId"]), float(e["cost"])
+        if u not in nodes or v not in nodes:
+            raise ConfigError(f"{path}: edge {u} -> {v} names a node that is not in 'nodes'")
+        if u in out_cost and abs(out_cost[u] - cost) > 1e-6:
+            raise ConfigError(f"{path}: node {u}'s out-edges cost {out_cost[u]} and {cost}; the latency model moves "
+                              "a node's output once, so all its out-edges must cost the same")
+        out_cost.setdefault(u, cost)
+        if u != v:
+            succ[u].add(v)
+    indegree = {i: 0 for i in nodes}
+    for u in nodes:
+        for v in succ[u]:
+            indegree[v] += 1
+    order: list[int] = []
+    ready = sorted(i for i, d in indegree.items() if d == 0)
+    while ready:
+        u = ready.pop(0)
+        order.append(u)
+        for v in sorted(succ[u]):
+            indegree[v] -= 1
+            if indegree[v] == 0:
+                ready.append(v)
+    if len(order) != len(nodes):
+        stuck = sorted(i for i, d in indegree.items() if d > 0)
+        raise ConfigError(f"{path}: the edges form a cycle through nodes {stuck[:5]}; a placement needs a DAG")
+    index = {nid: i for i, nid in enumerate(order)}
+    fresh = max((int(n["colorClass"]) for n in nodes.values() if "colorClass" in n), default=0) + 1
+    colours = []
+    for nid in order:
+        if "colorClass" in nodes[nid]:
+            colours.append(int(nodes[nid]["colorClass"]))
+        else:
+            colours.append(fresh)
+            fresh += 1
+    return PlacementProblem(
+        name=name or path.stem, node_ids=tuple(order),
+        acc_s=tuple(float(nodes[i]["fpgaLatency"]) * time_unit_s for i in order),
+        cpu_s=tuple(float(nodes[i]["cpuLatency"]) * time_unit_s for i in order),
+        size_bytes=tuple(float(nodes[i].get("size", 0.0)) for i in order),
+        out_s=tuple(out_cost.get(i, 0.0) * time_unit_s for i in order),
+        supported=tuple(bool(nodes[i].get("supportedOnFpga", True)) for i in order),
+        colour=tuple(colours),
+        edges=tuple(sorted({(index[u], index[v]) for u in nodes for v in succ[u]})),
+        accelerators=int(data["maxFPGAs"]), memory_bytes=float(data["maxSizePerFPGA"]),
+    ).check()
 
 
 CPU_MEMORY_BYTES = 2**62

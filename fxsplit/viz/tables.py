@@ -13,9 +13,10 @@ from fxsplit.viz.text import plan_summary
 
 if TYPE_CHECKING:
     from fxsplit.ir import Plan, Problem
+    from fxsplit.ir.placement import Placement, PlacementProblem
     from fxsplit.runtime import Pipeline
 
-__all__ = ["describe", "plan_table", "stage_table"]
+__all__ = ["describe", "placement_table", "plan_table", "stage_table"]
 
 
 def stage_table(pipe: Pipeline) -> Table:
@@ -58,4 +59,28 @@ def plan_table(plan: Plan, problem: Problem) -> Table:
         table.add_row(str(s), problem.devices[st.device].name, str(len(st.blocks)), shown, format_seconds(st.fwd_s),
                       format_seconds(st.bwd_s) + (" (+fwd)" if st.recompute else ""), format_seconds(st.comm_s),
                       format_bytes(st.memory_bytes))
+    return table
+
+
+def placement_table(placement: Placement, problem: PlacementProblem,
+                    baselines: dict[str, float] | None = None) -> Table:
+    """A rich table of a latency placement (:mod:`fxsplit.ir.placement`): one row per
+    accelerator that holds nodes (nodes, accelerator time, memory) and one for the CPUs; the
+    caption gives the latency, the proven bound and gap, and ``baselines`` (name -> latency)."""
+    from fxsplit.ir.placement import CPU
+
+    table = Table(title=f"{problem.name}: one sample's latency, {problem.accelerators} accelerators + CPUs, "
+                        f"solver {placement.solver} ({placement.status})",
+                  caption=f"latency {format_seconds(placement.latency_s)}, bound "
+                          f"{format_seconds(placement.lower_bound_s)}, gap {placement.gap:.2%}"
+                          + "".join(f"; {name} {format_seconds(t)}" for name, t in (baselines or {}).items()))
+    for col in ("device", "nodes", "time", "memory"):
+        table.add_column(col, justify="left" if col == "device" else "right")
+    for a in range(problem.accelerators):
+        nodes = [v for v, d in enumerate(placement.device) if d == a]
+        if nodes:
+            table.add_row(f"acc{a}", str(len(nodes)), format_seconds(sum(problem.acc_s[v] for v in nodes)),
+                          format_bytes(int(sum(problem.size_bytes[v] for v in nodes))))
+    cpu = [v for v, d in enumerate(placement.device) if d == CPU]
+    table.add_row("cpu", str(len(cpu)), format_seconds(sum(problem.cpu_s[v] for v in cpu)), "")
     return table
