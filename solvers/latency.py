@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +62,34 @@ def _fits(problem: PlacementProblem, group: Sequence[int]) -> bool:
             and sum(problem.size_bytes[v] for v in group) <= problem.memory_bytes)
 
 
+def _inseparable_blocks(problem: PlacementProblem) -> list[list[int]]:
+    """Colour classes that reach each other fused into blocks (each a list of nodes in order),
+    the blocks in a topological order (ties: first node first); concatenated, a topological
+    order of the nodes that keeps each block together."""
+    import networkx as nx
+
+    groups = problem.classes()
+    group_of = {v: i for i, g in enumerate(groups) for v in g}
+    g = nx.DiGraph()
+    g.add_nodes_from(range(len(groups)))
+    g.add_edges_from((group_of[u], group_of[v]) for u, v in problem.edges if group_of[u] != group_of[v])
+    cond = nx.condensation(g)
+    return [sorted(v for gi in cond.nodes[c]["members"] for v in groups[gi])
+            for c in nx.lexicographical_topological_sort(cond, key=lambda c: min(cond.nodes[c]["members"]))]
+
+
+def _permuted(problem: PlacementProblem, order: Sequence[int]) -> PlacementProblem:
+    """``problem`` with its nodes renumbered in ``order`` (a topological order)."""
+    index = {v: i for i, v in enumerate(order)}
+    return PlacementProblem(
+        name=problem.name, node_ids=tuple(problem.node_ids[v] for v in order),
+        acc_s=tuple(problem.acc_s[v] for v in order), cpu_s=tuple(problem.cpu_s[v] for v in order),
+        size_bytes=tuple(problem.size_bytes[v] for v in order), out_s=tuple(problem.out_s[v] for v in order),
+        supported=tuple(problem.supported[v] for v in order), colour=tuple(problem.colour[v] for v in order),
+        edges=tuple(sorted((index[u], index[v]) for u, v in problem.edges)),
+        accelerators=problem.accelerators, memory_bytes=problem.memory_bytes)
+
+
 def greedy_latency(problem: PlacementProblem) -> Placement:
     """Tarnawski et al.'s greedy baseline (Appendix F, ``latency-greedy/greedy.cpp``): colour
     classes that reach each other are fused into inseparable blocks; the blocks, in topological
@@ -74,16 +101,7 @@ def greedy_latency(problem: PlacementProblem) -> Placement:
     Returns:
         The evaluated placement (status ``feasible``, bound :func:`latency_lower_bound_s`).
     """
-    import networkx as nx
-
-    groups = problem.classes()
-    group_of = {v: i for i, g in enumerate(groups) for v in g}
-    g = nx.DiGraph()
-    g.add_nodes_from(range(len(groups)))
-    g.add_edges_from((group_of[u], group_of[v]) for u, v in problem.edges if group_of[u] != group_of[v])
-    cond = nx.condensation(g)
-    blocks = [sorted(v for gi in cond.nodes[c]["members"] for v in groups[gi])
-              for c in nx.lexicographical_topological_sort(cond, key=lambda c: min(cond.nodes[c]["members"]))]
+    blocks = _inseparable_blocks(problem)
     device = [CPU] * len(problem)
     acc, used = -1, 0.0
     for block in blocks:
@@ -102,16 +120,15 @@ def greedy_latency(problem: PlacementProblem) -> Placement:
     return evaluate_placement(problem, device, solver="greedy", lower_bound_s=latency_lower_bound_s(problem))
 
 
-def interval_latency(problem: PlacementProblem) -> Placement:
-    """A heuristic placement: each accelerator takes an interval of the node order (a
-    topological order, so every interval is contiguous), chosen by a DP that minimises the
-    placement's *serial* time (every call and CPU node one after another: an upper bound of its
-    latency, which overlaps independent units). Intervals that split a colour class, hold an
-    unsupported node or exceed the memory are skipped. ``O(n (n + E) + n^2 k)``.
-
-    Returns:
-        The evaluated placement (status ``feasible``, bound :func:`latency_lower_bound_s`).
-    """
+def _interval_dp(problem: PlacementProblem, acc: Sequence[float], cpu: Sequence[float],
+                 out: Sequence[float]) -> tuple[float, list[tuple[int, int]]]:
+    """The cheapest *serial* time of a placement where each accelerator takes one interval
+    ``[i, j)`` of the node order (nodes ``i..j-1``) and the other nodes run on CPUs: every call
+    (transfers in from the distinct nodes before ``i`` that feed it, its compute, transfers out
+    of the nodes whose last successor lies past it) and every CPU node one after another, with
+    costs ``acc``, ``cpu``, ``out``. Intervals that split a colour class, hold an unsupported
+    node or exceed the memory are skipped. Returns the time and the intervals, in order.
+    ``O(n (n + E) + n^2 k)``, intervals cut short by the memory."""
     n, k, cap = len(problem), problem.accelerators, problem.memory_bytes
     preds = problem.predecessors
     last_succ = [max(s, default=-1) for s in problem.successors]
@@ -128,7 +145,7 @@ def interval_latency(problem: PlacementProblem) -> Placement:
     for i in range(n + 1):
         if i > 0:
             for c in range(k + 1):
-                via_cpu = best[c][i - 1] + problem.cpu_s[i - 1]
+                via_cpu = best[c][i - 1] + cpu[i - 1]
                 if via_cpu < best[c][i]:
                     best[c][i], back[c][i] = via_cpu, None
                 if c > 0 and best[c - 1][i] < best[c][i]:
@@ -136,7 +153,7 @@ def interval_latency(problem: PlacementProblem) -> Placement:
         if i == n or k == 0:
             continue
         senders: set[int] = set()
-        comm_in = comm_out = acc = size = 0.0
+        comm_in = comm_out = work = size = 0.0
         reach = -1
         for j in range(i, n):
             if not problem.supported[j] or lo_class[problem.colour[j]] < i:
@@ -144,25 +161,24 @@ def interval_latency(problem: PlacementProblem) -> Placement:
             size += problem.size_bytes[j]
             if size > cap:
                 break
-            acc += problem.acc_s[j]
+            work += acc[j]
             reach = max(reach, hi_class[problem.colour[j]])
             for u in preds[j]:
                 if u < i and u not in senders:
                     senders.add(u)
-                    comm_in += problem.out_s[u]
+                    comm_in += out[u]
                 elif u >= i and last_succ[u] == j:
-                    comm_out -= problem.out_s[u]
+                    comm_out -= out[u]
             if last_succ[j] > j:
-                comm_out += problem.out_s[j]
+                comm_out += out[j]
             if reach > j:
                 continue  # a colour class reaches past j
-            cost = comm_in + acc + comm_out
+            cost = comm_in + work + comm_out
             for c in range(1, k + 1):
                 if best[c - 1][i] + cost < best[c][j + 1]:
                     best[c][j + 1], back[c][j + 1] = best[c - 1][i] + cost, (i, c - 1)
-    device = [CPU] * n
-    c, j, acc_index = k, n, 0
     intervals = []
+    c, j = k, n
     while j > 0:
         step = back[c][j]
         if step is None:
@@ -172,9 +188,26 @@ def interval_latency(problem: PlacementProblem) -> Placement:
         else:
             intervals.append((step[0], j))
             j, c = step
-    for acc_index, (i, j) in enumerate(sorted(intervals)):
-        for v in range(i, j):
-            device[v] = acc_index
+    return best[k][n], sorted(intervals)
+
+
+def interval_latency(problem: PlacementProblem) -> Placement:
+    """A heuristic placement: each accelerator takes an interval of a topological order that
+    keeps colour classes which reach each other together (:func:`_inseparable_blocks`; every
+    interval of a topological order is contiguous), chosen by :func:`_interval_dp` to
+    minimise the placement's *serial* time (an upper bound of its latency, which overlaps
+    independent units).
+
+    Returns:
+        The evaluated placement (status ``feasible``, bound :func:`latency_lower_bound_s`).
+    """
+    order = [v for block in _inseparable_blocks(problem) for v in block]
+    moved = _permuted(problem, order)
+    _, intervals = _interval_dp(moved, moved.acc_s, moved.cpu_s, moved.out_s)
+    device = [CPU] * len(problem)
+    for a, (i, j) in enumerate(intervals):
+        for v in order[i:j]:
+            device[v] = a
     return evaluate_placement(problem, device, solver="interval", lower_bound_s=latency_lower_bound_s(problem))
 
 
@@ -224,56 +257,44 @@ def path_lower_bound(problem: PlacementProblem, path: Sequence[int], acc: Sequen
 
     A contiguous accelerator set meets a path in one interval (a path that left it and came
     back would break contiguity), so along ``path`` a placement is a sequence of CPU nodes and at
-    most ``k`` intervals, each fitting one accelerator's memory and free of unsupported nodes. An
-    interval ``i..j`` costs at least its input transfer (``out[path[i-1]]``), the accelerator time
-    of its nodes and of their colour classes' members off the path (they run in the same call),
-    and its output transfer (``out[path[j]]``), and starts after ``path[i-1]``; a CPU node costs
-    its ``cpu``. The cheapest such sequence (a DP over the path with a sliding-window minimum,
-    ``O(len(path) k)``) is a lower bound of the latency.
+    most ``k`` intervals, each within one accelerator's memory, free of unsupported nodes and
+    holding whole colour classes. Each unit on the path starts after the one before it, and a
+    call costs at least the transfers from the path's nodes that feed it, its path nodes'
+    accelerator time and that of their colour classes' members off the path (they run in the
+    same call), the transfers out of its path nodes that feed later path nodes, and, for each
+    other node off the path that feeds it (counted at its first path successor), the cheaper of
+    running it in the call and sending its output. The cheapest
+    such sequence (:func:`_interval_dp` on the path alone, where serial time is the latency) is a
+    lower bound of the latency.
     """
-    k, cap = problem.accelerators, problem.memory_bytes
-    on_path = set(path)
+    on_path = {v: t for t, v in enumerate(path)}
     first: dict[int, int] = {}
     for v in path:
         first.setdefault(problem.colour[v], v)
     extra_acc: dict[int, float] = dict.fromkeys(path, 0.0)
     extra_size: dict[int, float] = dict.fromkeys(path, 0.0)
+    succ = problem.successors
     for v in range(len(problem)):
         c = problem.colour[v]
-        if v not in on_path and c in first:
+        if v in on_path:
+            continue
+        if c in first:
             extra_acc[first[c]] += acc[v]
             extra_size[first[c]] += problem.size_bytes[v]
-    n = len(path)
-    a_pre, m_pre = [0.0] * (n + 1), [0.0] * (n + 1)
-    for j, v in enumerate(path):
-        a_pre[j + 1] = a_pre[j] + acc[v] + extra_acc[v]
-        m_pre[j + 1] = m_pre[j] + problem.size_bytes[v] + extra_size[v]
-    supported = [problem.supported[v] for v in path]
-    inf = float("inf")
-    prev = [0.0] * (n + 1)  # F[j] with at most c - 1 intervals; prev[0] is before the path
-    for j in range(n):
-        prev[j + 1] = prev[j] + cpu[path[j]]
-    for _ in range(k):
-        cur = [0.0] * (n + 1)
-        window: deque[tuple[int, float]] = deque()  # (i, G(i)) with increasing G
-        lo = 0
-        for j in range(n):
-            if supported[j]:
-                g = prev[j] + (out[path[j - 1]] if j > 0 else 0.0) - a_pre[j]
-                while window and window[-1][1] >= g:
-                    window.pop()
-                window.append((j, g))
-            else:
-                window.clear()
-                lo = j + 1
-            while lo <= j and m_pre[j + 1] - m_pre[lo] > cap:
-                lo += 1
-            while window and window[0][0] < lo:
-                window.popleft()
-            end = (window[0][1] + a_pre[j + 1] + (out[path[j]] if j < n - 1 else 0.0)) if window else inf
-            cur[j + 1] = min(cur[j] + cpu[path[j]], end, prev[j + 1])
-        prev = cur
-    return prev[n]
+        elif any(w in on_path for w in succ[v]):
+            # v feeds the call of its first path successor t: it runs there or is sent there
+            t = min((w for w in succ[v] if w in on_path), key=on_path.__getitem__)
+            fits = problem.supported[v] and problem.size_bytes[v] <= problem.memory_bytes
+            extra_acc[t] += min(out[v], acc[v]) if fits else out[v]
+    sub = PlacementProblem(
+        name=f"{problem.name} path", node_ids=tuple(problem.node_ids[v] for v in path),
+        acc_s=tuple(acc[v] + extra_acc[v] for v in path), cpu_s=tuple(cpu[v] for v in path),
+        size_bytes=tuple(problem.size_bytes[v] + extra_size[v] for v in path),
+        out_s=tuple(out[v] for v in path), supported=tuple(problem.supported[v] for v in path),
+        colour=tuple(problem.colour[v] for v in path),
+        edges=tuple((on_path[u], on_path[v]) for u, v in problem.edges if u in on_path and v in on_path),
+        accelerators=problem.accelerators, memory_bytes=problem.memory_bytes)
+    return _interval_dp(sub, sub.acc_s, sub.cpu_s, sub.out_s)[0]
 
 
 def chain_lower_bound_s(problem: PlacementProblem) -> float:
