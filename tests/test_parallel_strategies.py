@@ -51,7 +51,7 @@ def test_strategies_cli_prints_the_parameters_and_the_baselines() -> None:
     result = CliRunner().invoke(cli.app, ["strategies", "mlp", "--mesh", "2"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "hidden_0_weight" in result.output and "data parallel" in result.output
-    assert "pase-dp" in result.output
+    assert "solved by pase-elimination" in result.output
 
 
 def test_a_slower_link_never_makes_the_best_step_faster(mlp_gm) -> None:  # type: ignore[no-untyped-def]

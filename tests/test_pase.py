@@ -12,10 +12,12 @@ from fxsplit.errors import ConfigError, InfeasibleError, SolverError
 from fxsplit.ir.strategy import StrategyEdge, StrategyGraph, StrategyOption, StrategyVertex
 from fxsplit.solvers.pase import (
     dependent_sets,
+    elimination_order,
     order_vertices,
     solve_brute_force,
     solve_pase_cpsat,
     solve_pase_dp,
+    solve_pase_elimination,
     solve_strategies,
 )
 
@@ -53,6 +55,66 @@ def test_dp_finds_the_brute_force_optimum(graph: StrategyGraph) -> None:
         dp = solve_pase_dp(graph, reduce=reduce)
         assert dp.cost_s == pytest.approx(brute.cost_s), reduce
         assert graph.cost_s(dp.choice) == pytest.approx(dp.cost_s)
+
+
+@st.composite
+def graphs_with_hubs(draw: st.DrawFn) -> StrategyGraph:
+    """A strategy graph plus up to two hub vertices, each joined (either way round) to many others,
+    and duplicate edges: the elimination tables then span several vertices."""
+    base = draw(strategy_graphs(max_vertices=6))
+    vertices, edges = list(base.vertices), list(base.edges)
+    for h in range(draw(st.integers(0, 2))):
+        k = draw(st.integers(1, 3))
+        hub = len(vertices)
+        vertices.append(StrategyVertex(f"hub{h}", tuple(StrategyOption(f"o{o}", draw(st.integers(0, 4)) * 0.5)
+                                                         for o in range(k))))
+        for v in draw(st.sets(st.integers(0, hub - 1), max_size=hub)):
+            rows, cols = k, len(vertices[v].options)
+            matrix = tuple(tuple(draw(st.integers(0, 6)) * 0.5 for _ in range(cols)) for _ in range(rows))
+            edges.append(StrategyEdge(hub, v, matrix) if draw(st.booleans()) else
+                         StrategyEdge(v, hub, tuple(zip(*matrix, strict=True))))
+    if edges and draw(st.booleans()):
+        edges.append(edges[0])
+    return StrategyGraph(tuple(vertices), tuple(edges))
+
+
+@settings(max_examples=300, deadline=None)
+@given(graph=graphs_with_hubs())
+def test_variable_elimination_finds_the_brute_force_optimum(graph: StrategyGraph) -> None:
+    try:
+        brute = solve_brute_force(graph)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solve_pase_elimination(graph)
+        return
+    found = solve_pase_elimination(graph)
+    assert found.cost_s == pytest.approx(brute.cost_s)
+    assert graph.cost_s(found.choice) == pytest.approx(found.cost_s)
+    assert found.max_states == elimination_order(graph)[1]  # the order's size is what is built
+
+
+def test_elimination_equals_the_dp_on_layers_that_share_vertices() -> None:
+    # 40 layers, each a -> {b, c} -> d, all four reading two shared tables (as every transformer
+    # layer reads the rotary cos and sin): 5^162 choices; the tables hold a layer's few vertices
+    # and the two shared ones
+    opts = tuple(StrategyOption(f"o{k}", 1.0 + 0.1 * k) for k in range(5))
+    vertices = [StrategyVertex("cos", opts), StrategyVertex("sin", opts)]
+    edges: list[StrategyEdge] = []
+    swap = tuple(tuple(0.0 if i == j else 0.5 for j in range(5)) for i in range(5))
+    prev = None
+    for layer in range(40):
+        a, b, c, d = (len(vertices) + i for i in range(4))
+        vertices += [StrategyVertex(f"{x}{layer}", opts) for x in "abcd"]
+        edges += [StrategyEdge(a, b, swap), StrategyEdge(a, c, swap), StrategyEdge(b, d, swap), StrategyEdge(c, d, swap),
+                  StrategyEdge(b, c, swap)]
+        edges += [StrategyEdge(shared, x, swap) for shared in (0, 1) for x in (a, b, c, d)]
+        if prev is not None:
+            edges.append(StrategyEdge(prev, a, swap))
+        prev = d
+    graph = StrategyGraph(tuple(vertices), tuple(edges))
+    found = solve_pase_elimination(graph)
+    assert found.cost_s == pytest.approx(len(vertices) * 1.0) and found.max_states <= 5**5
+    assert found.cost_s == pytest.approx(solve_pase_dp(graph).cost_s)
 
 
 @settings(max_examples=40, deadline=None)
@@ -100,6 +162,8 @@ def test_a_table_past_the_limit_goes_to_cpsat() -> None:
     graph = StrategyGraph(tuple(StrategyVertex(f"v{i}", opts) for i in range(n + 1)), tuple(edges))
     with pytest.raises(SolverError, match="max_states"):
         solve_pase_dp(graph, max_states=2, reduce=False)
+    with pytest.raises(SolverError, match="max_states"):
+        solve_pase_elimination(graph, max_states=2)
     assert solve_strategies(graph, max_states=2).cost_s == solve_pase_dp(graph).cost_s == 0.0
 
 

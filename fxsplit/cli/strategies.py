@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
         mesh: Annotated[int, typer.Option(min=2, help="devices of the (1-D) mesh")] = 2,
         size: Annotated[str, typer.Option(help="zoo size preset: tiny, small, base")] = "tiny",
         batch_size: Annotated[int, typer.Option(help="samples per step")] = 8,
-        time_limit: Annotated[float, typer.Option(help="CP-SAT time limit, seconds (when the DP table is too large)")] = 30.0,
+        time_limit: Annotated[float, typer.Option(help="CP-SAT time limit, seconds (when the exact solvers' tables are too large)")] = 30.0,
         link_gbps: Annotated[float, typer.Option(help="bandwidth between the mesh's devices, GB/s")] = 25.0,
         latency_us: Annotated[float, typer.Option(help="latency per collective step, microseconds")] = 10.0,
     ) -> None:
@@ -83,5 +83,5 @@ def register(app: typer.Typer) -> None:
                       f"{', '.join(f'{k} x{n}' for k, n in counts.most_common())}; strategies from DTensor in "
                       f"{built - start:.2f} s, solved by {best.solver} in {best.solve_time_s:.2f} s"
                       f"{'' if best.proven else ' (time limit: not proven optimal)'}"
-                      f"{f'; DP table {best.max_states} states' if best.max_states else ''}"
+                      f"{f'; largest table {best.max_states} states' if best.max_states else ''}"
                       f"{f'; no DTensor strategy (replicated): {list(found.fallback)}' if found.fallback else ''}")

@@ -64,7 +64,7 @@ class ParallelPlan:
             strategy graph's cost model).
         memory_bytes: Per-device bytes of the choice (parameters with their gradients and
             optimizer state, activations, after sharding).
-        solver: ``"pase-dp"``, ``"pase-cpsat"``, ``"rule"`` or ``"given"``.
+        solver: ``"pase-elimination"``, ``"pase-dp"``, ``"pase-cpsat"``, ``"rule"`` or ``"given"``.
         proven: An exact solver proved the choice optimal for its family.
         baselines: Predicted seconds of ``"data-parallel"`` and ``"replicate"`` on the same model.
     """
