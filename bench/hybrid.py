@@ -70,7 +70,8 @@ def plan_model(name: str, spec: tuple[str, dict[str, Any], int], device_counts: 
     nvlink = cluster(8).intra_node
     start = time.perf_counter()
     degrees = sorted({t for k in device_counts for t in (2, 4, 8) if t <= min(k, 8) and k % t == 0})
-    costs = per_layer_costs(ins.captured.gm, graph, degrees, link=nvlink, time_limit_s=time_limit_s)
+    costs = per_layer_costs(ins.captured.gm, graph, degrees, link=nvlink, time_limit_s=time_limit_s,
+                            memory_limit_bytes=ref.memory_bytes)
     layers_s = time.perf_counter() - start
     params = sum(p.numel() for p in case.model.parameters())
     for k in device_counts:

@@ -474,7 +474,8 @@ def plan_hybrid(
                     options=CompileOptions(), name=name, measure_device="cpu")
     graph = ins.condensed.graph
     degrees = [t for t in range(2, len(specs) + 1) if len(specs) % t == 0 and (max_tp is None or t <= max_tp)]
-    costs = per_layer_costs(ins.captured.gm, graph, degrees, families, link=tp_link, time_limit_s=time_limit_s)
+    costs = per_layer_costs(ins.captured.gm, graph, degrees, families, link=tp_link, time_limit_s=time_limit_s,
+                            memory_limit_bytes=min(d.memory_bytes for d in specs))
     problem = Problem(graph, tuple(specs), link=inter, links=links, microbatches=microbatches,
                       schedule=schedule, objective="makespan")  # type: ignore[arg-type]
     return search(problem, costs, time_limit_s=time_limit_s, max_tp=max_tp), ins

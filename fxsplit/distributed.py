@@ -240,7 +240,7 @@ def _choose_mesh(model_fn: Callable[[], nn.Module], args: tuple, kwargs: dict, w
                           options=CompileOptions(), name=type(model).__name__)
         degrees = [t for t in range(2, world + 1) if world % t == 0]
         costs = per_layer_costs(front.captured.gm, front.condensed.graph, degrees, link=link,
-                                time_limit_s=options.time_limit_s or 30.0)
+                                time_limit_s=options.time_limit_s or 30.0, memory_limit_bytes=reference.memory_bytes)
         flat, flags, _ = example_batch(front.captured, (one_args, one_kwargs))
         used = rank0_cost_model(front.captured, flat, device, cost_model)
         graph = front.condensed.graph if used == "analytic" else profiled_blocks(

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch.fx
 
-from fxsplit.errors import ConfigError
+from fxsplit.errors import ConfigError, InfeasibleError
 from fxsplit.ir import CondensedGraph, LinkSpec
 from fxsplit.passes.parallel_strategies import NodeStrategies, megatron_placements, strategy_graph
 from fxsplit.solvers.hybrid import LayerParallelCosts
@@ -86,7 +86,8 @@ def block_factors(found: NodeStrategies, choice: Sequence[int], graph: Condensed
 
 def layer_parallel_costs(gm: torch.fx.GraphModule, graph: CondensedGraph, degree: int, *, family: str = "pase",
                          link: LinkSpec | None = None, time_limit_s: float = 30.0,
-                         op_overhead_s: float = 0.0, strategies: NodeStrategies | None = None) -> LayerParallelCosts:
+                         op_overhead_s: float = 0.0, strategies: NodeStrategies | None = None,
+                         memory_limit_bytes: float | None = None) -> LayerParallelCosts:
     """The per-layer plan of ``gm`` over ``degree`` devices, as factors on ``graph``'s blocks.
 
     Args:
@@ -101,6 +102,10 @@ def layer_parallel_costs(gm: torch.fx.GraphModule, graph: CondensedGraph, degree
         op_overhead_s: Dispatch seconds per split op (:func:`strategy_graph`).
         strategies: ``strategy_graph(gm, degree, link=link, op_overhead_s=op_overhead_s)`` when
             the caller has built it (both families read the same one; :func:`per_layer_costs`).
+        memory_limit_bytes: Memory of one device: the fastest choice whose per-device memory (the
+            whole model over ``degree`` devices) fits it, where one does; else the fastest
+            choice (a pipeline stage holds only part of the model). Time-optimal choices often
+            tie: on a Llama-7B at degree 8, one of 106 GB and one of 39 GB take the same time.
 
     Returns:
         The :class:`~fxsplit.solvers.hybrid.LayerParallelCosts`.
@@ -113,7 +118,10 @@ def layer_parallel_costs(gm: torch.fx.GraphModule, graph: CondensedGraph, degree
     start = time.perf_counter()
     found = strategies if strategies is not None else strategy_graph(gm, degree, link=link, op_overhead_s=op_overhead_s)
     g = found.graph if family == "pase" else found.graph.restricted(found.allowing(megatron_placements(gm)))
-    choice = solve_strategies(g, time_limit_s=time_limit_s).choice
+    try:
+        choice = solve_strategies(g, memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s).choice
+    except InfeasibleError:  # the whole model does not fit one group; stages of a pipeline may
+        choice = solve_strategies(g, time_limit_s=time_limit_s).choice
     times, params, acts = block_factors(found, choice, graph)
     counts = Counter(found.placements[v][c] for v, c in enumerate(choice))
     split = [0] * len(graph.blocks)
@@ -125,7 +133,8 @@ def layer_parallel_costs(gm: torch.fx.GraphModule, graph: CondensedGraph, degree
 
 def per_layer_costs(gm: torch.fx.GraphModule, graph: CondensedGraph, degrees: Sequence[int],
                     families: Sequence[str] = ("pase", "megatron"), *, link: LinkSpec | None = None,
-                    time_limit_s: float = 30.0, op_overhead_s: float = 0.0) -> list[LayerParallelCosts]:
+                    time_limit_s: float = 30.0, op_overhead_s: float = 0.0,
+                    memory_limit_bytes: float | None = None) -> list[LayerParallelCosts]:
     """:func:`layer_parallel_costs` for every degree in ``degrees`` and family in ``families``
     (degree by degree, the families in order), each degree's strategy graph built once (its
     DTensor op strategies are the slow part of a family's plan: 5-11 s of a Llama-7B's 34 s).
@@ -139,7 +148,8 @@ def per_layer_costs(gm: torch.fx.GraphModule, graph: CondensedGraph, degrees: Se
     for degree in degrees:
         found = strategy_graph(gm, degree, link=link, op_overhead_s=op_overhead_s)
         out.extend(layer_parallel_costs(gm, graph, degree, family=f, link=link, time_limit_s=time_limit_s,
-                                        op_overhead_s=op_overhead_s, strategies=found) for f in families)
+                                        op_overhead_s=op_overhead_s, strategies=found,
+                                        memory_limit_bytes=memory_limit_bytes) for f in families)
     return out
 
 

@@ -33,21 +33,22 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fxsplit.errors import InfeasibleError, SolverError
-from fxsplit.ir.strategy import StrategyGraph
+from fxsplit.ir.strategy import StrategyGraph, StrategyOption, StrategyVertex
 from fxsplit.solvers.pase_reduce import reduce_graph
 
 __all__ = ["StrategyChoice", "dependent_sets", "elimination_order", "order_vertices", "solve_brute_force",
-           "solve_pase_cpsat", "solve_pase_dp", "solve_pase_elimination", "solve_strategies"]
+           "solve_pase_cpsat", "solve_pase_dp", "solve_pase_elimination", "solve_pase_lagrangian", "solve_strategies"]
 
 
 @dataclass(frozen=True)
 class StrategyChoice:
     """The option chosen per vertex, its seconds and per-device bytes, and how it was found
-    (``proven``: an exact solver finished)."""
+    (``proven``: an exact solver finished; ``lower_bound_s``: a proven bound of the optimum when
+    it did not, else 0)."""
 
     choice: tuple[int, ...]
     cost_s: float
@@ -56,6 +57,7 @@ class StrategyChoice:
     proven: bool = True
     max_states: int = 0
     solve_time_s: float = 0.0
+    lower_bound_s: float = 0.0
 
     def names(self, graph: StrategyGraph) -> list[str]:
         """``[num_vertices]`` the chosen option's name per vertex."""
@@ -311,6 +313,74 @@ def solve_pase_elimination(graph: StrategyGraph, *, max_states: int = 5_000_000)
                           max_states=built, solve_time_s=time.perf_counter() - start)
 
 
+def _priced(graph: StrategyGraph, price: float) -> StrategyGraph:
+    """``graph`` with ``price`` seconds per byte of each option's memory added to its compute."""
+    return StrategyGraph(tuple(StrategyVertex(v.name, tuple(StrategyOption(o.name, o.compute_s + price * o.memory_bytes,
+                                                                           o.memory_bytes) for o in v.options))
+                               for v in graph.vertices), graph.edges)
+
+
+def solve_pase_lagrangian(graph: StrategyGraph, memory_limit_bytes: float, *, max_states: int = 1_000_000,
+                          rounds: int = 24) -> StrategyChoice:
+    """The cheapest choice within ``memory_limit_bytes`` per device, by Lagrangian relaxation of
+    the memory row: at a price ``λ`` (seconds per byte) on every option's memory,
+    :func:`solve_pase_elimination` gives the exact minimum of ``time + λ · memory``, a choice whose
+    memory falls as ``λ`` rises, and ``min(time + λ · memory) - λ · limit``, a lower bound of the
+    constrained optimum. ``λ`` is doubled until a choice fits, then bisected for ``rounds``
+    steps; the fastest choice that fits is kept with the best bound (``proven`` when they meet).
+
+    Raises:
+        InfeasibleError: when even each vertex's smallest option exceeds the limit.
+        SolverError: as :func:`solve_pase_elimination` (tables past ``max_states``).
+
+    References:
+        Fisher, "The Lagrangian relaxation method for solving integer programming problems",
+        Management Science 27, 1981.
+    """
+    from fxsplit.ir.plan import OPTIMAL_GAP
+
+    start = time.perf_counter()
+    least = sum(min(o.memory_bytes for o in v.options if math.isfinite(o.compute_s)) for v in graph.vertices
+                if any(math.isfinite(o.compute_s) for o in v.options))
+    if least > memory_limit_bytes:
+        raise InfeasibleError(f"no strategy of the {len(graph)} vertices fits {memory_limit_bytes:.0f} bytes per "
+                              f"device: each vertex's smallest option adds up to {least:.0f} bytes")
+    best: StrategyChoice | None = None
+    bound = 0.0
+
+    def at(price: float) -> bool:
+        nonlocal best, bound
+        found = solve_pase_elimination(_priced(graph, price), max_states=max_states)
+        cost = graph.cost_s(found.choice)
+        bound = max(bound, found.cost_s - price * memory_limit_bytes)
+        if found.memory_bytes <= memory_limit_bytes and (best is None or cost < best.cost_s):
+            best = StrategyChoice(found.choice, cost, found.memory_bytes, "pase-lagrangian",
+                                  max_states=found.max_states)
+        return found.memory_bytes <= memory_limit_bytes
+
+    if at(0.0):
+        assert best is not None
+        return replace(best, solver="pase-elimination", solve_time_s=time.perf_counter() - start)
+    scale = max(sum(min(o.compute_s for o in v.options) for v in graph.vertices), 1e-12) / max(memory_limit_bytes, 1.0)
+    lo, hi = 0.0, scale
+    for _ in range(64):
+        if at(hi):
+            break
+        lo, hi = hi, hi * 4
+    for _ in range(rounds):
+        mid = (lo + hi) / 2
+        if at(mid):
+            hi = mid
+        else:
+            lo = mid
+        if best is not None and best.cost_s - bound <= OPTIMAL_GAP * best.cost_s:
+            break
+    if best is None:  # the smallest options fit, so a high enough price reaches them
+        raise SolverError(f"Lagrangian search found no choice within {memory_limit_bytes:.0f} bytes; use CP-SAT")
+    return replace(best, proven=best.cost_s - bound <= OPTIMAL_GAP * best.cost_s,
+                   lower_bound_s=min(bound, best.cost_s), solve_time_s=time.perf_counter() - start)
+
+
 def solve_brute_force(graph: StrategyGraph, *, memory_limit_bytes: float | None = None,
                       max_choices: int = 200_000) -> StrategyChoice:
     """Every combination, for tests.
@@ -336,14 +406,14 @@ def solve_brute_force(graph: StrategyGraph, *, memory_limit_bytes: float | None 
 
 def solve_pase_cpsat(graph: StrategyGraph, *, memory_limit_bytes: float | None = None,
                      time_limit_s: float | None = 30.0, num_workers: int = 2, seed: int = 0,
-                     time_quantum_s: float | None = None) -> StrategyChoice:
+                     time_quantum_s: float | None = None, hint: Sequence[int] | None = None) -> StrategyChoice:
     """The same problem as a CP-SAT model, with an optional per-device memory limit.
 
     Data: costs scaled to integers by ``time_quantum_s`` (default: the largest cost / 2^20).
     Variables: ``pick[v, o]`` (vertex ``v`` takes option ``o``), ``both[e, i, j]`` (edge ``e``'s
     ends take ``i`` and ``j``). Constraints: one option per vertex; ``both`` is the product of
     the two picks (its rows and columns sum to them); memory. Objective: compute plus
-    redistribution.
+    redistribution. ``hint``: a choice to start the search from.
 
     Raises:
         InfeasibleError: when no choice fits the memory limit (proven).
@@ -383,6 +453,9 @@ def solve_pase_cpsat(graph: StrategyGraph, *, memory_limit_bytes: float | None =
         m.add(sum(math.ceil(opt.memory_bytes) * pick[v, o] for v, vert in enumerate(graph.vertices)
                   for o, opt in enumerate(vert.options)) <= math.floor(memory_limit_bytes))
     m.minimize(sum(objective))
+    if hint is not None:
+        for (v, o), var in pick.items():
+            m.add_hint(var, hint[v] == o)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = num_workers
     solver.parameters.random_seed = seed
@@ -404,8 +477,9 @@ def solve_pase_cpsat(graph: StrategyGraph, *, memory_limit_bytes: float | None =
 def solve_strategies(graph: StrategyGraph, *, memory_limit_bytes: float | None = None,
                      max_states: int = 1_000_000, time_limit_s: float | None = 30.0) -> StrategyChoice:
     """Variable elimination (:func:`solve_pase_elimination`) when its largest table fits
-    ``max_states``, else PaSE's DP when its table does, else CP-SAT; CP-SAT also when the exact
-    choice does not fit ``memory_limit_bytes``.
+    ``max_states``, else PaSE's DP when its table does, else CP-SAT. When the exact choice does
+    not fit ``memory_limit_bytes``: :func:`solve_pase_lagrangian`, and CP-SAT hinted with its
+    choice where the Lagrangian bound does not prove it (the cheaper of the two is returned).
 
     Raises:
         InfeasibleError: when no choice fits ``memory_limit_bytes``.
@@ -420,4 +494,14 @@ def solve_strategies(graph: StrategyGraph, *, memory_limit_bytes: float | None =
             return solve_pase_cpsat(graph, memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s)
     if memory_limit_bytes is None or best.memory_bytes <= memory_limit_bytes:
         return best
-    return solve_pase_cpsat(graph, memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s)
+    try:
+        relaxed = solve_pase_lagrangian(graph, memory_limit_bytes, max_states=max_states)
+    except SolverError:
+        return solve_pase_cpsat(graph, memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s)
+    if relaxed.proven:
+        return relaxed
+    exact = solve_pase_cpsat(graph, memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s,
+                             hint=relaxed.choice)
+    if exact.proven or exact.cost_s < relaxed.cost_s:
+        return replace(exact, lower_bound_s=0.0 if exact.proven else relaxed.lower_bound_s)
+    return relaxed

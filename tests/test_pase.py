@@ -18,6 +18,7 @@ from fxsplit.solvers.pase import (
     solve_pase_cpsat,
     solve_pase_dp,
     solve_pase_elimination,
+    solve_pase_lagrangian,
     solve_strategies,
 )
 
@@ -131,6 +132,45 @@ def test_cpsat_with_a_memory_limit_equals_brute_force(graph: StrategyGraph, limi
     assert cp.cost_s == pytest.approx(brute.cost_s)
     auto = solve_strategies(graph, memory_limit_bytes=limit)
     assert auto.cost_s == pytest.approx(brute.cost_s) and auto.memory_bytes <= limit
+
+
+@settings(max_examples=150, deadline=None)
+@given(graph=strategy_graphs(max_vertices=6), limit=st.integers(0, 1500))
+def test_lagrangian_choices_fit_and_bracket_the_constrained_optimum(graph: StrategyGraph, limit: int) -> None:
+    try:
+        brute = solve_brute_force(graph, memory_limit_bytes=limit)
+    except InfeasibleError:
+        return  # (the relaxation may still find a choice with an infinite pair; nothing to compare)
+    found = solve_pase_lagrangian(graph, limit)
+    assert found.memory_bytes <= limit and graph.cost_s(found.choice) == pytest.approx(found.cost_s)
+    assert found.cost_s >= brute.cost_s - 1e-9
+    assert found.lower_bound_s <= brute.cost_s + 1e-9
+    if found.proven:
+        assert found.cost_s == pytest.approx(brute.cost_s)
+
+
+def test_a_memory_limit_picks_the_lean_one_of_two_equally_fast_choices() -> None:
+    # the replicated and the sharded option take the same time; only the sharded one fits
+    opts = (StrategyOption("R", 1.0, 100.0), StrategyOption("S", 1.0, 10.0))
+    graph = StrategyGraph(tuple(StrategyVertex(f"v{i}", opts) for i in range(3)),
+                          (StrategyEdge(0, 1, ((0.0, 0.0), (0.0, 0.0))), StrategyEdge(1, 2, ((0.0, 0.0), (0.0, 0.0)))))
+    free = solve_strategies(graph)
+    lean = solve_strategies(graph, memory_limit_bytes=50.0)
+    assert lean.cost_s == free.cost_s == 3.0 and lean.memory_bytes == 30.0 and lean.proven
+    with pytest.raises(InfeasibleError, match="smallest option"):
+        solve_pase_lagrangian(graph, 20.0)
+
+
+def test_a_duality_gap_leaves_the_lagrangian_unproven_and_cpsat_closes_it() -> None:
+    # two independent vertices, each fast-and-big or slow-and-small; the limit fits one big one:
+    # every price makes both choose alike, so the relaxation cannot reach the optimum (5 s)
+    opts = (StrategyOption("big", 0.0, 10.0), StrategyOption("small", 5.0, 0.0))
+    graph = StrategyGraph((StrategyVertex("a", opts), StrategyVertex("b", opts)))
+    relaxed = solve_pase_lagrangian(graph, 10.0)
+    assert not relaxed.proven and relaxed.cost_s == 10.0
+    assert relaxed.lower_bound_s == pytest.approx(5.0, abs=1e-6)
+    best = solve_strategies(graph, memory_limit_bytes=10.0)
+    assert best.proven and best.cost_s == 5.0 and best.memory_bytes == 10.0
 
 
 @settings(max_examples=200, deadline=None)
