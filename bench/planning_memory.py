@@ -4,7 +4,7 @@ Each model is planned in its own subprocess (``--child NAME``), which builds the
 ``torch.device("meta")`` (no weights), captures it with ``torch.export``, runs the passes
 (shapes, analytic costs for an A100, antichain condensation) and solves the split (bottleneck
 per micro-batch, 8 micro-batches, 1F1B, fp32 weights with Adam state) over A100-80GB devices:
-8 for 7B, 32 for 70B (its 1.1 TB of weights, gradients and Adam state need at least 14).
+8 for 7B, 32 and 64 for 70B (its 1.1 TB of weights, gradients and Adam state need at least 14).
 The child prints one JSON line per finished phase with ``ru_maxrss`` (peak resident memory so
 far); the parent keeps the last one, so a child stopped by ``--timeout`` still reports how far it
 got.
@@ -27,6 +27,7 @@ from typing import Any
 MODELS: dict[str, tuple[str, dict[str, Any], int, int, int]] = {
     "llama-7b": ("7b", {}, 8, 8, 2048),
     "llama-70b": ("70b", {}, 32, 8, 2048),
+    "llama-70b-x64": ("70b", {}, 64, 8, 2048),
 }
 QUICK: dict[str, tuple[str, dict[str, Any], int, int, int]] = {
     "llama-7b-1layer": ("7b", {"num_hidden_layers": 1}, 2, 2, 256),
