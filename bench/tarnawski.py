@@ -8,8 +8,13 @@ memory limit, ``comm_free``), and again with the CPUs left out, alternating the 
 Prints the objective, status, gap, wall seconds and the stages per device kind; the plan is
 re-checked on the file's own precedence (:func:`fxsplit.ir.formats.tarnawski_plan_faults`).
 
-Edge costs are read as seconds (``time_unit_s=1``, a 1 B/s link: bytes = cost), as dp.cpp adds
-them to a stage's time.
+Edge costs are read as seconds (``time_unit_s=1`` and a 1 GB/s link: bytes = cost x 1e9, so
+costs keep nine decimals), as dp.cpp adds them to a stage's time. (Until the sixth session the
+bench used a 1 B/s link, which rounded every cost under half a unit to 0 bytes.)
+
+``--dp-exe PATH`` also runs their ``dp.cpp`` (built from their repository, not shipped here) on
+the same file, alternating with fxsplit, and prints its max-load and seconds; ``--greedy-exe``
+does the same for their latency greedy on the latency inputs.
 
 With ``--objective latency``, every ``*.json`` under ``INPUTS/latency-inputs`` instead: one
 sample's latency as their ``latency-ip/lip.py`` states it (:mod:`fxsplit.ir.placement`), solved
@@ -45,8 +50,30 @@ from fxsplit.solvers.latency import (
     solve_latency,
 )
 
+LINK = LinkSpec(bytes_per_s=1e9, latency_s=0.0)
+"""Edge costs (seconds) become bytes at 1 GB/s, then time again: nine decimals kept."""
 
-def run_one(path: Path, with_cpus: bool, time_limit_s: float) -> dict[str, Any]:
+
+def run_exe(exe: Path | None, path: Path, timeout_s: float) -> tuple[float | None, float | None]:
+    """Run one of their programs on ``path`` (stdin); the ``objective = X`` it prints on stderr
+    and its wall seconds, or ``(None, seconds)`` when it failed or timed out."""
+    if exe is None:
+        return None, None
+    import re
+    import subprocess
+
+    start = time.perf_counter()
+    try:
+        with path.open() as stdin:
+            done = subprocess.run([str(exe)], stdin=stdin, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, time.perf_counter() - start
+    wall = time.perf_counter() - start
+    found = re.search(r"objective = ([-+0-9.eE]+)", done.stderr)
+    return (float(found.group(1)) if found and done.returncode == 0 else None), wall
+
+
+def run_one(path: Path, with_cpus: bool, time_limit_s: float, dp_exe: Path | None = None) -> dict[str, Any]:
     """Load (CPUs kept or dropped), solve, re-check; the row's numbers."""
     data = json.loads(path.read_text())
     src = path
@@ -55,12 +82,12 @@ def run_one(path: Path, with_cpus: bool, time_limit_s: float) -> dict[str, Any]:
         src = path.with_name(path.stem + ".nocpu.tmp.json")
         src.write_text(json.dumps(data))
     try:
-        pb = load_tarnawski(src, link=LinkSpec(bytes_per_s=1.0, latency_s=0.0), name=path.stem).with_(
-            objective="bottleneck")
+        pb = load_tarnawski(src, link=LINK, name=path.stem).with_(objective="bottleneck")
         start = time.perf_counter()
         plan = solve(pb, "auto", time_limit_s=time_limit_s)
         wall = time.perf_counter() - start
         faults = tarnawski_plan_faults(src, pb, plan)
+        theirs, theirs_s = run_exe(dp_exe, src, 600.0)
     finally:
         if src != path:
             src.unlink()
@@ -71,15 +98,17 @@ def run_one(path: Path, with_cpus: bool, time_limit_s: float) -> dict[str, Any]:
     return {"file": str(path.relative_to(path.parents[2])), "cpus": int(data.get("maxCPUs", 0)),
             "fpgas": int(data["maxFPGAs"]), "blocks": len(pb.graph), "objective": plan.objective_s,
             "status": plan.status, "gap": plan.gap, "wall_s": wall, "stages": kinds, "faults": len(faults),
-            "cpu_speed": next((d.speed for d in pb.devices if d.comm_free), None)}
+            "cpu_speed": next((d.speed for d in pb.devices if d.comm_free), None),
+            "dp_cpp": theirs, "dp_cpp_s": theirs_s}
 
 
-def run_latency(path: Path, time_limit_s: float) -> dict[str, Any]:
+def run_latency(path: Path, time_limit_s: float, greedy_exe: Path | None = None) -> dict[str, Any]:
     """The latency objective on one file: baselines, then CP-SAT; the row's numbers."""
     pb = load_tarnawski_latency(path)
+    their_greedy, their_greedy_s = run_exe(greedy_exe, path, 600.0)
     greedy, interval = greedy_latency(pb), interval_latency(pb)
     try:  # the max-load split (dp.cpp's objective, here fxsplit's bottleneck plan), costed for latency
-        tp = load_tarnawski(path, link=LinkSpec(bytes_per_s=1.0, latency_s=0.0)).with_(objective="bottleneck")
+        tp = load_tarnawski(path, link=LINK).with_(objective="bottleneck")
         plan = solve(tp, "auto", time_limit_s=time_limit_s)
         stages = [[nid for b in st.blocks for nid in _node_ids(path, tp, b)] for st in plan.stages]
         max_load: float | str = placement_of_stages(
@@ -94,7 +123,8 @@ def run_latency(path: Path, time_limit_s: float) -> dict[str, Any]:
             "all_cpu": pb.all_cpu_s(), "greedy": greedy.latency_s, "max_load_split": max_load,
             "interval": interval.latency_s, "latency": best.latency_s, "bound": best.lower_bound_s,
             "gap": best.gap, "status": best.status, "wall_s": wall, "accelerators_used": len(used),
-            "on_cpu": sum(1 for d in best.device if d < 0), "cp_status": best.stats.get("cp_status")}
+            "on_cpu": sum(1 for d in best.device if d < 0), "cp_status": best.stats.get("cp_status"),
+            "their_greedy": their_greedy, "their_greedy_s": their_greedy_s}
 
 
 def _node_ids(path: Path, problem: Any, block: int) -> list[int]:
@@ -108,15 +138,16 @@ def main_latency(args: argparse.Namespace) -> None:
     if not files:
         raise SystemExit(f"no latency-inputs/**/*.json under {args.inputs}")
     load = os.getloadavg()[0]
-    rows = [run_latency(f, args.time_limit) for f in files]
+    rows = [run_latency(f, args.time_limit, args.greedy_exe) for f in files]
     title = (f"Tarnawski latency inputs: one sample's latency, CP-SAT ({args.time_limit:g} s) beside their "
              f"baselines; load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
-    cols = ("file", "nodes", "FPGAs", "all on CPUs", "greedy", "max-load split", "interval DP", "fxsplit",
-            "bound", "gap", "status", "wall s", "FPGAs used", "nodes on CPUs")
+    cols = ("file", "nodes", "FPGAs", "all on CPUs", "greedy", "their greedy.cpp", "max-load split", "interval DP",
+            "fxsplit", "bound", "gap", "status", "wall s", "FPGAs used", "nodes on CPUs")
     lines = []
     for r in rows:
         ml = r["max_load_split"]
-        lines.append([r["file"], str(r["nodes"]), str(r["fpgas"]), f"{r['all_cpu']:.2f}", f"{r['greedy']:.2f}",
+        theirs = "-" if r["their_greedy"] is None else f"{r['their_greedy']:.2f}"
+        lines.append([r["file"], str(r["nodes"]), str(r["fpgas"]), f"{r['all_cpu']:.2f}", f"{r['greedy']:.2f}", theirs,
                       ml if isinstance(ml, str) else f"{ml:.2f}", f"{r['interval']:.2f}", f"{r['latency']:.2f}",
                       f"{r['bound']:.2f}", f"{r['gap']:.1%}", r["status"], f"{r['wall_s']:.1f}",
                       str(r["accelerators_used"]), str(r["on_cpu"])])
@@ -143,6 +174,8 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--objective", choices=("bottleneck", "latency"), default="bottleneck")
+    ap.add_argument("--dp-exe", type=Path, help="their dp.cpp, built (g++ -O3), to run beside fxsplit")
+    ap.add_argument("--greedy-exe", type=Path, help="their latency greedy.cpp, built, to run beside fxsplit")
     args = ap.parse_args()
     if args.objective == "latency":
         main_latency(args)
@@ -155,17 +188,19 @@ def main() -> None:
     rows = []
     for i, f in enumerate(files):
         for with_cpus in ((True, False) if i % 2 == 0 else (False, True)):
-            rows.append(run_one(f, with_cpus, args.time_limit))
+            rows.append(run_one(f, with_cpus, args.time_limit, args.dp_exe))
     title = (f"Tarnawski throughput inputs: auto, bottleneck (max-load), with and without the files' CPUs; "
              f"load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
     table = Table(title=title)
-    for col in ("file", "FPGAs", "CPUs", "blocks", "max-load", "status", "gap", "wall s", "stages", "faults"):
+    for col in ("file", "FPGAs", "CPUs", "blocks", "max-load", "status", "gap", "wall s", "stages", "faults",
+                "dp.cpp max-load", "dp.cpp s"):
         table.add_column(col)
     for r in rows:
         stages = ", ".join(f"{n} {k}" for k, n in sorted(r["stages"].items()))
         table.add_row(r["file"], str(r["fpgas"]), f"{r['cpus']} (speed {r['cpu_speed']:.4g})" if r["cpus"] else "0",
                       str(r["blocks"]), f"{r['objective']:.6g}", r["status"], f"{r['gap']:.1e}", f"{r['wall_s']:.2f}",
-                      stages, str(r["faults"]))
+                      stages, str(r["faults"]), "-" if r["dp_cpp"] is None else f"{r['dp_cpp']:.6g}",
+                      "-" if r["dp_cpp_s"] is None else f"{r['dp_cpp_s']:.2f}")
     console = Console(width=200)
     if args.markdown:
         cols = [c.header for c in table.columns]

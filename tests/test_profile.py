@@ -164,14 +164,15 @@ def test_the_loss_goes_to_the_block_that_makes_the_outputs(n: int, data: st.Data
 
 
 def test_compile_times_the_loss_on_the_models_outputs_and_plans_it_on_the_last_stage() -> None:
-    """A loss that takes 20 ms (it sleeps) lands on the block that makes the logits, and the
-    model's other blocks and its buffers (batch statistics) are as without it."""
+    """A loss that takes 50 ms (it sleeps; well above what a tiny layer takes even on a loaded
+    machine) lands on the block that makes the logits, and the model's other blocks and its
+    buffers (batch statistics) are as without it."""
     import time as _time
 
     from fxsplit.frontend import front_end
 
     def slow_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        _time.sleep(0.02)
+        _time.sleep(0.05)
         return nn.functional.cross_entropy(out, target)
 
     torch.manual_seed(0)
@@ -183,12 +184,12 @@ def test_compile_times_the_loss_on_the_models_outputs_and_plans_it_on_the_last_s
                       options=CompileOptions(loss_fn=slow_loss, loss_target=y)).condensed.graph
     sink = max(b.id for b in graph.blocks if not graph.successors(b.id))
     assert any("linear" in n for n in graph.blocks[sink].nodes)  # the logits
-    assert graph.blocks[sink].fwd_s >= 0.02
-    assert all(b.fwd_s < 0.02 for b in graph.blocks if b.id != sink)
+    assert graph.blocks[sink].fwd_s >= 0.05
+    assert all(b.fwd_s < 0.05 for b in graph.blocks if b.id != sink)
     assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers(), strict=True))
     analytic = front_end(model, (x,), {}, reference=cpu, cost_model="analytic",
                          options=CompileOptions(loss_fn=slow_loss, loss_target=y)).condensed.graph
-    assert all(b.fwd_s < 0.02 for b in analytic.blocks)  # analytic costs leave the loss out (said in the log)
+    assert all(b.fwd_s < 0.05 for b in analytic.blocks)  # analytic costs leave the loss out (said in the log)
 
 
 def test_a_plan_given_the_loss_lightens_the_last_stage() -> None:
