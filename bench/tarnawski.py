@@ -73,7 +73,8 @@ def run_exe(exe: Path | None, path: Path, timeout_s: float) -> tuple[float | Non
     return (float(found.group(1)) if found and done.returncode == 0 else None), wall
 
 
-def run_one(path: Path, with_cpus: bool, time_limit_s: float, dp_exe: Path | None = None) -> dict[str, Any]:
+def run_one(path: Path, with_cpus: bool, time_limit_s: float, dp_exe: Path | None = None,
+            exe_timeout_s: float = 600.0) -> dict[str, Any]:
     """Load (CPUs kept or dropped), solve, re-check; the row's numbers."""
     data = json.loads(path.read_text())
     src = path
@@ -87,7 +88,7 @@ def run_one(path: Path, with_cpus: bool, time_limit_s: float, dp_exe: Path | Non
         plan = solve(pb, "auto", time_limit_s=time_limit_s)
         wall = time.perf_counter() - start
         faults = tarnawski_plan_faults(src, pb, plan)
-        theirs, theirs_s = run_exe(dp_exe, src, 600.0)
+        theirs, theirs_s = run_exe(dp_exe, src, exe_timeout_s)
     finally:
         if src != path:
             src.unlink()
@@ -102,10 +103,11 @@ def run_one(path: Path, with_cpus: bool, time_limit_s: float, dp_exe: Path | Non
             "dp_cpp": theirs, "dp_cpp_s": theirs_s}
 
 
-def run_latency(path: Path, time_limit_s: float, greedy_exe: Path | None = None) -> dict[str, Any]:
+def run_latency(path: Path, time_limit_s: float, greedy_exe: Path | None = None,
+                exe_timeout_s: float = 600.0) -> dict[str, Any]:
     """The latency objective on one file: baselines, then CP-SAT; the row's numbers."""
     pb = load_tarnawski_latency(path)
-    their_greedy, their_greedy_s = run_exe(greedy_exe, path, 600.0)
+    their_greedy, their_greedy_s = run_exe(greedy_exe, path, exe_timeout_s)
     greedy, interval = greedy_latency(pb), interval_latency(pb)
     try:  # the max-load split (dp.cpp's objective, here fxsplit's bottleneck plan), costed for latency
         tp = load_tarnawski(path, link=LINK).with_(objective="bottleneck")
@@ -138,7 +140,7 @@ def main_latency(args: argparse.Namespace) -> None:
     if not files:
         raise SystemExit(f"no latency-inputs/**/*.json under {args.inputs}")
     load = os.getloadavg()[0]
-    rows = [run_latency(f, args.time_limit, args.greedy_exe) for f in files]
+    rows = [run_latency(f, args.time_limit, args.greedy_exe, args.exe_timeout) for f in files]
     title = (f"Tarnawski latency inputs: one sample's latency, CP-SAT ({args.time_limit:g} s) beside their "
              f"baselines; load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
     cols = ("file", "nodes", "FPGAs", "all on CPUs", "greedy", "their greedy.cpp", "max-load split", "interval DP",
@@ -176,6 +178,7 @@ def main() -> None:
     ap.add_argument("--objective", choices=("bottleneck", "latency"), default="bottleneck")
     ap.add_argument("--dp-exe", type=Path, help="their dp.cpp, built (g++ -O3), to run beside fxsplit")
     ap.add_argument("--greedy-exe", type=Path, help="their latency greedy.cpp, built, to run beside fxsplit")
+    ap.add_argument("--exe-timeout", type=float, default=600.0, help="seconds for each run of their programs")
     args = ap.parse_args()
     if args.objective == "latency":
         main_latency(args)
@@ -188,7 +191,7 @@ def main() -> None:
     rows = []
     for i, f in enumerate(files):
         for with_cpus in ((True, False) if i % 2 == 0 else (False, True)):
-            rows.append(run_one(f, with_cpus, args.time_limit, args.dp_exe))
+            rows.append(run_one(f, with_cpus, args.time_limit, args.dp_exe, args.exe_timeout))
     title = (f"Tarnawski throughput inputs: auto, bottleneck (max-load), with and without the files' CPUs; "
              f"load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
     table = Table(title=title)

@@ -200,6 +200,21 @@ def _fuse_cycles(blocks: dict[str, dict[str, Any]], edges: list[tuple[str, str, 
     return merged, [(rename.get(u, u), rename.get(v, v), size) for u, v, size in edges], rename
 
 
+def _tarnawski_json(path: Path) -> dict[str, Any]:
+    """The instance at ``path`` as a dict with the four fields every Tarnawski file has.
+
+    Raises:
+        ConfigError: for a file that is not such a JSON object.
+    """
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a Tarnawski instance is a JSON object, not a {type(data).__name__}")
+    for key in ("maxSizePerFPGA", "maxFPGAs", "nodes", "edges"):
+        if key not in data:
+            raise ConfigError(f"{path}: Tarnawski JSON needs field {key!r}; found {sorted(data)}")
+    return data
+
+
 def load_tarnawski(
     path: str | Path, *, time_unit_s: float = 1.0, link: LinkSpec | None = None, name: str | None = None
 ) -> Problem:
@@ -240,12 +255,7 @@ def load_tarnawski(
             accelerators.
     """
     path = Path(path)
-    data = _read_json(path)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a Tarnawski instance is a JSON object, not a {type(data).__name__}")
-    for key in ("maxSizePerFPGA", "maxFPGAs", "nodes", "edges"):
-        if key not in data:
-            raise ConfigError(f"{path}: Tarnawski JSON needs field {key!r}; found {sorted(data)}")
+    data = _tarnawski_json(path)
     link = link or LinkSpec(bytes_per_s=1e9, latency_s=0.0)
     blocks, block_of = _tarnawski_blocks(data["nodes"], time_unit_s)
     edges = [(block_of[u], block_of[v], int(round(cost * time_unit_s * link.bytes_per_s)))
@@ -286,12 +296,7 @@ def load_tarnawski_latency(path: str | Path, *, time_unit_s: float = 1.0, name: 
             different costs on one node's out-edges, an edge to an unknown node, or a cycle.
     """
     path = Path(path)
-    data = _read_json(path)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a Tarnawski instance is a JSON object, not a {type(data).__name__}")
-    for key in ("maxSizePerFPGA", "maxFPGAs", "nodes", "edges"):
-        if key not in data:
-            raise ConfigError(f"{path}: Tarnawski JSON needs field {key!r}; found {sorted(data)}")
+    data = _tarnawski_json(path)
     try:
         return _latency_problem(path, data, time_unit_s, name)
     except (KeyError, TypeError, ValueError) as exc:
