@@ -485,8 +485,9 @@ def solve_latency(
         problem: The placement problem (e.g. :func:`fxsplit.ir.formats.load_tarnawski_latency`).
         time_limit_s: Wall-clock limit of the search, seconds.
         num_workers, seed: CP-SAT's search workers and random seed.
-        hint: A placement to start from; default the cheapest of :func:`greedy_latency`,
-            :func:`interval_latency` and everything on CPUs. The result is never worse than the hint.
+        hint: A placement to start from besides :func:`greedy_latency`,
+            :func:`interval_latency` and everything on CPUs (the search starts from the
+            cheapest). The result is never worse than any of them.
         quantum_s: Seconds per integer time unit; default the problem's total time /
             :data:`LATENCY_QUANTA`.
         log_search: Let CP-SAT log its search to this module's logger.
@@ -501,6 +502,7 @@ def solve_latency(
 
     Raises:
         ConfigError: for a malformed problem (:meth:`PlacementProblem.check`).
+        PlanError: for a hint that is not a valid placement of ``problem``.
         InternalError: when CP-SAT calls the model invalid or infeasible, or its bound exceeds
             a valid placement's latency (each a bug in this model; please report it).
     """
@@ -512,8 +514,9 @@ def solve_latency(
     problem.check()
     n, k = len(problem), problem.accelerators
     all_cpu = evaluate_placement(problem, [CPU] * n, solver="all-cpu", lower_bound_s=latency_lower_bound_s(problem))
-    if hint is None:
-        hint = min((greedy_latency(problem), interval_latency(problem), all_cpu), key=lambda p: p.latency_s)
+    given = [] if hint is None else [evaluate_placement(problem, hint.device, solver=hint.solver)]  # checked
+    starts = [greedy_latency(problem), interval_latency(problem), all_cpu, *given]
+    hint = min(starts, key=lambda p: p.latency_s)
     if k == 0 or n == 0:
         return all_cpu.with_(solver="cpsat", status="optimal", lower_bound_s=all_cpu.latency_s,
                              stats={"cp_status": "TRIVIAL", "wall_s": time.perf_counter() - t0})

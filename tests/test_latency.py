@@ -170,6 +170,15 @@ def test_the_path_bound_is_tight_on_a_chain_and_counts_memory() -> None:
     assert chain_lower_bound_s(split) == pytest.approx(9.0)
 
 
+def test_a_hint_is_checked_and_never_beaten_by_the_result() -> None:
+    pb = _problem(3, [(0, 1), (1, 2)], acc=[1.0, 2.0, 4.0], out=[0.5, 0.25, 0.0])
+    hinted = solve_latency(pb, hint=placement_of_stages(pb, [[0, 1], [2]], [True, True]))
+    assert hinted.latency_s == pytest.approx(7.0) and hinted.status == "optimal"
+    wrong = placement_of_stages(_problem(2, [(0, 1)]), [[0], [1]], [True, True])
+    with pytest.raises(PlanError, match="devices for 3 nodes"):
+        solve_latency(pb, hint=wrong)
+
+
 def test_a_throughput_split_is_costed_as_a_placement() -> None:
     pb = _problem(3, [(0, 1), (1, 2)], acc=[1.0, 2.0, 4.0], out=[0.5, 0.25, 0.0], k=2)
     placed = placement_of_stages(pb, [[0, 1], [2]], [True, True])

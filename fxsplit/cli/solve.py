@@ -181,7 +181,8 @@ def solve_command(
 
 
 LATENCY_SOLVERS = ("auto", "cpsat", "greedy")
-"""``--solver`` under ``--objective latency``: auto and cpsat run :func:`~fxsplit.solvers.latency.solve_latency`."""
+"""``--solver`` under ``--objective latency``: auto and cpsat run
+:func:`~fxsplit.solvers.latency.solve_latency` (CP-SAT from the best heuristic), greedy their greedy."""
 
 
 def _solve_latency(err: Console, graph: Path, format: str, *, devices: int | None, devices_file: Path | None,
@@ -214,7 +215,7 @@ def _solve_latency(err: Console, graph: Path, format: str, *, devices: int | Non
             problem = problem.with_memory(parse_bytes(memory_limit))
         greedy = greedy_latency(problem)
         placement = greedy if solver == "greedy" else solve_latency(
-            problem, time_limit_s=60.0 if time_limit is None else time_limit, hint=greedy)
+            problem, time_limit_s=60.0 if time_limit is None else time_limit)
     except FxsplitError as exc:
         exit_with_error(err, exc, 2 if isinstance(exc, ConfigError) else 1)
     baselines = {"all on CPUs": problem.all_cpu_s(), "greedy": greedy.latency_s}
