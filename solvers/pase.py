@@ -321,13 +321,16 @@ def _priced(graph: StrategyGraph, price: float) -> StrategyGraph:
 
 
 def solve_pase_lagrangian(graph: StrategyGraph, memory_limit_bytes: float, *, max_states: int = 1_000_000,
-                          rounds: int = 24) -> StrategyChoice:
+                          rounds: int = 24, unpriced: StrategyChoice | None = None) -> StrategyChoice:
     """The cheapest choice within ``memory_limit_bytes`` per device, by Lagrangian relaxation of
     the memory row: at a price ``λ`` (seconds per byte) on every option's memory,
     :func:`solve_pase_elimination` gives the exact minimum of ``time + λ · memory``, a choice whose
     memory falls as ``λ`` rises, and ``min(time + λ · memory) - λ · limit``, a lower bound of the
     constrained optimum. ``λ`` is doubled until a choice fits, then bisected for ``rounds``
     steps; the fastest choice that fits is kept with the best bound (``proven`` when they meet).
+
+    ``unpriced``: :func:`solve_pase_elimination`'s result on ``graph`` when the caller has it
+    (the price-0 step).
 
     Raises:
         InfeasibleError: when even each vertex's smallest option exceeds the limit.
@@ -350,7 +353,8 @@ def solve_pase_lagrangian(graph: StrategyGraph, memory_limit_bytes: float, *, ma
 
     def at(price: float) -> bool:
         nonlocal best, bound
-        found = solve_pase_elimination(_priced(graph, price), max_states=max_states)
+        found = (unpriced if price == 0.0 and unpriced is not None
+                 else solve_pase_elimination(_priced(graph, price), max_states=max_states))
         cost = graph.cost_s(found.choice)
         bound = max(bound, found.cost_s - price * memory_limit_bytes)
         if found.memory_bytes <= memory_limit_bytes and (best is None or cost < best.cost_s):
@@ -495,7 +499,8 @@ def solve_strategies(graph: StrategyGraph, *, memory_limit_bytes: float | None =
     if memory_limit_bytes is None or best.memory_bytes <= memory_limit_bytes:
         return best
     try:
-        relaxed = solve_pase_lagrangian(graph, memory_limit_bytes, max_states=max_states)
+        relaxed = solve_pase_lagrangian(graph, memory_limit_bytes, max_states=max_states,
+                                        unpriced=best if best.solver == "pase-elimination" else None)
     except SolverError:
         return solve_pase_cpsat(graph, memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s)
     if relaxed.proven:
