@@ -13,7 +13,7 @@ costs keep nine decimals), as dp.cpp adds them to a stage's time. (Until the six
 bench used a 1 B/s link, which rounded every cost under half a unit to 0 bytes.)
 
 The column "costed dp.cpp's way" re-costs fxsplit's plan with ``dp.cpp``'s accounting
-(:func:`their_max_load`): where it exceeds fxsplit's max-load the two models differ on that file.
+(:func:`fxsplit.ir.formats.tarnawski_max_load`): where it exceeds fxsplit's max-load the two models differ on that file.
 ``--dp-exe PATH`` also runs their ``dp.cpp`` (built from their repository, not shipped here) on
 the same file, alternating with fxsplit, and prints its max-load and seconds; ``--greedy-exe``
 does the same for their latency greedy on the latency inputs.
@@ -43,7 +43,12 @@ from rich.table import Table
 
 from fxsplit.errors import FxsplitError
 from fxsplit.ir import LinkSpec
-from fxsplit.ir.formats import load_tarnawski, load_tarnawski_latency, tarnawski_plan_faults
+from fxsplit.ir.formats import (
+    load_tarnawski,
+    load_tarnawski_latency,
+    tarnawski_max_load,
+    tarnawski_plan_faults,
+)
 from fxsplit.solvers import solve
 from fxsplit.solvers.latency import (
     greedy_latency,
@@ -75,33 +80,6 @@ def run_exe(exe: Path | None, path: Path, timeout_s: float) -> tuple[float | Non
     return (float(found.group(1)) if found and done.returncode == 0 else None), wall
 
 
-def their_max_load(data: dict[str, Any], stage_nodes: list[list[int]], on_cpu: list[bool]) -> float:
-    """A split's max-load costed as ``dp.cpp`` costs it (re-derived from its output loads on these
-    files): an accelerator's load is its nodes' ``fpgaLatency`` (forward and backward), each
-    distinct node outside that feeds it (its ``cost``) and each of its nodes that feeds one
-    outside; a CPU's is its nodes' ``cpuLatency``."""
-    nodes = {int(n["id"]): n for n in data["nodes"]}
-    cost: dict[int, float] = {}
-    succ: dict[int, set[int]] = {i: set() for i in nodes}
-    pred: dict[int, set[int]] = {i: set() for i in nodes}
-    for e in data["edges"]:
-        u, v = int(e["sourceId"]), int(e["destId"])
-        cost[u] = float(e["cost"])
-        succ[u].add(v)
-        pred[v].add(u)
-    worst = 0.0
-    for members, cpu in zip(stage_nodes, on_cpu, strict=True):
-        inside = set(members)
-        if cpu:
-            load = sum(float(nodes[v]["cpuLatency"]) for v in inside)
-        else:
-            senders = {u for v in inside for u in pred[v] if u not in inside}
-            load = (sum(float(nodes[v]["fpgaLatency"]) for v in inside) + sum(cost.get(u, 0.0) for u in senders)
-                    + sum(cost.get(u, 0.0) for u in inside if succ[u] - inside))
-        worst = max(worst, load)
-    return worst
-
-
 def run_one(path: Path, with_cpus: bool, time_limit_s: float, dp_exe: Path | None = None,
             exe_timeout_s: float = 600.0) -> dict[str, Any]:
     """Load (CPUs kept or dropped), solve, re-check; the row's numbers."""
@@ -118,8 +96,7 @@ def run_one(path: Path, with_cpus: bool, time_limit_s: float, dp_exe: Path | Non
         wall = time.perf_counter() - start
         faults = tarnawski_plan_faults(src, pb, plan)
         theirs, theirs_s = run_exe(dp_exe, src, exe_timeout_s)
-        costed = their_max_load(data, [[nid for b in st.blocks for nid in _node_ids(src, pb, b)]
-                                       for st in plan.stages], [pb.devices[st.device].comm_free for st in plan.stages])
+        costed = tarnawski_max_load(src, pb, plan)
     finally:
         if src != path:
             src.unlink()

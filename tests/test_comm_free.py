@@ -137,3 +137,46 @@ def test_tarnawski_cpu_speed_must_be_one_ratio(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="node 1 .* supportedOnFpga false"):
         load_tarnawski(path)
+
+
+def _training_pair(tmp_path: Path, gradient_cost: float) -> Path:
+    """Two layers, each a forward and a backward node of one colour class; the activation costs
+    1.0 to send and the gradient ``gradient_cost``."""
+    node = {"supportedOnFpga": 1, "cpuLatency": 30.0, "fpgaLatency": 3.0, "size": 1.0}
+    data = {"maxSizePerFPGA": 100.0, "maxFPGAs": 2, "maxCPUs": 0,
+            "nodes": [{**node, "id": 1, "isBackwardNode": 0, "colorClass": 0},
+                      {**node, "id": 2, "isBackwardNode": 0, "colorClass": 1},
+                      {**node, "id": 3, "isBackwardNode": 1, "colorClass": 1},
+                      {**node, "id": 4, "isBackwardNode": 1, "colorClass": 0}],
+            "edges": [{"sourceId": 1, "destId": 2, "cost": 1.0}, {"sourceId": 2, "destId": 3, "cost": 0.5},
+                      {"sourceId": 3, "destId": 4, "cost": gradient_cost}]}
+    path = tmp_path / f"pair_{gradient_cost}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(("gradient_cost", "theirs"), [(1.0, 8.0), (5.0, 12.0)])
+def test_their_costing_of_a_plan_counts_each_crossing_node_once(tmp_path: Path, gradient_cost: float,
+                                                                theirs: float) -> None:
+    from fxsplit.ir.formats import tarnawski_max_load
+
+    path = _training_pair(tmp_path, gradient_cost)
+    pb = load_tarnawski(path)
+    plan = solve(pb, "dp")
+    # fxsplit: each stage 6 of work and its boundary twice (activation and gradient at 1.0)
+    assert plan.num_stages == 2 and plan.bottleneck_s == pytest.approx(8.0)
+    # dp.cpp: 6 of work, the activation's sender (1.0) and the gradient's (gradient_cost), once each
+    assert tarnawski_max_load(path, pb, plan) == pytest.approx(theirs)
+    assert tarnawski_max_load(path, pb, plan, communication=False) == pytest.approx(6.0)
+
+
+def test_solve_says_when_their_costing_of_the_plan_is_higher(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fxsplit.cli import _register_all, app
+
+    _register_all()
+    mirrored = CliRunner().invoke(app, ["solve", str(_training_pair(tmp_path, 1.0))])
+    assert mirrored.exit_code == 0 and "warning" not in mirrored.output
+    skewed = CliRunner().invoke(app, ["solve", str(_training_pair(tmp_path, 5.0))])
+    assert skewed.exit_code == 0 and "warning" in skewed.output and "largest stage load is 12" in skewed.output

@@ -22,7 +22,12 @@ from fxsplit.cli import exit_with_error
 from fxsplit.cli.helptext import OBJECTIVE_HELP, PROBLEM_SCHEDULE_HELP, SOLVER_HELP
 from fxsplit.errors import ConfigError, FxsplitError, InfeasibleError, InternalError
 from fxsplit.ir.devices import DeviceSpec, GiB, LinkSpec
-from fxsplit.ir.formats import detect_format, load_graph_or_problem, tarnawski_plan_faults
+from fxsplit.ir.formats import (
+    detect_format,
+    load_graph_or_problem,
+    tarnawski_max_load,
+    tarnawski_plan_faults,
+)
 from fxsplit.ir.graph import CondensedGraph
 from fxsplit.ir.plan import Plan
 from fxsplit.ir.problem import Problem
@@ -124,6 +129,23 @@ def _recheck_tarnawski(path: Path, problem: Problem, plan: Plan) -> None:
                             "(a bug in fxsplit's Tarnawski reader or solvers; please report it with the file)")
 
 
+def _compare_with_their_costing(err: Console, path: Path, problem: Problem, plan: Plan, *,
+                                communication: bool) -> None:
+    """Say so on stderr when ``plan``'s largest stage load, costed as ``dp.cpp`` costs it
+    (:func:`~fxsplit.ir.formats.tarnawski_max_load`), exceeds what fxsplit's model gives it: the
+    optimum printed is then fxsplit's, not the paper's (training files whose gradients do not
+    mirror their activations)."""
+    from rich.markup import escape
+
+    theirs = tarnawski_max_load(path, problem, plan, communication=communication)
+    ours = plan.bottleneck_s
+    if theirs > ours * (1 + 1e-6) + 1e-12:
+        err.print(f"[yellow]warning:[/yellow] {escape(str(path))}: costed as dp.cpp costs it (every node whose edge "
+                  f"crosses a stage, forward or backward, once) this plan's largest stage load is {theirs:.6g}, "
+                  f"where fxsplit's model (training boundaries at twice their activations) gives {ours:.6g}; "
+                  "the plan is optimal for fxsplit's model, not for dp.cpp's", highlight=False)
+
+
 def plan_json(plan: Plan, problem: Problem) -> dict[str, Any]:
     """The ``--json`` document: the plan's fields, each stage with ``nodes`` and ``device_name``."""
     return plan.to_dict(problem)
@@ -167,6 +189,7 @@ def solve_command(
             plan = solve(problem, solver, time_limit_s=time_limit)
         if (format if format != "auto" else detect_format(graph)) == "tarnawski":
             _recheck_tarnawski(graph, problem, plan)
+            _compare_with_their_costing(err, graph, problem, plan, communication=not no_comm)
     except InfeasibleError as exc:
         exit_with_error(err, exc, 2, "infeasible")
     except FxsplitError as exc:  # bad input (ConfigError): exit 2, as for a usage error; else 1

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from fxsplit.ir.plan import Plan
 
 __all__ = ["FORMATS", "detect_format", "load_pipedream", "load_tarnawski", "load_tarnawski_latency",
-           "load_graph_or_problem", "tarnawski_plan_faults", "topological_graph"]
+           "load_graph_or_problem", "tarnawski_max_load", "tarnawski_plan_faults", "topological_graph"]
 
 FORMATS = ("auto", "fxsplit", "pipedream", "tarnawski")
 
@@ -415,6 +415,25 @@ def _tarnawski_precedence(data: dict[str, Any], block_of: dict[int, str]) -> lis
     return out
 
 
+def _node_stages(data: dict[str, Any], problem: Problem, plan: Plan) -> tuple[dict[int, int], list[str]]:
+    """Each node's stage in ``plan`` (by its block's name, through the merges of cycle fusion),
+    and a fault for every node in no stage."""
+    blocks, block_of = _tarnawski_blocks(data["nodes"], 1.0)
+    precedence = _tarnawski_precedence(data, block_of)
+    _, _, rename = _fuse_cycles(blocks, [(block_of[u], block_of[v], 0) for u, v, _ in precedence])
+    stage_of_block = {problem.graph.blocks[b].name: s for s, st in enumerate(plan.stages) for b in st.blocks}
+    faults: list[str] = []
+    stage: dict[int, int] = {}
+    for node in data["nodes"]:
+        nid = int(node["id"])
+        name = rename.get(block_of[nid], block_of[nid])
+        if name not in stage_of_block:
+            faults.append(f"node {nid} (block {name!r}) is in no stage")
+        else:
+            stage[nid] = stage_of_block[name]
+    return stage, faults
+
+
 def tarnawski_plan_faults(path: str | Path, problem: Problem, plan: Plan) -> list[str]:
     """Every precedence of the Tarnawski instance at ``path`` that ``plan`` breaks, checked on the
     file's own nodes and edges (never on the block graph the solvers saw), and every node the plan
@@ -429,24 +448,53 @@ def tarnawski_plan_faults(path: str | Path, problem: Problem, plan: Plan) -> lis
         ConfigError: for a malformed file (as :func:`load_tarnawski`).
     """
     path = Path(path)
-    data = _read_json(path)
-    blocks, block_of = _tarnawski_blocks(data["nodes"], 1.0)
-    precedence = _tarnawski_precedence(data, block_of)
-    _, _, rename = _fuse_cycles(blocks, [(block_of[u], block_of[v], 0) for u, v, _ in precedence])
-    stage_of_block = {problem.graph.blocks[b].name: s for s, st in enumerate(plan.stages) for b in st.blocks}
-    faults: list[str] = []
-    stage: dict[int, int] = {}
-    for node in data["nodes"]:
-        nid = int(node["id"])
-        name = rename.get(block_of[nid], block_of[nid])
-        if name not in stage_of_block:
-            faults.append(f"node {nid} (block {name!r}) is in no stage")
-        else:
-            stage[nid] = stage_of_block[name]
-    for u, v, _ in precedence:
+    data = _tarnawski_json(path)
+    stage, faults = _node_stages(data, problem, plan)
+    block_of = _tarnawski_blocks(data["nodes"], 1.0)[1]
+    for u, v, _ in _tarnawski_precedence(data, block_of):
         if u in stage and v in stage and stage[u] > stage[v]:
             faults.append(f"node {u} (stage {stage[u]}) must not come after node {v} (stage {stage[v]})")
     return faults
+
+
+def tarnawski_max_load(path: str | Path, problem: Problem, plan: Plan, *, communication: bool = True) -> float:
+    """``plan``'s largest stage load costed as Tarnawski et al.'s ``dp.cpp`` costs it, on the
+    file's own nodes and edges, in the file's units: an accelerator stage pays its nodes'
+    ``fpgaLatency`` (forward and backward) and, once each, the ``cost`` of every node with an edge
+    crossing the stage's node set either way (forward or backward edge); a CPU stage
+    (``comm_free`` device) pays its nodes' ``cpuLatency`` only. fxsplit's own model charges a
+    training boundary twice its forward transfers and relays skipping tensors, so the two differ
+    where gradients do not mirror activations (more here) or tensors skip stages (less here).
+
+    Args:
+        path, problem, plan: As :func:`tarnawski_plan_faults`.
+        communication: Count the edges' costs (False: as ``fxsplit solve --no-comm``).
+
+    Raises:
+        ConfigError: for a malformed file or a node the plan does not place.
+    """
+    path = Path(path)
+    data = _tarnawski_json(path)
+    stage, faults = _node_stages(data, problem, plan)
+    if faults:
+        raise ConfigError(f"{path}: the plan does not place every node: {'; '.join(faults[:3])}")
+    nodes = {int(n["id"]): n for n in data["nodes"]}
+    crossing: list[set[int]] = [set() for _ in plan.stages]
+    cost: dict[int, float] = {}
+    for e in data["edges"]:
+        u, v = int(e["sourceId"]), int(e["destId"])
+        cost[u] = float(e["cost"])
+        if stage[u] != stage[v]:
+            crossing[stage[u]].add(u)
+            crossing[stage[v]].add(u)
+    loads = [0.0] * len(plan.stages)
+    for nid, s in stage.items():
+        cpu = problem.devices[plan.stages[s].device].comm_free
+        loads[s] += float(nodes[nid].get("cpuLatency" if cpu else "fpgaLatency", 0.0))
+    for s, members in enumerate(crossing):
+        if communication and not problem.devices[plan.stages[s].device].comm_free:
+            loads[s] += sum(cost[u] for u in members)
+    return max(loads, default=0.0)
 
 
 def _read_text(path: Path) -> str:
