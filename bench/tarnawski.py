@@ -120,7 +120,8 @@ def run_latency(path: Path, time_limit_s: float, greedy_exe: Path | None = None,
     try:  # the max-load split (dp.cpp's objective, here fxsplit's bottleneck plan), costed for latency
         tp = load_tarnawski(path, link=LINK).with_(objective="bottleneck")
         plan = solve(tp, "auto", time_limit_s=time_limit_s)
-        stages = [[nid for b in st.blocks for nid in _node_ids(path, tp, b)] for st in plan.stages]
+        ids = _node_ids(path)
+        stages = [[ids[n] for b in st.blocks for n in tp.graph.blocks[b].nodes] for st in plan.stages]
         max_load: float | str = placement_of_stages(
             pb, stages, [not tp.devices[st.device].comm_free for st in plan.stages]).latency_s
     except FxsplitError as exc:
@@ -137,10 +138,9 @@ def run_latency(path: Path, time_limit_s: float, greedy_exe: Path | None = None,
             "their_greedy": their_greedy, "their_greedy_s": their_greedy_s}
 
 
-def _node_ids(path: Path, problem: Any, block: int) -> list[int]:
-    """The input's node ids of one block of ``load_tarnawski(path)``."""
-    names = {str(n.get("name", f"n{n['id']}")): int(n["id"]) for n in json.loads(path.read_text())["nodes"]}
-    return [names[n] for n in problem.graph.blocks[block].nodes]
+def _node_ids(path: Path) -> dict[str, int]:
+    """The input's node id of each node name in the blocks of ``load_tarnawski(path)``."""
+    return {str(n.get("name", f"n{n['id']}")): int(n["id"]) for n in json.loads(path.read_text())["nodes"]}
 
 
 def main_latency(args: argparse.Namespace) -> None:

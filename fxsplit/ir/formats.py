@@ -415,9 +415,10 @@ def _tarnawski_precedence(data: dict[str, Any], block_of: dict[int, str]) -> lis
     return out
 
 
-def _node_stages(data: dict[str, Any], problem: Problem, plan: Plan) -> tuple[dict[int, int], list[str]]:
+def _node_stages(data: dict[str, Any], problem: Problem, plan: Plan
+                 ) -> tuple[dict[int, int], list[str], list[tuple[int, int, float]]]:
     """Each node's stage in ``plan`` (by its block's name, through the merges of cycle fusion),
-    and a fault for every node in no stage."""
+    a fault for every node in no stage, and the file's precedence (:func:`_tarnawski_precedence`)."""
     blocks, block_of = _tarnawski_blocks(data["nodes"], 1.0)
     precedence = _tarnawski_precedence(data, block_of)
     _, _, rename = _fuse_cycles(blocks, [(block_of[u], block_of[v], 0) for u, v, _ in precedence])
@@ -431,7 +432,7 @@ def _node_stages(data: dict[str, Any], problem: Problem, plan: Plan) -> tuple[di
             faults.append(f"node {nid} (block {name!r}) is in no stage")
         else:
             stage[nid] = stage_of_block[name]
-    return stage, faults
+    return stage, faults, precedence
 
 
 def tarnawski_plan_faults(path: str | Path, problem: Problem, plan: Plan) -> list[str]:
@@ -449,9 +450,8 @@ def tarnawski_plan_faults(path: str | Path, problem: Problem, plan: Plan) -> lis
     """
     path = Path(path)
     data = _tarnawski_json(path)
-    stage, faults = _node_stages(data, problem, plan)
-    block_of = _tarnawski_blocks(data["nodes"], 1.0)[1]
-    for u, v, _ in _tarnawski_precedence(data, block_of):
+    stage, faults, precedence = _node_stages(data, problem, plan)
+    for u, v, _ in precedence:
         if u in stage and v in stage and stage[u] > stage[v]:
             faults.append(f"node {u} (stage {stage[u]}) must not come after node {v} (stage {stage[v]})")
     return faults
@@ -475,7 +475,7 @@ def tarnawski_max_load(path: str | Path, problem: Problem, plan: Plan, *, commun
     """
     path = Path(path)
     data = _tarnawski_json(path)
-    stage, faults = _node_stages(data, problem, plan)
+    stage, faults, _ = _node_stages(data, problem, plan)
     if faults:
         raise ConfigError(f"{path}: the plan does not place every node: {'; '.join(faults[:3])}")
     nodes = {int(n["id"]): n for n in data["nodes"]}
