@@ -25,7 +25,11 @@ baselines of their Appendix F: everything on CPUs, their greedy, the latency of 
 (throughput) split (fxsplit's own bottleneck plan of the same file, CPUs included, each stage's
 nodes on its device), and fxsplit's interval DP (the CP-SAT hint's best candidate).
 
-Run: ``python bench/tarnawski.py INPUTS [--objective latency] [--time-limit 60] [--markdown]``.
+``--transfers direct`` solves dp.cpp's own objective (:func:`fxsplit.ir.formats.load_tarnawski`:
+each node whose edge crosses a stage paid by the stages it leaves and enters, no relay, backward
+edges as their own messages); then "costed dp.cpp's way" equals fxsplit's max-load on every plan.
+
+Run: ``python bench/tarnawski.py INPUTS [--objective latency] [--transfers direct] [--time-limit 60] [--markdown]``.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def run_exe(exe: Path | None, path: Path, timeout_s: float) -> tuple[float | Non
 
 
 def run_one(path: Path, with_cpus: bool, time_limit_s: float, dp_exe: Path | None = None,
-            exe_timeout_s: float = 600.0) -> dict[str, Any]:
+            exe_timeout_s: float = 600.0, transfers: str = "relayed") -> dict[str, Any]:
     """Load (CPUs kept or dropped), solve, re-check; the row's numbers."""
     data = json.loads(path.read_text())
     src = path
@@ -90,10 +94,11 @@ def run_one(path: Path, with_cpus: bool, time_limit_s: float, dp_exe: Path | Non
         src = path.with_name(path.stem + ".nocpu.tmp.json")
         src.write_text(json.dumps(data))
     try:
-        pb = load_tarnawski(src, link=LINK, name=path.stem).with_(objective="bottleneck")
         start = time.perf_counter()
+        pb = load_tarnawski(src, link=LINK, name=path.stem, transfers=transfers).with_(objective="bottleneck")
+        load_s = time.perf_counter() - start
         plan = solve(pb, "auto", time_limit_s=time_limit_s)
-        wall = time.perf_counter() - start
+        wall = time.perf_counter() - start - load_s
         faults = tarnawski_plan_faults(src, pb, plan)
         theirs, theirs_s = run_exe(dp_exe, src, exe_timeout_s)
         costed = tarnawski_max_load(src, pb, plan)
@@ -106,7 +111,7 @@ def run_one(path: Path, with_cpus: bool, time_limit_s: float, dp_exe: Path | Non
         kinds[kind] = kinds.get(kind, 0) + 1
     return {"file": str(path.relative_to(path.parents[2])), "cpus": int(data.get("maxCPUs", 0)),
             "fpgas": int(data["maxFPGAs"]), "blocks": len(pb.graph), "objective": plan.objective_s,
-            "status": plan.status, "gap": plan.gap, "wall_s": wall, "stages": kinds, "faults": len(faults),
+            "status": plan.status, "gap": plan.gap, "wall_s": wall, "load_s": load_s, "stages": kinds, "faults": len(faults),
             "cpu_speed": next((d.speed for d in pb.devices if d.comm_free), None),
             "dp_cpp": theirs, "dp_cpp_s": theirs_s, "their_way": costed}
 
@@ -187,6 +192,8 @@ def main() -> None:
     ap.add_argument("--dp-exe", type=Path, help="their dp.cpp, built (g++ -O3), to run beside fxsplit")
     ap.add_argument("--greedy-exe", type=Path, help="their latency greedy.cpp, built, to run beside fxsplit")
     ap.add_argument("--exe-timeout", type=float, default=600.0, help="seconds for each run of their programs")
+    ap.add_argument("--transfers", choices=("relayed", "direct"), default="relayed",
+                    help="communication model (load_tarnawski): fxsplit's relayed boundaries or dp.cpp's direct transfers")
     args = ap.parse_args()
     if args.objective == "latency":
         main_latency(args)
@@ -199,17 +206,18 @@ def main() -> None:
     rows = []
     for i, f in enumerate(files):
         for with_cpus in ((True, False) if i % 2 == 0 else (False, True)):
-            rows.append(run_one(f, with_cpus, args.time_limit, args.dp_exe, args.exe_timeout))
-    title = (f"Tarnawski throughput inputs: auto, bottleneck (max-load), with and without the files' CPUs; "
+            rows.append(run_one(f, with_cpus, args.time_limit, args.dp_exe, args.exe_timeout, args.transfers))
+    title = (f"Tarnawski throughput inputs: auto, bottleneck (max-load), {args.transfers} transfers, with and without "
+             "the files' CPUs; "
              f"load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
     table = Table(title=title)
-    for col in ("file", "FPGAs", "CPUs", "blocks", "max-load", "status", "gap", "wall s", "stages", "faults",
+    for col in ("file", "FPGAs", "CPUs", "blocks", "max-load", "status", "gap", "load s", "solve s", "stages", "faults",
                 "the plan costed dp.cpp's way", "dp.cpp max-load", "dp.cpp s"):
         table.add_column(col)
     for r in rows:
         stages = ", ".join(f"{n} {k}" for k, n in sorted(r["stages"].items()))
         table.add_row(r["file"], str(r["fpgas"]), f"{r['cpus']} (speed {r['cpu_speed']:.4g})" if r["cpus"] else "0",
-                      str(r["blocks"]), f"{r['objective']:.6g}", r["status"], f"{r['gap']:.1e}", f"{r['wall_s']:.2f}",
+                      str(r["blocks"]), f"{r['objective']:.6g}", r["status"], f"{r['gap']:.1e}", f"{r['load_s']:.2f}", f"{r['wall_s']:.2f}",
                       stages, str(r["faults"]), f"{r['their_way']:.6g}",
                       "-" if r["dp_cpp"] is None else f"{r['dp_cpp']:.6g}",
                       "-" if r["dp_cpp_s"] is None else f"{r['dp_cpp_s']:.2f}")

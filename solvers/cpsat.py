@@ -160,8 +160,8 @@ def _infeasible(problem: Problem, limit_s: float, how: str) -> InfeasibleError:
 
 def _rounding_slack_s(problem: Problem, data: CpData, plan: Plan) -> float:
     """Most the floor rounding can hide in ``plan``'s objective: a quantum per block and per
-    communication term (latency, each producer crossing) of a stage, twice in training, and one
-    for the runtime's work on the stage (``fixed_q``)."""
+    communication term (latency, each producer crossing, each direct transfer it pays) of a
+    stage, twice in training, and one for the runtime's work on the stage (``fixed_q``)."""
     k = 2 if problem.training else 1
     stage_of = plan.stage_of_block()
     crossing = [0] * plan.num_stages
@@ -169,9 +169,14 @@ def _rounding_slack_s(problem: Problem, data: CpData, plan: Plan) -> float:
         last = max(stage_of[v] for v, _ in outs)
         for s in range(stage_of[u], last):
             crossing[s] += 1
+    direct = [0] * plan.num_stages
+    for a, readers, _ in data.direct_q:  # a direct transfer, once on each stage it leaves or enters
+        ends = {stage_of[a], *(stage_of[r] for r in readers)}
+        for s in ends if len(ends) > 1 else ():
+            direct[s] += 1
     fixed = 1 if problem.action_overhead_s > 0 else 0
-    terms = [len(st.blocks) * (2 if st.recompute else 1) + k * (2 + (crossing[s - 1] if s else 0) + crossing[s]) + fixed
-             for s, st in enumerate(plan.stages)]
+    terms = [len(st.blocks) * (2 if st.recompute else 1) + k * (2 + (crossing[s - 1] if s else 0) + crossing[s])
+             + direct[s] + fixed for s, st in enumerate(plan.stages)]
     if problem.objective == "bottleneck":
         return max(terms) * data.quantum_s
     return (sum(terms) + (problem.microbatches - 1) * max(terms)) * data.quantum_s

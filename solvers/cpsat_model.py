@@ -39,6 +39,9 @@ class CpData:
         recompute: The problem's recompute mode, ``"none"`` in inference.
         fixed_q: The runtime's work per micro-batch on every non-empty stage
             (:meth:`~fxsplit.ir.Problem.stage_overhead_s`) in quanta.
+        direct_q: ``[(source, readers, quanta), ...]`` the graph's direct transfers
+            (:attr:`~fxsplit.ir.CondensedGraph.direct`; one-reader ones summed per pair), each
+            paid by every stage it crosses.
     """
 
     problem: Problem
@@ -56,6 +59,7 @@ class CpData:
     fwd_q: tuple[tuple[int, ...], ...] = ()
     recompute: str = "none"
     fixed_q: int = 0
+    direct_q: tuple[tuple[int, tuple[int, ...], int], ...] = ()
 
     @classmethod
     def of(cls, problem: Problem, quantum_s: float | None = None) -> CpData:
@@ -94,7 +98,23 @@ class CpData:
         flights = {p: tuple(problem.in_flight(s, p if p else k) for s in range(S)) for p in counts}
         return cls(problem, q, S, units, allowed, time_q, static, act, dict(producers), tuple(comm),
                    flights, check, fwd_q, problem.recompute if problem.may_recompute() else "none",
-                   int(problem.stage_overhead_s() / q))
+                   int(problem.stage_overhead_s() / q), _direct_quanta(problem, q))
+
+
+def _direct_quanta(problem: Problem, q: float) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+    """The graph's direct transfers in quanta over the one link (readers other than the source;
+    transfers with one reader summed per (source, reader))."""
+    per_byte = 1.0 / (problem.link.bytes_per_s * q)
+    pairs: dict[tuple[int, int], float] = defaultdict(float)
+    many = []
+    for t in problem.graph.direct:
+        readers = tuple(sorted(set(t.dsts) - {t.src}))
+        if len(readers) == 1:
+            pairs[t.src, readers[0]] += t.size_bytes
+        elif readers:
+            many.append((t.src, readers, int(t.size_bytes * per_byte)))
+    out = [(a, (b,), int(size * per_byte)) for (a, b), size in pairs.items()] + many
+    return tuple(x for x in out if x[2] > 0)
 
 
 @dataclass
@@ -108,6 +128,7 @@ class CpVars:
     pipe: dict[int, Any] = field(default_factory=dict)                   # exactly q stages (1F1B)
     out_bytes: dict[int, Any] = field(default_factory=dict)              # bytes over boundary s
     comm_q: dict[int, Any] = field(default_factory=dict)                 # quanta over boundary s
+    direct_q: dict[int, Any] = field(default_factory=dict)               # direct transfers of stage s, quanta
     load: dict[int, Any] = field(default_factory=dict)                   # stage s time, quanta
     again: dict[int, Any] = field(default_factory=dict)                  # stage s recomputes
     bottleneck: Any = None
@@ -209,6 +230,21 @@ def add_boundaries(m: Any, d: CpData, v: CpVars) -> None:
         v.comm_q[s] = lat_q * any_cross + sum(sent_q)
 
 
+def add_direct(m: Any, d: CpData, v: CpVars) -> None:
+    """Direct transfers (:class:`~fxsplit.ir.graph.DirectTransfer`): ``pays[t, s]`` is forced to 1
+    when stage ``s`` holds the source of transfer ``t`` but not one of its readers, or a reader
+    but not the source (``|x[a, s] - x[r, s]| = 1``); the minimisation keeps it 0 otherwise."""
+    for s in range(d.num_stages):
+        terms = []
+        for t, (a, readers, quanta) in enumerate(d.direct_q):
+            pays = m.NewBoolVar(f"pays[{t},{s}]")
+            for r in readers:
+                m.Add(pays >= v.x[a, s] - v.x[r, s])
+                m.Add(pays >= v.x[r, s] - v.x[a, s])
+            terms.append(quanta * pays)
+        v.direct_q[s] = sum(terms)
+
+
 def _recomputes(m: Any, d: CpData, v: CpVars, s: int) -> Any:
     """``again[s]``: stage ``s`` recomputes its activations (1 under ``"all"``; a choice under
     ``"auto"`` where memory can bind; 0 otherwise, as :meth:`~fxsplit.ir.Problem.recomputes`)."""
@@ -226,7 +262,7 @@ def add_loads(m: Any, d: CpData, v: CpVars) -> None:
     n, k, S = len(d.static_bytes), 2 if d.problem.training else 1, d.num_stages
     comm_max = max((_max_comm_q(d, s) for s in range(S - 1)), default=0)
     again_max = max((sum(fq) for fq in d.fwd_q), default=0) if d.recompute != "none" else 0
-    horizon = max(sum(tq) for tq in d.time_q) + again_max + 2 * k * comm_max + d.fixed_q
+    horizon = max(sum(tq) for tq in d.time_q) + again_max + 2 * k * comm_max + d.fixed_q + sum(x[2] for x in d.direct_q)
     twice = d.recompute == "all"  # every stage runs its forward again
     cheapest = [min(tq[b] + (fq[b] if twice else 0) for tq, fq in zip(d.time_q, d.fwd_q, strict=True))
                 for b in range(n)]  # each block on its fastest unit
@@ -238,7 +274,7 @@ def add_loads(m: Any, d: CpData, v: CpVars) -> None:
         again = _recomputes(m, d, v, s)
         for t in d.allowed[s]:
             work = sum(d.time_q[t][b] * v.x[b, s] for b in range(n))
-            paid = 0 if d.problem.devices[d.unit_devices[t][0]].comm_free else k * comm  # comm_free: neighbours pay
+            paid = 0 if d.problem.devices[d.unit_devices[t][0]].comm_free else k * comm + v.direct_q.get(s, 0)
             m.Add(v.load[s] >= work + paid + d.fixed_q).OnlyEnforceIf(v.use[s, t])
             if isinstance(again, int) and not again:
                 continue
@@ -313,12 +349,14 @@ def build_model(cp_model: Any, d: CpData, hint: Plan | None) -> tuple[Any, CpVar
     add_precedence(m, d, v)
     add_units(m, d, v)
     add_boundaries(m, d, v)
+    if d.direct_q:
+        add_direct(m, d, v)
     add_loads(m, d, v)
     add_memory(m, d, v)
     add_objective(m, d, v)
     if hint is not None and math.isfinite(hint.objective_s):
         add_hint(m, d, v, hint)
-        free_comm = all(lat == 0 and per_byte == 0 for lat, per_byte in d.comm_q)
+        free_comm = all(lat == 0 and per_byte == 0 for lat, per_byte in d.comm_q) and not d.direct_q
         if d.problem.objective == "bottleneck" and free_comm and not hint.validate(d.problem):
             # loads are block times rounded down, so a valid hint's bottleneck bounds the optimum's
             m.Add(v.bottleneck <= math.ceil(hint.bottleneck_s / d.quantum_s))

@@ -147,7 +147,11 @@ def _stage_costs(tb: DownsetTables, i: np.ndarray, js: np.ndarray, sigs: _Sigs, 
             return mem - sigs.cap_bytes
     comm = _transfer(cut_in, sigs.lat_in, sigs.bw_in) + _transfer(cut_out, sigs.lat_out, sigs.bw_out)
     work = tb.work_s[i] - tb.work_s[js] + np.where(again, tb.fwd_s[i] - tb.fwd_s[js], 0.0)
-    cost = work / sigs.speed + comm_factor * sigs.comm_scale * comm + sigs.fixed
+    if tb.direct is None:
+        cost = work / sigs.speed + comm_factor * sigs.comm_scale * comm + sigs.fixed
+    else:  # direct transfers list every message of a step: never doubled (one link, no latency)
+        direct_s = tb.direct.bytes(i, js) / sigs.bw_in
+        cost = work / sigs.speed + sigs.comm_scale * (comm_factor * comm + direct_s) + sigs.fixed
     if need and mem is not None:
         cost = np.where(mem < sigs.cap_bytes + 1.0, cost, np.inf)
     return cost

@@ -130,8 +130,8 @@ def fold_free_blocks(problem: Problem) -> Reduction | None:
     """
     g = problem.graph
     n = len(g)
-    if not problem.allow_idle_devices or n < 2 or not _positions_alike(problem):
-        return None
+    if not problem.allow_idle_devices or n < 2 or not _positions_alike(problem) or g.direct:
+        return None  # direct transfers tie blocks to stages the folding does not see
     loose_memory = _memory_cannot_bind(problem)
     owner = list(range(n))  # union-find: a folded block points at the block it joined
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, enumerate_downsets
 from fxsplit.ir.problem import Problem
+from fxsplit.solvers.direct import DirectPairs, FlippedDirectPairs
 
 __all__ = ["DownsetTables", "build_tables", "chain_masks", "is_chain_order"]
 
@@ -43,6 +44,8 @@ class DownsetTables:
             came from; ``None`` for the graph itself.
         transfer_memory: The problem's :attr:`~fxsplit.ir.Problem.transfer_memory` (whether
             ``cut_bytes`` count in stage memory, or as time only).
+        direct: The bytes of the graph's direct transfers per stage
+            (:class:`~fxsplit.solvers.direct.DirectPairs`); ``None`` when it has none.
     """
 
     masks: list[int]
@@ -57,6 +60,7 @@ class DownsetTables:
     cut_bytes: np.ndarray
     flipped_from: DownsetTables | None = None
     transfer_memory: bool = True
+    direct: DirectPairs | FlippedDirectPairs | None = None
 
     @property
     def num(self) -> int:
@@ -93,6 +97,7 @@ class DownsetTables:
             work_s=self.work_s[rows], fwd_s=self.fwd_s[rows], recompute=self.recompute,
             static_bytes=self.static_bytes[rows], act_bytes=self.act_bytes[rows],
             cut_bytes=self.cut_bytes[rows], transfer_memory=self.transfer_memory,
+            direct=self.direct.restricted(rows) if isinstance(self.direct, DirectPairs) else None,
         )
 
     @property
@@ -126,6 +131,7 @@ class DownsetTables:
             cut_bytes=self.cut_bytes[::-1].copy(),
             flipped_from=self,
             transfer_memory=self.transfer_memory,
+            direct=FlippedDirectPairs(self.direct) if isinstance(self.direct, DirectPairs) else None,
         )
 
 
@@ -206,4 +212,5 @@ def build_tables(problem: Problem, max_downsets: int | None = DEFAULT_MAX_DOWNSE
         act_bytes=mf @ act,
         cut_bytes=_cut_bytes(problem, member),
         transfer_memory=problem.transfer_memory,
+        direct=DirectPairs.of(g, member) if g.direct else None,
     )

@@ -142,8 +142,9 @@ def _compare_with_their_costing(err: Console, path: Path, problem: Problem, plan
     if theirs > ours * (1 + 1e-6) + 1e-12:
         err.print(f"[yellow]warning:[/yellow] {escape(str(path))}: costed as dp.cpp costs it (every node whose edge "
                   f"crosses a stage, forward or backward, once) this plan's largest stage load is {theirs:.6g}, "
-                  f"where fxsplit's model (training boundaries at twice their activations) gives {ours:.6g}; "
-                  "the plan is optimal for fxsplit's model, not for dp.cpp's", highlight=False)
+                  f"where fxsplit's relayed transfers give {ours:.6g}; "
+                  "the plan is optimal for fxsplit's model, not for dp.cpp's (--transfers direct solves dp.cpp's)",
+                  highlight=False)
 
 
 def plan_json(plan: Plan, problem: Problem) -> dict[str, Any]:
@@ -164,6 +165,7 @@ def solve_command(
     no_comm: Annotated[bool, typer.Option("--no-comm", help="Free communication.")] = False,
     time_limit: Annotated[float | None, typer.Option("--time-limit", help="Seconds.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    transfers: Annotated[str, typer.Option("--transfers", help="Tarnawski files: relayed (fxsplit's runtime: a value crosses every boundary between, twice in training) or direct (dp.cpp's objective: each node whose edge crosses a stage paid once by the stages it leaves and enters)")] = "relayed",
 ) -> None:
     """Split GRAPH into pipeline stages and print the plan."""
     from fxsplit.solvers import available_solvers, solve
@@ -178,7 +180,7 @@ def solve_command(
         if solver not in available_solvers():
             raise ConfigError(f"unknown solver {solver!r}; available: {', '.join(available_solvers())}")
         problem = build_problem(
-            load_graph_or_problem(graph, format), devices=devices, devices_file=devices_file,
+            load_graph_or_problem(graph, format, transfers=transfers), devices=devices, devices_file=devices_file,
             objective=objective, microbatches=microbatches, schedule=schedule, no_comm=no_comm,
             memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
         )
@@ -195,8 +197,14 @@ def solve_command(
     except FxsplitError as exc:  # bad input (ConfigError): exit 2, as for a usage error; else 1
         exit_with_error(err, exc, 2 if isinstance(exc, ConfigError) else 1)
     if as_json:
-        sys.stdout.write(json.dumps(plan_json(plan, problem), indent=1) + "\n")
+        doc = plan_json(plan, problem)
+        if problem.graph.direct or transfers != "relayed":
+            doc["transfers"] = transfers
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     else:
+        if problem.graph.direct:
+            err.print("communication: direct transfers (dp.cpp's objective: each node whose edge crosses a stage "
+                      "paid once by the stage it leaves and once by each stage it enters)", highlight=False)
         # the module, not the package: its drawing modules cost start-up
         from fxsplit.viz.tables import plan_table
 

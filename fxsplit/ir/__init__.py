@@ -5,7 +5,7 @@ Nothing in this package imports torch, so a solver bug is reproduced from a JSON
 
 from fxsplit.ir.cluster import Cluster, load_cluster
 from fxsplit.ir.devices import PRESETS, DeviceSpec, GiB, LinkSpec
-from fxsplit.ir.graph import Block, CondensedGraph, Edge
+from fxsplit.ir.graph import Block, CondensedGraph, DirectTransfer, Edge
 from fxsplit.ir.names import (
     COST_MODELS,
     OBJECTIVES,
@@ -26,6 +26,7 @@ __all__ = [
     "CondensedGraph",
     "CostModelName",
     "DeviceSpec",
+    "DirectTransfer",
     "Edge",
     "GiB",
     "LinkSpec",

@@ -27,17 +27,20 @@ from typing import TYPE_CHECKING, Any
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec, LinkSpec
-from fxsplit.ir.graph import Block, CondensedGraph, Edge
+from fxsplit.ir.graph import Block, CondensedGraph, DirectTransfer, Edge
 from fxsplit.ir.problem import Problem
 
 if TYPE_CHECKING:
     from fxsplit.ir.placement import PlacementProblem
     from fxsplit.ir.plan import Plan
 
-__all__ = ["FORMATS", "detect_format", "load_pipedream", "load_tarnawski", "load_tarnawski_latency",
+__all__ = ["FORMATS", "TRANSFERS", "detect_format", "load_pipedream", "load_tarnawski", "load_tarnawski_latency",
            "load_graph_or_problem", "tarnawski_max_load", "tarnawski_plan_faults", "topological_graph"]
 
 FORMATS = ("auto", "fxsplit", "pipedream", "tarnawski")
+TRANSFERS = ("relayed", "direct")
+"""How :func:`load_tarnawski` charges communication: fxsplit's relayed boundaries, or dp.cpp's
+direct transfers."""
 
 _ATTR = re.compile(r"(\w+)=(\[[^\]]*\]|[-+0-9.eE]+)")
 
@@ -216,7 +219,8 @@ def _tarnawski_json(path: Path) -> dict[str, Any]:
 
 
 def load_tarnawski(
-    path: str | Path, *, time_unit_s: float = 1.0, link: LinkSpec | None = None, name: str | None = None
+    path: str | Path, *, time_unit_s: float = 1.0, link: LinkSpec | None = None, name: str | None = None,
+    transfers: str = "relayed",
 ) -> Problem:
     """Read a Tarnawski et al. JSON instance into a :class:`Problem`.
 
@@ -239,29 +243,45 @@ def load_tarnawski(
     has both (the shipped inputs: 10 for the layer graphs, 23 for the operator graphs); nodes
     with ``supportedOnFpga`` false are refused (they would need a per-node placement).
 
-    Communication differs from ``dp.cpp`` in one way: a tensor that skips stages is relayed
-    through the stages between (each pays it, as fxsplit's runtime sends it), where ``dp.cpp``
-    charges only the sending and the receiving device.
+    ``transfers`` chooses the communication model:
+
+    * ``"relayed"`` (default; fxsplit's runtime): a boundary costs what crosses it, once per value,
+      and twice in training (the gradient mirrors the activation); a value that skips stages is
+      relayed through the stages between, each paying it.
+    * ``"direct"`` (``dp.cpp``'s objective, reproduced exactly): a stage pays each node's
+      ``cost`` once when the node is in the stage and one of its edges (forward or backward)
+      leaves it, and once when the node is outside and one of its edges enters it
+      (:class:`DirectTransfer`); stages between pay nothing, and a training graph's backward
+      edges are paid as their own messages. Where a value's gradients come back from two
+      stages' worth of readers (a residual's two branches), ``dp.cpp``'s graph sums them on the
+      producer's side, so it pays both; a runtime that sums them before sending pays one.
 
     Args:
         path: The JSON file.
         time_unit_s: Seconds per unit of ``fpgaLatency`` and edge ``cost``.
         link: Link of the devices; default 1e9 bytes/s and no latency.
         name: Graph name; default the file's stem.
+        transfers: ``"relayed"`` or ``"direct"`` (above).
 
     Raises:
-        ConfigError: when a field is missing, the merged blocks form a cycle, ``maxCPUs > 0``
+        ConfigError: for an unknown ``transfers``; when a field is missing, the merged blocks form a cycle, ``maxCPUs > 0``
             with ``cpuLatency / fpgaLatency`` not one ratio, or a node not supported on the
             accelerators.
     """
+    if transfers not in TRANSFERS:
+        raise ConfigError(f"transfers={transfers!r} is unknown; choose one of {TRANSFERS}")
     path = Path(path)
     data = _tarnawski_json(path)
     link = link or LinkSpec(bytes_per_s=1e9, latency_s=0.0)
     blocks, block_of = _tarnawski_blocks(data["nodes"], time_unit_s)
-    edges = [(block_of[u], block_of[v], int(round(cost * time_unit_s * link.bytes_per_s)))
+    relayed = transfers == "relayed"
+    edges = [(block_of[u], block_of[v], int(round(cost * time_unit_s * link.bytes_per_s)) if relayed else 0)
              for u, v, cost in _tarnawski_precedence(data, block_of)]
-    blocks, edges, _ = _fuse_cycles(blocks, edges)
+    blocks, edges, rename = _fuse_cycles(blocks, edges)
     graph = topological_graph(name or path.stem, blocks, edges)
+    if not relayed:
+        graph = _with_direct_transfers(graph, data, {u: rename.get(b, b) for u, b in block_of.items()},
+                                       time_unit_s * link.bytes_per_s)
     cap = int(data["maxSizePerFPGA"])
     devices = tuple(
         DeviceSpec(f"acc{i}", memory_bytes=cap, kind="acc") for i in range(int(data["maxFPGAs"]))
@@ -275,6 +295,27 @@ def load_tarnawski(
     return Problem(graph=graph, devices=devices, link=link, training=training,
                    optimizer_state_factor=0.0, grad_factor=0.0, transfer_memory=False,
                    device_order="free" if cpus > 0 else "fixed").check()
+
+
+def _with_direct_transfers(graph: CondensedGraph, data: dict[str, Any], block_of: dict[int, str],
+                           bytes_per_unit: float) -> CondensedGraph:
+    """``graph`` with one :class:`DirectTransfer` per node of the file that has edges to other
+    blocks (forward and backward edges alike), of its ``cost`` (one per node: dp.cpp refuses a
+    node whose out-edges differ)."""
+    index = {b.name: b.id for b in graph.blocks}
+    readers: dict[int, set[int]] = defaultdict(set)
+    cost: dict[int, float] = {}
+    for e in data["edges"]:
+        u, v = int(e["sourceId"]), int(e["destId"])
+        if u in cost and abs(cost[u] - float(e["cost"])) > 1e-6:
+            raise ConfigError(f"node {u} has out-edges of cost {cost[u]} and {e['cost']}; dp.cpp's model sends a "
+                              "node's output once, so its edges must cost the same")
+        cost[u] = float(e["cost"])
+        if block_of[u] != block_of[v]:
+            readers[u].add(index[block_of[v]])
+    direct = tuple(DirectTransfer(index[block_of[u]], tuple(sorted(rs)), float(round(cost[u] * bytes_per_unit)))
+                   for u, rs in sorted(readers.items()) if cost[u] > 0)
+    return CondensedGraph(graph.blocks, graph.edges, graph.name, direct=direct)
 
 
 def load_tarnawski_latency(path: str | Path, *, time_unit_s: float = 1.0, name: str | None = None) -> PlacementProblem:
@@ -526,20 +567,23 @@ def detect_format(path: Path) -> str:
     return "fxsplit"
 
 
-def load_graph_or_problem(path: str | Path, format: str = "auto") -> CondensedGraph | Problem:
+def load_graph_or_problem(path: str | Path, format: str = "auto", *, transfers: str = "relayed"
+                          ) -> CondensedGraph | Problem:
     """Load a graph or a whole problem from ``path``.
 
     Args:
         path: The file.
         format: ``"auto"`` (JSON with ``maxFPGAs`` → tarnawski, other JSON → fxsplit, text →
             pipedream), ``"fxsplit"``, ``"pipedream"`` or ``"tarnawski"``.
+        transfers: For Tarnawski files, :func:`load_tarnawski`'s communication model.
 
     Returns:
         A :class:`Problem` for Tarnawski files and fxsplit problem JSON (it has ``"devices"``),
         otherwise a :class:`CondensedGraph`.
 
     Raises:
-        ConfigError: for an unknown format, a missing file, or a malformed file.
+        ConfigError: for an unknown format, a missing file, a malformed file, or ``transfers``
+            other than ``"relayed"`` for a file that is not Tarnawski's.
     """
     path = Path(path)
     if format not in FORMATS:
@@ -547,11 +591,14 @@ def load_graph_or_problem(path: str | Path, format: str = "auto") -> CondensedGr
     if not path.is_file():
         raise ConfigError(f"graph file {str(path)!r} does not exist")
     fmt = detect_format(path) if format == "auto" else format
+    if transfers != "relayed" and fmt != "tarnawski":
+        raise ConfigError(f"transfers={transfers!r} is for Tarnawski files; {path} is read as {fmt}, whose values are "
+                          "relayed stage to stage. Leave transfers at 'relayed'")
     try:
         if fmt == "pipedream":
             return load_pipedream(path)
         if fmt == "tarnawski":
-            return load_tarnawski(path)
+            return load_tarnawski(path, transfers=transfers)
         data = _read_json(path)
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: fxsplit JSON is an object at the top level, not a {type(data).__name__}")

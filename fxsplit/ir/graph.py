@@ -15,7 +15,7 @@ from typing import Any
 
 from fxsplit.errors import PlanError
 
-__all__ = ["Block", "Edge", "CondensedGraph"]
+__all__ = ["Block", "Edge", "CondensedGraph", "DirectTransfer"]
 
 
 @dataclass(frozen=True)
@@ -80,12 +80,31 @@ class Edge:
 
 
 @dataclass(frozen=True)
+class DirectTransfer:
+    """A value that goes straight from block ``src``'s stage to the stage of each block in
+    ``dsts`` that is not ``src``'s, with no stage between relaying it: ``size_bytes`` per
+    micro-batch, paid once by a stage holding ``src`` when some block of ``dsts`` is elsewhere,
+    and once by every other stage holding a block of ``dsts``.
+
+    This is how Tarnawski et al.'s ``dp.cpp`` charges communication (each distinct node with an
+    edge crossing a stage's node set, either way, once); fxsplit's own edges are relayed instead.
+    ``dsts`` may name earlier blocks (a training graph's gradient messages).
+    """
+
+    src: int
+    dsts: tuple[int, ...]
+    size_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
 class CondensedGraph:
     """A DAG of blocks in topological order with the bytes carried by each edge.
 
     Communication model: a value made by block ``u`` and consumed by several blocks beyond a stage
     boundary crosses that boundary once, so the traffic across the boundary of a downset ``I`` is
     ``sum over u in I of max(size_bytes of u's edges leaving I)`` (see :meth:`cut_bytes`).
+    :attr:`direct` adds values that travel without relay (:class:`DirectTransfer`); their
+    stage cost is :meth:`direct_bytes`.
 
     Raises:
         PlanError: from :meth:`validate` when ids are not ``0..n-1`` in order, an edge points
@@ -101,6 +120,10 @@ class CondensedGraph:
     #: Not serialised; :meth:`with_time_factors` and :meth:`with_weight_shares` refit them too;
     #: other graphs derived from this one (reduced, re-timed by a profile) scale linearly.
     microbatch_graphs: tuple[tuple[float, CondensedGraph], ...] = field(default=(), repr=False, compare=False)
+    #: Values sent straight to the stages reading them (:class:`DirectTransfer`), every message of
+    #: a step (a training graph lists its gradient messages too, never doubled); empty: none.
+    #: Graphs derived by re-timing or reduction do not carry them (the solvers refuse those).
+    direct: tuple[DirectTransfer, ...] = ()
     _succ: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _pred: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
@@ -150,6 +173,18 @@ class CondensedGraph:
                 best[e.src] = max(best.get(e.src, 0), e.size_bytes)
         return sum(best.values())
 
+    def direct_bytes(self, stage: set[int] | frozenset[int]) -> float:
+        """Bytes per micro-batch the stage holding the blocks ``stage`` pays for
+        :attr:`direct` transfers: each transfer once when its source is in ``stage`` and a reader
+        is not, or its source is not and a reader is."""
+        total = 0.0
+        for t in self.direct:
+            readers = [d for d in t.dsts if d != t.src]
+            if (t.src in stage and any(d not in stage for d in readers)) or (
+                    t.src not in stage and any(d in stage for d in readers)):
+                total += t.size_bytes
+        return total
+
     # -- totals ----------------------------------------------------------------------------
     @property
     def total_time_s(self) -> float:
@@ -190,7 +225,8 @@ class CondensedGraph:
             for b in self.blocks
         )
         edges = tuple(replace(e, size_bytes=int(e.size_bytes * f)) for e in self.edges)
-        return CondensedGraph(blocks=blocks, edges=edges, name=self.name)._accumulating(1.0 - f)
+        direct = tuple(replace(t, size_bytes=t.size_bytes * f) for t in self.direct)
+        return CondensedGraph(blocks=blocks, edges=edges, name=self.name, direct=direct)._accumulating(1.0 - f)
 
     def _accumulating(self, share: float) -> CondensedGraph:
         """This graph with ``share`` of each block's :attr:`Block.grad_accumulate_s` added to its
@@ -234,7 +270,7 @@ class CondensedGraph:
         # the micro-batch costs from the formulas get the same factors: a factor fitted on one
         # micro-batch's costs must reproduce that measurement at that size
         table = tuple((frac, g.with_time_factors(fwd_factors, bwd_factors)) for frac, g in self.microbatch_graphs)
-        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table)
+        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table, direct=self.direct)
 
     def with_grad_accumulation(self, bytes_per_s: float) -> CondensedGraph:
         """Each block's :attr:`Block.grad_accumulate_s` set to its parameter bytes, own and tied
@@ -248,7 +284,7 @@ class CondensedGraph:
         blocks = tuple(replace(b, grad_accumulate_s=(b.param_bytes + b.replica_param_bytes) / bytes_per_s)
                        for b in self.blocks)
         table = tuple((frac, g.with_grad_accumulation(bytes_per_s)) for frac, g in self.microbatch_graphs)
-        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table)
+        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table, direct=self.direct)
 
     def with_loss(self, fwd_s: float, bwd_s: float, fwd_fixed_s: float = 0.0, bwd_fixed_s: float = 0.0) -> CondensedGraph:
         """The loss (computed on the last stage after its forward, differentiated first in its
@@ -275,7 +311,7 @@ class CondensedGraph:
         table = tuple((frac, g.with_loss(fwd_fixed_s + (fwd_s - fwd_fixed_s) * frac,
                                          bwd_fixed_s + (bwd_s - bwd_fixed_s) * frac, fwd_fixed_s, bwd_fixed_s))
                       for frac, g in self.microbatch_graphs)
-        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table)
+        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table, direct=self.direct)
 
     def with_weight_shares(self, shares: Sequence[float | None]) -> CondensedGraph:
         """Each block's ``bwd_weight_s`` set to ``shares[b] x bwd_s`` (None keeps it): the part
@@ -293,7 +329,7 @@ class CondensedGraph:
                             "each in [0, 1] or None")
         blocks = tuple(b if x is None else replace(b, bwd_weight_s=b.bwd_s * x) for b, x in zip(self.blocks, shares, strict=True))
         table = tuple((frac, g.with_weight_shares(shares)) for frac, g in self.microbatch_graphs)
-        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table)
+        return CondensedGraph(blocks=blocks, edges=self.edges, name=self.name, microbatch_graphs=table, direct=self.direct)
 
     # -- checks and serialisation ----------------------------------------------------------
     def validate(self) -> list[str]:
@@ -326,6 +362,12 @@ class CondensedGraph:
                 faults.append(f"edge {e.src}->{e.dst} has size_bytes={e.size_bytes}; sizes must be finite numbers")
             elif e.size_bytes < 0:
                 faults.append(f"edge {e.src}->{e.dst} has negative size_bytes={e.size_bytes}")
+        for t in self.direct:
+            if not all(0 <= b < n for b in (t.src, *t.dsts)):
+                faults.append(f"direct transfer {t.src}->{list(t.dsts)} names a block outside 0..{n - 1}")
+            if not math.isfinite(t.size_bytes) or t.size_bytes < 0:
+                faults.append(f"direct transfer {t.src}->{list(t.dsts)} has size_bytes={t.size_bytes}; sizes must be "
+                              "finite and >= 0")
         return faults
 
     def check(self) -> CondensedGraph:
@@ -340,13 +382,15 @@ class CondensedGraph:
             "name": self.name,
             "blocks": [{**asdict(b), "nodes": list(b.nodes)} for b in self.blocks],
             "edges": [asdict(e) for e in self.edges],
+            **({"direct": [{**asdict(t), "dsts": list(t.dsts)} for t in self.direct]} if self.direct else {}),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CondensedGraph:
         blocks = tuple(Block(**{**b, "nodes": tuple(b.get("nodes", ()))}) for b in data["blocks"])
         edges = tuple(Edge(**e) for e in data.get("edges", ()))
-        return cls(blocks=blocks, edges=edges, name=data.get("name", "graph"))
+        direct = tuple(DirectTransfer(**{**t, "dsts": tuple(t["dsts"])}) for t in data.get("direct", ()))
+        return cls(blocks=blocks, edges=edges, name=data.get("name", "graph"), direct=direct)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)

@@ -9,6 +9,8 @@ Cost model of stage ``s`` of ``p`` (0-based) holding blocks ``B_s`` on device ``
   ``out = cut(I_s)`` leaves over ``(d_s, d_{s+1})``; in training both are paid twice (activations
   forward, gradients backward): ``comm_s = k · (link_in(in) + link_out(out))``, ``k ∈ {1, 2}``;
   0 on a ``comm_free`` device (:attr:`DeviceSpec.comm_free`: its neighbours pay theirs);
+  plus the graph's direct transfers (:meth:`CondensedGraph.direct_bytes`) over the default link,
+  never doubled (a training graph lists its gradient messages among them);
 * stage time ``time_s = fwd_s + bwd_s + comm_s``; bottleneck = ``max_s time_s``;
 * makespan of one step with ``m`` micro-batches (fill-drain): ``Σ_s time_s + (m - 1) · bottleneck``;
 * memory: ``(params + replicas) · (1 + grad + optimizer) + buffers + (activations + in) · in_flight(s)
@@ -289,6 +291,9 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
             comm += problem.link_between(devices[s - 1], d).transfer_s(in_bytes)
         if s < p - 1:
             comm += problem.link_between(d, devices[s + 1]).transfer_s(out_bytes)
+        comm *= k
+        if g.direct:  # values sent straight between stages, gradients listed among them
+            comm += problem.link.transfer_s(g.direct_bytes(set(blocks)))
         if problem.devices[d].comm_free:  # its neighbours pay the transfers, it does not
             comm = 0.0
         flight = problem.in_flight(s, p)
@@ -299,7 +304,7 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
         # a recomputing stage runs its whole backward in I (one recompute; fxsplit.runtime.split_backward)
         weight = sum(b.bwd_weight_s for b in bl) / speed if problem.training and not recompute else 0.0
         redo = fwd - fixed if recompute else 0.0  # recomputing runs the forward's compute inside the backward action
-        out.append(StagePlan(d, tuple(blocks), fwd, bwd + redo, k * comm, in_bytes,
+        out.append(StagePlan(d, tuple(blocks), fwd, bwd + redo, comm, in_bytes,
                              out_bytes, int(again if recompute else keep), weight, recompute))
         in_bytes = out_bytes
     return out

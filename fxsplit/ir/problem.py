@@ -231,7 +231,27 @@ class Problem:
             raise ConfigError(f"action_overhead_s={value!r} must be a finite number of seconds >= 0 (0: the runtime's "
                               "own work per stage action is not modelled)")
         self.graph.check()
+        if self.graph.direct:
+            self._check_direct()
         return self
+
+    def _check_direct(self) -> None:
+        """The graph's direct transfers (:attr:`CondensedGraph.direct`) are costed per stage as
+        bytes over the one default link without latency, for the bottleneck objective, with one
+        stage per device and no transfer buffers in memory (Tarnawski et al.'s model)."""
+        wrong = [(name, value, fix) for name, value, fix, ok in (
+            ("objective", self.objective, "'bottleneck'", self.objective == "bottleneck"),
+            ("stages_per_device", self.stages_per_device, "1", self.stages_per_device == 1),
+            ("transfer_memory", self.transfer_memory, "False", not self.transfer_memory),
+            ("links", self.links, "() (one default link)", not self.links),
+            ("link.latency_s", self.link.latency_s, "0", self.link.latency_s == 0),
+        ) if not ok]
+        if wrong:
+            name, value, fix = wrong[0]
+            raise ConfigError(f"graph {self.graph.name!r} has {len(self.graph.direct)} direct transfers (each paid by "
+                              f"the sending and the reading stages, as Tarnawski et al.'s dp.cpp charges them), which "
+                              f"fxsplit costs only with {name}={fix}; got {name}={value!r}. Relay the values instead "
+                              f"(edges) or set {name}={fix}")
 
     # -- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
