@@ -272,3 +272,19 @@ def test_cli_solve_with_direct_transfers(tmp_path: Path) -> None:
     bad = runner.invoke(app, ["solve", str(Path(__file__).parent / "data" / "pipedream" / "alexnet.txt"),
                               "--devices", "2", "--transfers", "direct"])
     assert bad.exit_code == 2 and "is for Tarnawski files" in bad.output
+
+
+def test_an_acyclic_tarnawski_file_loads_without_networkx(tmp_path: Path) -> None:
+    """Start-up: networkx (130 ms to import) is for merging the cycles some training files have;
+    an acyclic file is read without it."""
+    import subprocess
+    import sys
+
+    nodes = [{"id": i, "name": f"n{i}", "fpgaLatency": 1.0, "size": 1.0, "isBackwardNode": 0} for i in range(3)]
+    edges = [{"sourceId": 0, "destId": 1, "cost": 1.0}, {"sourceId": 1, "destId": 2, "cost": 1.0}]
+    path = tmp_path / "chain.json"
+    path.write_text(json.dumps({"maxSizePerFPGA": 10.0, "maxFPGAs": 2, "nodes": nodes, "edges": edges}))
+    code = ("import sys; from fxsplit.ir.formats import load_tarnawski\n"
+            "pb = load_tarnawski(sys.argv[1], transfers='direct'); print(len(pb.graph), 'networkx' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["3", "False"], out.stdout + out.stderr
