@@ -260,6 +260,7 @@ def _build_graph(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: li
         for _ in range(n_blocks)
     ]
     edge_bytes: dict[tuple[int, int], int] = {}
+    grad_bytes: dict[tuple[int, int], int] = {}  # of the values that get a gradient back
     for i, (node, c) in enumerate(zip(nodes, costs, strict=True)):
         a, b = acc[block_of[i]], block_of[i]
         a["nodes"].append(node.name)
@@ -275,6 +276,7 @@ def _build_graph(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: li
             a["output_bytes"] += _value_bytes(node, c)
         for d in consumers - {-1}:
             edge_bytes[(b, d)] = edge_bytes.get((b, d), 0) + _value_bytes(node, c)
+            grad_bytes[(b, d)] = grad_bytes.get((b, d), 0) + (_value_bytes(node, c) if c.needs_grad else 0)
     _add_replicas(nodes, costs, block_of, acc)
     blocks = tuple(
         Block(id=i, name=a["name"] or a["nodes"][0], nodes=tuple(a["nodes"]), flops=a["flops"], fwd_s=a["fwd_s"],
@@ -284,7 +286,8 @@ def _build_graph(nodes: list[torch.fx.Node], costs: list[NodeCost], block_of: li
               bwd_fixed_s=a["bwd_fixed_s"], bwd_weight_s=a["bwd_weight_s"])
         for i, a in enumerate(acc)
     )
-    edges = tuple(Edge(s, d, nb) for (s, d), nb in sorted(edge_bytes.items()))
+    edges = tuple(Edge(s, d, nb, None if grad_bytes[s, d] == nb else grad_bytes[s, d])
+                  for (s, d), nb in sorted(edge_bytes.items()))
     return CondensedGraph(blocks=blocks, edges=edges, name=name)
 
 

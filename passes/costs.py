@@ -101,6 +101,9 @@ class NodeCost:
             whatever its size (operator overhead; the intercept of a profiled fit).
         bwd_weight_s: The part of ``bwd_s`` that computes parameter gradients (a zero-bubble
             schedule's ``W``): :func:`weight_share` of it.
+        needs_grad: Whether the result gets a gradient in training (it is floating point and
+            depends on a trainable parameter): a stage boundary carrying it carries the gradient
+            back; masks, positions and integer values come back with none.
     """
 
     flops: float = 0.0
@@ -118,6 +121,7 @@ class NodeCost:
     fwd_fixed_s: float = 0.0
     bwd_fixed_s: float = 0.0
     bwd_weight_s: float = 0.0
+    needs_grad: bool = True
 
     def with_bwd_s(self, bwd_s: float, **changes: Any) -> NodeCost:
         """A copy with backward time ``bwd_s`` (measured, say), the weight part keeping its share."""
@@ -318,7 +322,8 @@ def node_cost(
     val = require_meta(node, "val", "propagate_shapes")
     if _is_view(node) or not _tensors(val):  # views, and shape arithmetic (sym_size, ints)
         out = 0 if node.op == "get_attr" else value_bytes(val)
-        return NodeCost(param_bytes=state[0], buffer_bytes=state[1], output_bytes=out, is_view=True)
+        return NodeCost(param_bytes=state[0], buffer_bytes=state[1], output_bytes=out, is_view=True,
+                        needs_grad=needs_grad)
     out_bytes = value_bytes(val)
     if _is_embedding(node):  # a gather: reads the selected rows, not the whole table
         moved = 2 * out_bytes
@@ -340,7 +345,7 @@ def node_cost(
         buffer_bytes=state[1], output_bytes=out_bytes, saved_bytes=out_bytes if needs_grad else 0,
         analytic_fwd_s=fwd_s, analytic_bwd_s=bwd_s,
         fwd_fixed_s=device.op_overhead_s, bwd_fixed_s=2 * device.op_overhead_s if needs_grad else 0.0,
-        bwd_weight_s=bwd_s * weight_part,
+        bwd_weight_s=bwd_s * weight_part, needs_grad=needs_grad,
     )
 
 

@@ -38,7 +38,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 
 from fxsplit.errors import ConfigError
 from fxsplit.ir.devices import DeviceSpec
-from fxsplit.ir.graph import CondensedGraph
+from fxsplit.ir.graph import CondensedGraph, Edge
 from fxsplit.passes.costs import cost_nodes
 from fxsplit.passes.shapes import _ShapeProp, autocast_run_device, fake_state
 
@@ -459,8 +459,16 @@ def _graph_with(graph: CondensedGraph, values: Sequence[dict[str, float]], edge_
             blk, flops=v["flops"], fwd_s=v["fwd_s"], bwd_s=v["bwd_s"], bwd_weight_s=v["bwd_s"] * share,
             activation_bytes=round(v["activation_bytes"]), output_bytes=round(v["output_bytes"]),
             param_bytes=round(v["param_bytes"])))
-    edges = tuple(dataclasses.replace(e, size_bytes=round(x)) for e, x in zip(graph.edges, edge_bytes, strict=True))
+    edges = tuple(dataclasses.replace(e, size_bytes=round(x), grad_bytes=_grad_share(e, x))
+                  for e, x in zip(graph.edges, edge_bytes, strict=True))
     return CondensedGraph(tuple(blocks), edges, graph.name)
+
+
+def _grad_share(edge: Edge, size_bytes: float) -> int | None:
+    """The gradient bytes of ``edge`` at a new size: the same share of its values (``None``: all)."""
+    if edge.grad_bytes is None:
+        return None
+    return round(size_bytes * edge.grad_bytes / edge.size_bytes) if edge.size_bytes else edge.grad_bytes
 
 
 def graphs_at(graph: CondensedGraph, formulas: Sequence[BlockFormulas], batches: Sequence[float], *,

@@ -39,6 +39,8 @@ class CpData:
         recompute: The problem's recompute mode, ``"none"`` in inference.
         fixed_q: The runtime's work per micro-batch on every non-empty stage
             (:meth:`~fxsplit.ir.Problem.stage_overhead_s`) in quanta.
+        grad_producers: As ``producers`` with each edge's gradient bytes, in training where they
+            differ from the values' (``None``: gradients mirror the values).
         direct_q: ``[(source, readers, quanta), ...]`` the graph's direct transfers
             (:attr:`~fxsplit.ir.CondensedGraph.direct`; one-reader ones summed per pair), each
             paid by every stage it crosses.
@@ -60,6 +62,7 @@ class CpData:
     recompute: str = "none"
     fixed_q: int = 0
     direct_q: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+    grad_producers: dict[int, list[tuple[int, int]]] | None = None
 
     @classmethod
     def of(cls, problem: Problem, quantum_s: float | None = None) -> CpData:
@@ -96,9 +99,16 @@ class CpData:
         per_q = check and problem.in_flight_depends_on_stage_count
         counts = ([k] if not problem.allow_idle_devices else list(range(1, S + 1))) if per_q else [0]
         flights = {p: tuple(problem.in_flight(s, p if p else k) for s in range(S)) for p in counts}
+        grads = None
+        if problem.training and not g.gradients_mirror:
+            grads = defaultdict(list)
+            for e in g.edges:
+                if e.backward_bytes > 0:
+                    grads[e.src].append((e.dst, e.backward_bytes))
         return cls(problem, q, S, units, allowed, time_q, static, act, dict(producers), tuple(comm),
                    flights, check, fwd_q, problem.recompute if problem.may_recompute() else "none",
-                   int(problem.stage_overhead_s() / q), _direct_quanta(problem, q))
+                   int(problem.stage_overhead_s() / q), _direct_quanta(problem, q),
+                   None if grads is None else dict(grads))
 
 
 def _direct_quanta(problem: Problem, q: float) -> tuple[tuple[int, tuple[int, ...], int], ...]:
@@ -128,6 +138,7 @@ class CpVars:
     pipe: dict[int, Any] = field(default_factory=dict)                   # exactly q stages (1F1B)
     out_bytes: dict[int, Any] = field(default_factory=dict)              # bytes over boundary s
     comm_q: dict[int, Any] = field(default_factory=dict)                 # quanta over boundary s
+    grad_q: dict[int, Any] = field(default_factory=dict)                 # gradient quanta back over boundary s
     direct_q: dict[int, Any] = field(default_factory=dict)               # direct transfers of stage s, quanta
     load: dict[int, Any] = field(default_factory=dict)                   # stage s time, quanta
     again: dict[int, Any] = field(default_factory=dict)                  # stage s recomputes
@@ -190,44 +201,58 @@ def add_units(m: Any, d: CpData, v: CpVars) -> None:
 
 
 def _max_comm_q(d: CpData, s: int) -> int:
+    """Most quanta over boundary ``s`` one way (the values', or their gradients')."""
     lat_q, q_per_byte = d.comm_q[s]
-    return lat_q + sum(int(max(sz for _, sz in outs) * q_per_byte) for outs in d.producers.values())
+    return lat_q + max(sum(int(max(sz for _, sz in outs) * q_per_byte) for outs in producers.values())
+                       for producers in (d.producers, d.grad_producers or {}))
+
+
+def _crossing(m: Any, v: CpVars, producers: dict[int, list[tuple[int, int]]], s: int, q_per_byte: float,
+              tag: str) -> tuple[list[Any], list[Any], Any]:
+    """Bytes and quanta each producer sends over boundary ``s`` (its largest crossing edge of
+    ``producers``), and a Boolean that some edge crosses."""
+    any_cross = m.NewBoolVar(f"any_{tag}[{s}]")
+    sent_bytes, sent_q = [], []
+    for u, outs in producers.items():
+        by_size: dict[int, list[int]] = defaultdict(list)
+        for dst, sz in outs:
+            by_size[sz].append(dst)
+        cross = {}
+        for sz, dsts in by_size.items():
+            cross[sz] = m.NewBoolVar(f"{tag}[{u},{sz},{s}]")
+            for dst in dsts:
+                m.Add(cross[sz] >= _prefix(v, u, s) - _prefix(v, dst, s))
+            m.AddImplication(cross[sz], any_cross)
+        big = max(by_size)
+        if len(cross) == 1:
+            sent_bytes.append(big * cross[big])
+            sent_q.append(int(big * q_per_byte) * cross[big])
+            continue
+        b_var = m.NewIntVar(0, big, f"{tag}_bytes[{u},{s}]")
+        q_var = m.NewIntVar(0, int(big * q_per_byte), f"{tag}_q[{u},{s}]")
+        for sz, c in cross.items():
+            m.Add(b_var >= sz * c)
+            m.Add(q_var >= int(sz * q_per_byte) * c)
+        sent_bytes.append(b_var)
+        sent_q.append(q_var)
+    return sent_bytes, sent_q, any_cross
 
 
 def add_boundaries(m: Any, d: CpData, v: CpVars) -> None:
-    """Bytes and time over each boundary: a producer sends its largest crossing edge once.
+    """Bytes and time over each boundary: a producer sends its largest crossing edge once (and,
+    where gradients are smaller than the values, its largest crossing gradient back).
 
     ``cross[u, size, s]`` is forced to 1 when an edge of that size from ``u`` crosses boundary
     ``s`` (``a[u, s] - a[v, s] = 1``); the minimisation keeps it 0 otherwise.
     """
     for s in range(d.num_stages - 1):
         lat_q, q_per_byte = d.comm_q[s]
-        any_cross = m.NewBoolVar(f"any_cross[{s}]")
-        sent_bytes, sent_q = [], []
-        for u, outs in d.producers.items():
-            by_size: dict[int, list[int]] = defaultdict(list)
-            for dst, sz in outs:
-                by_size[sz].append(dst)
-            cross = {}
-            for sz, dsts in by_size.items():
-                cross[sz] = m.NewBoolVar(f"cross[{u},{sz},{s}]")
-                for dst in dsts:
-                    m.Add(cross[sz] >= _prefix(v, u, s) - _prefix(v, dst, s))
-                m.AddImplication(cross[sz], any_cross)
-            big = max(by_size)
-            if len(cross) == 1:
-                sent_bytes.append(big * cross[big])
-                sent_q.append(int(big * q_per_byte) * cross[big])
-                continue
-            b_var = m.NewIntVar(0, big, f"sent_bytes[{u},{s}]")
-            q_var = m.NewIntVar(0, int(big * q_per_byte), f"sent_q[{u},{s}]")
-            for sz, c in cross.items():
-                m.Add(b_var >= sz * c)
-                m.Add(q_var >= int(sz * q_per_byte) * c)
-            sent_bytes.append(b_var)
-            sent_q.append(q_var)
+        sent_bytes, sent_q, any_cross = _crossing(m, v, d.producers, s, q_per_byte, "cross")
         v.out_bytes[s] = sum(sent_bytes)
         v.comm_q[s] = lat_q * any_cross + sum(sent_q)
+        if d.grad_producers is not None:
+            _, grad_q, any_grad = _crossing(m, v, d.grad_producers, s, q_per_byte, "grad")
+            v.grad_q[s] = lat_q * any_grad + sum(grad_q)
 
 
 def add_direct(m: Any, d: CpData, v: CpVars) -> None:
@@ -271,10 +296,14 @@ def add_loads(m: Any, d: CpData, v: CpVars) -> None:
     for s in range(S):
         v.load[s] = m.NewIntVar(0, horizon, f"load[{s}]")
         comm = (v.comm_q[s - 1] if s > 0 else 0) + (v.comm_q[s] if s < S - 1 else 0)
+        factor = k
+        if d.grad_producers is not None:  # values forward once, their (smaller) gradients back once
+            comm = comm + (v.grad_q[s - 1] if s > 0 else 0) + (v.grad_q[s] if s < S - 1 else 0)
+            factor = 1
         again = _recomputes(m, d, v, s)
         for t in d.allowed[s]:
             work = sum(d.time_q[t][b] * v.x[b, s] for b in range(n))
-            paid = 0 if d.problem.devices[d.unit_devices[t][0]].comm_free else k * comm + v.direct_q.get(s, 0)
+            paid = 0 if d.problem.devices[d.unit_devices[t][0]].comm_free else factor * comm + v.direct_q.get(s, 0)
             m.Add(v.load[s] >= work + paid + d.fixed_q).OnlyEnforceIf(v.use[s, t])
             if isinstance(again, int) and not again:
                 continue

@@ -146,6 +146,13 @@ def _stage_costs(tb: DownsetTables, i: np.ndarray, js: np.ndarray, sigs: _Sigs, 
         if kind == "excess":
             return mem - sigs.cap_bytes
     comm = _transfer(cut_in, sigs.lat_in, sigs.bw_in) + _transfer(cut_out, sigs.lat_out, sigs.bw_out)
+    if tb.grad_cut_bytes is not None:  # gradients smaller than the values: forward once, then them
+        grad_in, grad_out = tb.grad_cut_bytes[js], tb.grad_cut_bytes[i]
+        if tb.is_flipped:
+            grad_in, grad_out = grad_out, grad_in
+        comm = comm + (comm_factor - 1.0) * (_transfer(grad_in, sigs.lat_in, sigs.bw_in)
+                                             + _transfer(grad_out, sigs.lat_out, sigs.bw_out))
+        comm_factor = 1.0
     work = tb.work_s[i] - tb.work_s[js] + np.where(again, tb.fwd_s[i] - tb.fwd_s[js], 0.0)
     if tb.direct is None:
         cost = work / sigs.speed + comm_factor * sigs.comm_scale * comm + sigs.fixed

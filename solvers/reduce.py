@@ -152,7 +152,8 @@ def fold_free_blocks(problem: Problem) -> Reduction | None:
         return {find(x) for m in members[r] for x in ends(m) if x not in removed} - {r}
 
     def edge_bytes(r: int) -> int:
-        return sum(e.size_bytes for e in g.edges if find(e.src) != find(e.dst) and r in (find(e.src), find(e.dst)))
+        return sum(e.size_bytes + (e.grad_bytes or 0) for e in g.edges
+                   if find(e.src) != find(e.dst) and r in (find(e.src), find(e.dst)))
 
     changed = True
     while changed:
@@ -180,7 +181,7 @@ def fold_free_blocks(problem: Problem) -> Reduction | None:
         return None
     index = {r: i for i, r in enumerate(reps)}  # reps ascending: a topological order of the groups
     blocks = tuple(_merged(i, [g.blocks[m] for m in sorted(members[r])]) for i, r in enumerate(reps))
-    edges = tuple(Edge(index[find(e.src)], index[find(e.dst)], e.size_bytes) for e in g.edges
+    edges = tuple(Edge(index[find(e.src)], index[find(e.dst)], e.size_bytes, e.grad_bytes) for e in g.edges
                   if e.src not in removed and e.dst not in removed and find(e.src) != find(e.dst))
     reduced = problem.with_(graph=CondensedGraph(blocks, edges, name=g.name))
     place = tuple(removed[b] if b in removed else index[find(b)] for b in range(n))

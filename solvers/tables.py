@@ -44,6 +44,9 @@ class DownsetTables:
             came from; ``None`` for the graph itself.
         transfer_memory: The problem's :attr:`~fxsplit.ir.Problem.transfer_memory` (whether
             ``cut_bytes`` count in stage memory, or as time only).
+        grad_cut_bytes: ``[D]`` gradient bytes per micro-batch coming back into the downset in
+            training (:meth:`CondensedGraph.grad_cut_bytes`); ``None`` when they mirror
+            ``cut_bytes`` (inference, or no edge says otherwise).
         direct: The bytes of the graph's direct transfers per stage
             (:class:`~fxsplit.solvers.direct.DirectPairs`); ``None`` when it has none.
     """
@@ -61,6 +64,7 @@ class DownsetTables:
     flipped_from: DownsetTables | None = None
     transfer_memory: bool = True
     direct: DirectPairs | FlippedDirectPairs | None = None
+    grad_cut_bytes: np.ndarray | None = None
 
     @property
     def num(self) -> int:
@@ -98,6 +102,7 @@ class DownsetTables:
             static_bytes=self.static_bytes[rows], act_bytes=self.act_bytes[rows],
             cut_bytes=self.cut_bytes[rows], transfer_memory=self.transfer_memory,
             direct=self.direct.restricted(rows) if isinstance(self.direct, DirectPairs) else None,
+            grad_cut_bytes=None if self.grad_cut_bytes is None else self.grad_cut_bytes[rows],
         )
 
     @property
@@ -132,6 +137,7 @@ class DownsetTables:
             flipped_from=self,
             transfer_memory=self.transfer_memory,
             direct=FlippedDirectPairs(self.direct) if isinstance(self.direct, DirectPairs) else None,
+            grad_cut_bytes=None if self.grad_cut_bytes is None else self.grad_cut_bytes[::-1].copy(),
         )
 
 
@@ -144,8 +150,9 @@ def _membership(masks: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
     return bits, words
 
 
-def _cut_bytes(problem: Problem, member: np.ndarray) -> np.ndarray:
-    """``[D]`` bytes leaving each downset: per producer, its largest edge leaving, summed."""
+def _cut_bytes(problem: Problem, member: np.ndarray, gradients: bool = False) -> np.ndarray:
+    """``[D]`` bytes leaving each downset: per producer, its largest edge leaving, summed (of the
+    edges' gradient bytes with ``gradients``)."""
     g = problem.graph
     num = member.shape[0]
     if not g.edges:
@@ -153,7 +160,7 @@ def _cut_bytes(problem: Problem, member: np.ndarray) -> np.ndarray:
     edges = sorted(g.edges, key=lambda e: e.src)
     src = np.array([e.src for e in edges])
     dst = np.array([e.dst for e in edges])
-    size = np.array([float(e.size_bytes) for e in edges])
+    size = np.array([float(e.backward_bytes if gradients else e.size_bytes) for e in edges])
     starts = np.flatnonzero(np.r_[True, src[1:] != src[:-1]])
     out = np.zeros(num)
     for lo in range(0, num, _CHUNK_ROWS):
@@ -213,4 +220,5 @@ def build_tables(problem: Problem, max_downsets: int | None = DEFAULT_MAX_DOWNSE
         cut_bytes=_cut_bytes(problem, member),
         transfer_memory=problem.transfer_memory,
         direct=DirectPairs.of(g, member) if g.direct else None,
+        grad_cut_bytes=None if not problem.training or g.gradients_mirror else _cut_bytes(problem, member, True),
     )

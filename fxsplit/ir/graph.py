@@ -72,11 +72,19 @@ class Block:
 
 @dataclass(frozen=True)
 class Edge:
-    """Data flowing from block ``src`` to block ``dst``: ``size_bytes`` per micro-batch."""
+    """Data flowing from block ``src`` to block ``dst``: ``size_bytes`` per micro-batch, and in
+    training ``grad_bytes`` of gradient flowing back (``None``: the same as ``size_bytes``; less
+    where some of the values need no gradient: masks, positions, integer tensors)."""
 
     src: int
     dst: int
     size_bytes: int = 0
+    grad_bytes: int | None = None
+
+    @property
+    def backward_bytes(self) -> int:
+        """Gradient bytes per micro-batch flowing back over this edge in training."""
+        return self.size_bytes if self.grad_bytes is None else self.grad_bytes
 
 
 @dataclass(frozen=True)
@@ -173,6 +181,20 @@ class CondensedGraph:
                 best[e.src] = max(best.get(e.src, 0), e.size_bytes)
         return sum(best.values())
 
+    def grad_cut_bytes(self, downset: set[int] | frozenset[int]) -> int:
+        """Gradient bytes per micro-batch flowing back into ``downset`` in training: as
+        :meth:`cut_bytes`, with each edge's :attr:`Edge.backward_bytes`."""
+        best: dict[int, int] = {}
+        for e in self.edges:
+            if e.src in downset and e.dst not in downset:
+                best[e.src] = max(best.get(e.src, 0), e.backward_bytes)
+        return sum(best.values())
+
+    @property
+    def gradients_mirror(self) -> bool:
+        """Whether every edge's gradient is as large as its value (no :attr:`Edge.grad_bytes`)."""
+        return all(e.grad_bytes is None for e in self.edges)
+
     def direct_bytes(self, stage: set[int] | frozenset[int]) -> float:
         """Bytes per micro-batch the stage holding the blocks ``stage`` pays for
         :attr:`direct` transfers: each transfer once when its source is in ``stage`` and a reader
@@ -224,7 +246,8 @@ class CondensedGraph:
                     activation_bytes=int(b.activation_bytes * f), output_bytes=int(b.output_bytes * f))
             for b in self.blocks
         )
-        edges = tuple(replace(e, size_bytes=int(e.size_bytes * f)) for e in self.edges)
+        edges = tuple(replace(e, size_bytes=int(e.size_bytes * f),
+                              grad_bytes=None if e.grad_bytes is None else int(e.grad_bytes * f)) for e in self.edges)
         direct = tuple(replace(t, size_bytes=t.size_bytes * f) for t in self.direct)
         return CondensedGraph(blocks=blocks, edges=edges, name=self.name, direct=direct)._accumulating(1.0 - f)
 
@@ -362,6 +385,9 @@ class CondensedGraph:
                 faults.append(f"edge {e.src}->{e.dst} has size_bytes={e.size_bytes}; sizes must be finite numbers")
             elif e.size_bytes < 0:
                 faults.append(f"edge {e.src}->{e.dst} has negative size_bytes={e.size_bytes}")
+            if e.grad_bytes is not None and not (math.isfinite(e.grad_bytes) and e.grad_bytes >= 0):
+                faults.append(f"edge {e.src}->{e.dst} has grad_bytes={e.grad_bytes}; gradient sizes must be finite and "
+                              ">= 0 (None: as large as the value)")
         for t in self.direct:
             if not all(0 <= b < n for b in (t.src, *t.dsts)):
                 faults.append(f"direct transfer {t.src}->{list(t.dsts)} names a block outside 0..{n - 1}")
@@ -381,7 +407,7 @@ class CondensedGraph:
         return {
             "name": self.name,
             "blocks": [{**asdict(b), "nodes": list(b.nodes)} for b in self.blocks],
-            "edges": [asdict(e) for e in self.edges],
+            "edges": [{k: v for k, v in asdict(e).items() if k != "grad_bytes" or v is not None} for e in self.edges],
             **({"direct": [{**asdict(t), "dsts": list(t.dsts)} for t in self.direct]} if self.direct else {}),
         }
 

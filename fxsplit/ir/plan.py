@@ -6,8 +6,10 @@ Cost model of stage ``s`` of ``p`` (0-based) holding blocks ``B_s`` on device ``
 
 * compute: ``fwd_s = Σ fwd / speed(d_s)``, ``bwd_s = Σ bwd / speed(d_s)`` (0 for inference);
 * communication per micro-batch: ``in = cut(I_{s-1})`` arrives over link ``(d_{s-1}, d_s)`` and
-  ``out = cut(I_s)`` leaves over ``(d_s, d_{s+1})``; in training both are paid twice (activations
-  forward, gradients backward): ``comm_s = k · (link_in(in) + link_out(out))``, ``k ∈ {1, 2}``;
+  ``out = cut(I_s)`` leaves over ``(d_s, d_{s+1})``; in training both are paid again for the
+  gradients coming back (:meth:`CondensedGraph.grad_cut_bytes`, the same bytes unless edges say
+  less: :attr:`Edge.grad_bytes`): ``comm_s = link_in(in) + link_out(out) + [training]
+  (link_in(grad in) + link_out(grad out))``;
   0 on a ``comm_free`` device (:attr:`DeviceSpec.comm_free`: its neighbours pay theirs);
   plus the graph's direct transfers (:meth:`CondensedGraph.direct_bytes`) over the default link,
   never doubled (a training graph lists its gradient messages among them);
@@ -277,10 +279,12 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
     sharing = {d: list(devices).count(d) for d in devices}  # looped: a device's memory split over its stages
     out: list[StagePlan] = []
     prefix: set[int] = set()
-    in_bytes = 0
+    in_bytes = grad_in = 0
+    mirror = g.gradients_mirror
     for s, (blocks, d) in enumerate(zip(stages, devices, strict=True)):
         prefix |= set(blocks)
         out_bytes = g.cut_bytes(prefix) if s < p - 1 else 0
+        grad_out = out_bytes if mirror else g.grad_cut_bytes(prefix) if s < p - 1 else 0
         speed = problem.devices[d].speed
         bl = [g.blocks[b] for b in blocks]
         fixed = problem.action_overhead_s if bl else 0.0  # the runtime's work per action (not scaled)
@@ -291,7 +295,11 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
             comm += problem.link_between(devices[s - 1], d).transfer_s(in_bytes)
         if s < p - 1:
             comm += problem.link_between(d, devices[s + 1]).transfer_s(out_bytes)
-        comm *= k
+        if mirror:
+            comm *= k
+        elif problem.training:  # the gradients back over the same links
+            comm += ((problem.link_between(devices[s - 1], d).transfer_s(grad_in) if s > 0 else 0.0)
+                     + (problem.link_between(d, devices[s + 1]).transfer_s(grad_out) if s < p - 1 else 0.0))
         if g.direct:  # values sent straight between stages, gradients listed among them
             comm += problem.link.transfer_s(g.direct_bytes(set(blocks)))
         if problem.devices[d].comm_free:  # its neighbours pay the transfers, it does not
@@ -306,7 +314,7 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
         redo = fwd - fixed if recompute else 0.0  # recomputing runs the forward's compute inside the backward action
         out.append(StagePlan(d, tuple(blocks), fwd, bwd + redo, comm, in_bytes,
                              out_bytes, int(again if recompute else keep), weight, recompute))
-        in_bytes = out_bytes
+        in_bytes, grad_in = out_bytes, grad_out
     return out
 
 
