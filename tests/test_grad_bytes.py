@@ -134,3 +134,19 @@ def test_the_solvers_prefer_the_cut_whose_gradients_are_cheaper() -> None:
         assert plan.objective_s == pytest.approx(5.0) and [st.blocks for st in plan.stages] == [(0, 1), (2,)], solver
     mirrored = pb.with_(graph=CondensedGraph(blocks, (Edge(0, 1, 4), Edge(1, 2, 1))))
     assert solve(mirrored, "dp").objective_s == pytest.approx(4.0)  # 1 + 1 forward and back, both cuts
+
+
+def test_the_simulator_puts_the_gradients_part_of_comm_on_the_backward() -> None:
+    from fxsplit.schedule.simulate import simulate_plan
+
+    blocks = CondensedGraph.chain([1.0, 1.0]).blocks
+    link = LinkSpec(bytes_per_s=1.0, latency_s=0.0)
+    devices = (DeviceSpec("a"), DeviceSpec("b"))
+    for grad, back in ((0, 0.0), (2, 2.0), (None, 4.0)):
+        pb = Problem(CondensedGraph(blocks, (Edge(0, 1, 4, grad),)), devices, link=link, training=True)
+        plan = evaluate(pb, [[0], [1]], [0, 1])
+        assert plan.stages[0].backward_comm_s == pytest.approx(back)
+        spans = {(e.action.kind, e.action.stage): e.end_s - e.start_s for e in simulate_plan(plan).events
+                 if e.action.microbatch == 0}
+        assert spans[("F", 0)] == pytest.approx(1.0 + 4.0)  # the values always go forward
+        assert spans[("B", 0)] == pytest.approx(back)  # blocks have no backward time of their own

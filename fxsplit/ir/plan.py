@@ -71,6 +71,14 @@ class StagePlan:
     memory_bytes: int = 0
     bwd_weight_s: float = 0.0
     recompute: bool = False
+    #: The gradients' part of ``comm_s`` in training; ``None``: half (they mirror the values).
+    bwd_comm_s: float | None = None
+
+    @property
+    def backward_comm_s(self) -> float:
+        """Seconds of ``comm_s`` spent sending and receiving gradients (half unless the stage's
+        boundaries carry values without a gradient)."""
+        return self.comm_s / 2 if self.bwd_comm_s is None else self.bwd_comm_s
 
     @property
     def compute_s(self) -> float:
@@ -295,15 +303,19 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
             comm += problem.link_between(devices[s - 1], d).transfer_s(in_bytes)
         if s < p - 1:
             comm += problem.link_between(d, devices[s + 1]).transfer_s(out_bytes)
+        back = None
         if mirror:
             comm *= k
         elif problem.training:  # the gradients back over the same links
-            comm += ((problem.link_between(devices[s - 1], d).transfer_s(grad_in) if s > 0 else 0.0)
-                     + (problem.link_between(d, devices[s + 1]).transfer_s(grad_out) if s < p - 1 else 0.0))
+            back = ((problem.link_between(devices[s - 1], d).transfer_s(grad_in) if s > 0 else 0.0)
+                    + (problem.link_between(d, devices[s + 1]).transfer_s(grad_out) if s < p - 1 else 0.0))
+            comm += back
         if g.direct:  # values sent straight between stages, gradients listed among them
-            comm += problem.link.transfer_s(g.direct_bytes(set(blocks)))
+            sent = problem.link.transfer_s(g.direct_bytes(set(blocks)))
+            comm += sent
+            back = None if back is None else back + sent / 2
         if problem.devices[d].comm_free:  # its neighbours pay the transfers, it does not
-            comm = 0.0
+            comm, back = 0.0, None
         flight = problem.in_flight(s, p)
         static, act = sum(problem.static_bytes(b) for b in bl), sum(b.activation_bytes for b in bl)
         keep = problem.stage_memory_bytes(static, act, in_bytes, out_bytes, flight, False, transfers=problem.transfer_memory)
@@ -313,7 +325,7 @@ def _stage_costs(problem: Problem, stages: Sequence[Sequence[int]], devices: Seq
         weight = sum(b.bwd_weight_s for b in bl) / speed if problem.training and not recompute else 0.0
         redo = fwd - fixed if recompute else 0.0  # recomputing runs the forward's compute inside the backward action
         out.append(StagePlan(d, tuple(blocks), fwd, bwd + redo, comm, in_bytes,
-                             out_bytes, int(again if recompute else keep), weight, recompute))
+                             out_bytes, int(again if recompute else keep), weight, recompute, back))
         in_bytes, grad_in = out_bytes, grad_out
     return out
 

@@ -88,6 +88,7 @@ def simulate(
     *,
     stage_comm_s: Sequence[float] | None = None,
     bwd_weight_s: Sequence[float] | None = None,
+    stage_bwd_comm_s: Sequence[float] | None = None,
 ) -> Timeline:
     """Simulate one training step of ``schedule``.
 
@@ -101,10 +102,14 @@ def simulate(
         activation_bytes: ``[num_stages]`` bytes one micro-batch keeps alive on a stage from its
             forward to its backward; default None (peak bytes reported as 0).
         stage_comm_s: ``[num_stages]`` communication a stage's rank is busy with per micro-batch
-            (a :class:`~fxsplit.ir.StagePlan`'s ``comm_s``), half added to each F and half to each B.
+            (a :class:`~fxsplit.ir.StagePlan`'s ``comm_s``), half added to each F and half to each B
+            unless ``stage_bwd_comm_s`` says how much of it the gradients take (the B's part).
         bwd_weight_s: ``[num_stages]`` the part of ``bwd_s`` that computes weight gradients: a
             zero-bubble schedule's ``W`` takes it and its ``I`` the rest (default 0: ``I`` is the
             whole backward). Ignored by ``B`` actions.
+        stage_bwd_comm_s: ``[num_stages]`` the gradients' part of ``stage_comm_s`` (a
+            :class:`~fxsplit.ir.StagePlan`'s :attr:`~fxsplit.ir.StagePlan.backward_comm_s`);
+            default half.
 
     Returns:
         The :class:`Timeline`.
@@ -123,14 +128,17 @@ def simulate(
     p = schedule.num_stages
     fwd, bwd = _per_stage("fwd_s", fwd_s, p), _per_stage("bwd_s", bwd_s, p)
     busy = _per_stage("stage_comm_s", stage_comm_s if stage_comm_s is not None else [0.0] * p, p)
+    back = _per_stage("stage_bwd_comm_s", stage_bwd_comm_s, p) if stage_bwd_comm_s is not None else [c / 2 for c in busy]
+    send = {F: [c - min(b, c) for c, b in zip(busy, back, strict=True)], B: [min(b, c) for c, b in zip(busy, back, strict=True)]}
+    send[I], send[W] = send[B], [0.0] * p
     link = _per_stage("comm_s", [comm_s] * (p - 1) if isinstance(comm_s, (int, float)) else comm_s, p - 1)
     acts = _per_stage("activation_bytes", activation_bytes if activation_bytes is not None else [0] * p, p)
     weight = _per_stage("bwd_weight_s", bwd_weight_s if bwd_weight_s is not None else [0.0] * p, p)
     part = {F: fwd, B: bwd, I: [b - min(w, b) for b, w in zip(bwd, weight, strict=True)],
             W: [min(w, b) for b, w in zip(bwd, weight, strict=True)]}
 
-    def duration(a: Action) -> float:  # communication: half on the forward, half on the backward's first part
-        return part[a.kind][a.stage] + (busy[a.stage] / 2 if a.kind != W else 0.0)
+    def duration(a: Action) -> float:  # communication: values on the forward, gradients on the backward's first part
+        return part[a.kind][a.stage] + send[a.kind][a.stage]
 
     def delay(dep: Action, a: Action) -> float:
         if dep.stage == a.stage or schedule.stage_to_rank[dep.stage] == schedule.stage_to_rank[a.stage]:
@@ -186,7 +194,9 @@ def simulate_plan(
     """Simulate a :class:`~fxsplit.ir.Plan` whose stage costs are per micro-batch.
 
     Each stage's ``comm_s`` (both directions, as :func:`fxsplit.ir.evaluate` charges it) is busy
-    time: half on each forward and half on each backward in training, all on the forward otherwise.
+    time: the values' part on each forward and the gradients' part
+    (:attr:`~fxsplit.ir.StagePlan.backward_comm_s`) on each backward in training, all on the forward
+    otherwise.
     With balanced stages the makespan equals ``plan.makespan_s``.
 
     Args:
@@ -213,7 +223,8 @@ def simulate_plan(
     # the first stage has no input gradient to compute: its W is its whole backward (torch's too)
     weight = [b if s == 0 else min(st.bwd_weight_s, b) for s, (st, b) in enumerate(zip(plan.stages, bwd, strict=True))]
     return simulate(schedule, fwd, bwd, activation_bytes=activation_bytes,
-                    stage_comm_s=comm if training else None, bwd_weight_s=weight)
+                    stage_comm_s=comm if training else None, bwd_weight_s=weight,
+                    stage_bwd_comm_s=[st.backward_comm_s for st in plan.stages] if training else None)
 
 
 def plan_step_s(plan: Plan) -> float:
