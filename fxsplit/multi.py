@@ -46,6 +46,7 @@ from fxsplit.runtime import Pipeline
 from fxsplit.runtime.shards import (
     DevicePool,
     ShardedModel,
+    optimizer_coupling,
     optimizer_state_factor,
     optimizer_step_s,
     run_shards,
@@ -72,8 +73,8 @@ class Task:
         optimizer: ``optimizer(params) -> torch.optim.Optimizer`` (e.g. ``lambda p:
             torch.optim.AdamW(p, lr=3e-4)``); called once per shard with the parameters it owns.
             Per-parameter optimizers (SGD, Adam, AdamW, ...) train exactly as one optimizer over
-            the whole model; one that couples parameters (gradient-norm clipping inside it,
-            LAMB's global norms) would not.
+            the whole model; one that couples parameters (a global gradient norm inside its step)
+            would not, and is refused (ConfigError) when the model needs several shards.
         loss_fn: ``loss_fn(output, target) -> scalar``.
         data: An iterable of ``(inputs, target)`` batches; ``inputs`` is the tuple of the model's
             positional inputs (or one tensor), batch on dim 0.
@@ -344,6 +345,31 @@ def _cpu_devices(devices: int | Sequence[str]) -> list[torch.device]:
     return found
 
 
+#: Relative difference above which an optimizer is taken to couple its parameters (rounding of
+#: for-loop and foreach implementations stays under 1e-6).
+COUPLING_RTOL = 1e-5
+
+
+def _refuse_coupled_optimizer(task: Task, plan: Plan) -> None:
+    """Raise when ``task`` is cut into several shards and its optimizer couples parameters
+    (:func:`~fxsplit.runtime.shards.optimizer_coupling`): each shard has its own optimizer, so
+    the model would not train as it does alone.
+
+    Raises:
+        ConfigError: naming the task, the optimizer and the difference measured, with the fix.
+    """
+    if plan.num_stages < 2:
+        return
+    coupling = optimizer_coupling(task.optimizer)
+    if coupling is not None and coupling > COUPLING_RTOL:
+        raise ConfigError(
+            f"task {task.name!r}: its optimizer steps a parameter differently when other parameters are stepped "
+            f"with it (relative difference {coupling:.2g} on two probe parameters): it couples them, e.g. through a "
+            f"global gradient norm. train_many cuts this model into {plan.num_stages} shards, each with its own "
+            "optimizer, so it would not train as it does alone. Use a per-parameter optimizer (SGD, Adam, AdamW, "
+            "...), give the devices memory for the whole model (one shard), or train it with fxsplit.compile")
+
+
 def _shard_task(task: Task, reference: DeviceSpec, cost_model: str, options: CompileOptions,
                 recompute: bool) -> ShardedModel:
     """Capture, cost and cut one task's model; its pipeline of shards, optimizers and units."""
@@ -368,6 +394,7 @@ def _shard_task(task: Task, reference: DeviceSpec, cost_model: str, options: Com
                               f"{reference.memory_bytes / 2**20:.3g} MiB, not even one block per shard (a shard "
                               f"holds its parameters, gradients, optimizer state and one mini-batch's activations); "
                               f"give more memory per device. The solver said: {exc}") from exc
+    _refuse_coupled_optimizer(task, plan)
     last = plan.num_stages - 1
     plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, recompute=recompute and s < last)
                                                   for s, st in enumerate(plan.stages)))

@@ -344,3 +344,31 @@ def test_a_shard_task_times_its_loss_as_compile_does() -> None:
         raise RuntimeError("wrong target")
 
     assert _loss_s(captured, fails, torch.ones(2, 3)) == 0.0
+
+
+class _ClippedSGD(torch.optim.SGD):
+    """SGD that clips the global gradient norm of its parameters inside its step: it couples them."""
+
+    def step(self, closure: Any = None) -> Any:
+        nn.utils.clip_grad_norm_([p for g in self.param_groups for p in g["params"] if p.grad is not None], 0.5)
+        return super().step(closure)
+
+
+def test_an_optimizer_that_couples_parameters_is_refused_across_shards() -> None:
+    from fxsplit.runtime.shards import optimizer_coupling
+
+    for factory in (*(f(1e-2) for f in OPTIMIZERS.values()), lambda p: torch.optim.Adam(p, foreach=True)):
+        assert optimizer_coupling(factory) == 0.0
+    clipped = optimizer_coupling(lambda p: _ClippedSGD(p, lr=0.1))
+    assert clipped is not None and clipped > 1e-3
+
+    def task() -> Task:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 3))
+        return Task(model, lambda p: _ClippedSGD(p, lr=0.1), nn.functional.mse_loss, _data(4, 2, 0), steps=2)
+
+    with pytest.raises(ConfigError, match=r"couples them.*cuts this model into \d+ shards"):
+        train_many([task()], 1, memory_per_device_bytes=12 * 1024)
+    # one shard: one optimizer over the whole model, as training it alone
+    result = train_many([task()], 1, memory_per_device_bytes=2**30)
+    assert result.report.shards == (1,)

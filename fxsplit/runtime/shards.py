@@ -42,7 +42,7 @@ from fxsplit.runtime.local import Pipeline
 from fxsplit.schedule import Action
 from fxsplit.schedule.shards import ShardDispatcher, ShardEvent, ShardRun, ShardTask, ShardUnit
 
-__all__ = ["DevicePool", "ShardedModel", "optimizer_state_factor", "optimizer_step_s",
+__all__ = ["DevicePool", "ShardedModel", "optimizer_coupling", "optimizer_state_factor", "optimizer_step_s",
            "owned_parameters", "run_shards"]
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,35 @@ def optimizer_state_factor(optimizer: Callable[[list[nn.Parameter]], torch.optim
     size = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
                if isinstance(v, torch.Tensor) and v.numel() == probe.numel())
     return size / (probe.numel() * probe.element_size())
+
+
+def optimizer_coupling(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], steps: int = 3
+                       ) -> float | None:
+    """How much stepping two probe parameters with one optimizer differs from stepping each with
+    its own: the largest relative difference after ``steps`` steps on the same gradients (0 for
+    per-parameter optimizers such as SGD, Adam and AdamW, up to rounding; large for one that
+    couples parameters, e.g. a global gradient norm inside its step). The probes differ in scale
+    by 100x so that a coupling shows. ``None`` when the factory cannot build an optimizer for lone
+    probe parameters."""
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(64, generator=gen), 100.0 * torch.randn(32, generator=gen)]
+    grads = [[torch.randn(t.shape, generator=gen) * (1.0 if i == 0 else 100.0) for i, t in enumerate(start)]
+             for _ in range(steps)]
+    together = [nn.Parameter(t.clone()) for t in start]
+    alone = [nn.Parameter(t.clone()) for t in start]
+    try:
+        opts = [optimizer(together), optimizer([alone[0]]), optimizer([alone[1]])]
+        for step in grads:
+            for params in (together, alone):
+                for p, g in zip(params, step, strict=True):
+                    p.grad = g.clone()
+            for opt in opts:
+                opt.step()
+    except Exception as exc:  # e.g. a factory that groups the model's own parameters by name
+        log.warning("cannot probe whether the optimizer couples parameters (%s: %s)", type(exc).__name__, exc)
+        return None
+    with torch.no_grad():
+        return max(float(((a - b).abs() / (b.abs() + 1e-12)).max()) for a, b in zip(together, alone, strict=True))
 
 
 def optimizer_step_s(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
