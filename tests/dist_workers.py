@@ -865,6 +865,11 @@ def hybrid_equal(rank: int, world: int, out_dir: str, name: str, batch: int, m: 
                        options=CompileOptions(link=LinkSpec()), parallel="hybrid")
     loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
     out = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, name)
+    # clipping by the whole model's norm: replicas and tensor-parallel shards count once
+    ref_total = float(torch.nn.utils.clip_grad_norm_(case.model.parameters(), 0.05))
+    clipped = {n: p.grad.clone() for n, p in case.model.named_parameters(remove_duplicate=False)}
+    out["clip"] = (pipe.clip_grad_norm_(0.05), ref_total)
+    compare(pipe, None, ref_loss, clipped, f"{name}/clipped")
     best = pipe.hybrid.best
     mesh = pipe.replicas
     out.update(best=(best.pp, best.dp, best.tp, best.family), layouts=len(pipe.hybrid.layouts),
@@ -932,5 +937,30 @@ def packed_boundary_equal(rank: int, world: int, out_dir: str, plan_json: str, r
         if pipe.is_last:
             with torch.no_grad():
                 torch.testing.assert_close(got, case.model(*inputs), rtol=1e-4, atol=1e-5)
+        pipe.close()
+    return out
+
+
+def clip_equal(rank: int, world: int, out_dir: str, name: str, batch: int, max_norm: float,
+               norm_types: list[float]) -> dict[str, Any]:
+    """For each norm type: one train step, then ``pipe.clip_grad_norm_``: the norm and every
+    clipped gradient equal ``torch.nn.utils.clip_grad_norm_`` on the unsplit model (a tied
+    embedding on two ranks)."""
+    out: dict[str, Any] = {}
+    for norm_type in norm_types:
+        case = _case(name, batch)
+        inputs, target = case.make_batch(batch, 5)
+        ref = copy.deepcopy(case.model)
+        ref_loss, _ = reference_of(ref, inputs, target, case.loss_fn)
+        ref_total = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type))
+        ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters(remove_duplicate=False)}
+        pipe = fxd.compile(_model_fn(name, batch), case.example_inputs, schedule="1f1b", microbatches=2,
+                           state_dict=case.model.state_dict(), timeout_s=30, cost_model="analytic",
+                           options=CompileOptions(link=LinkSpec()))
+        loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn)
+        total = pipe.clip_grad_norm_(max_norm, norm_type)
+        tag = f"clip/{name}/{norm_type}"
+        out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
+        out[tag].update(total=total, ref_total=ref_total, tied=[t.name for t in pipe.tied])
         pipe.close()
     return out

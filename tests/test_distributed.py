@@ -554,6 +554,8 @@ def test_hybrid_compile_builds_the_mesh_rank0_chose_and_trains_like_the_unsplit_
     assert rows[0]["layouts"] >= 6, rows[0]  # every mesh shape of all 4 ranks, each family of tp > 1
     assert rows[0]["costs"] == "analytic", "cost_model='analytic' asked for"
     assert all(row["checked"] for row in rows)
+    totals = {row["clip"][0] for row in rows}  # pipe.clip_grad_norm_: one norm, the unsplit model's
+    assert len(totals) == 1 and totals.pop() == pytest.approx(rows[0]["clip"][1], rel=1e-5), rows
 
 
 def test_cli_runs_a_hybrid_mesh_beside_the_unsplit_model(tmp_path):
@@ -626,3 +628,17 @@ def test_a_boundary_of_several_tensors_travels_packed_and_trains_like_the_unspli
             # the float activations in one message, the attention masks (bool) in another
             assert r["wire"] is not None and r["wire"] >= 5 and r["messages"] == 2, (rank, tag, r)
             assert r["recomputed"] == tag.endswith("recompute=True"), (rank, tag, r)
+
+
+def test_clip_grad_norm_clips_by_the_whole_models_norm(tmp_path):
+    """``pipe.clip_grad_norm_`` on 2 ranks (GPT: the tied embedding on both) gives the unsplit
+    model's norm and clipped gradients, for the 2-norm and the max-norm; clipping each rank by
+    its own stages' norm would not."""
+    results = launch(w.clip_equal, 2, tmp_path, "gpt", 4, 0.05, [2.0, math.inf], deadline_s=120)
+    check_ok(results)
+    for tag, first in results[0]["result"].items():
+        totals = {r["result"][tag]["total"] for r in results.values()}
+        assert len(totals) == 1, f"{tag}: ranks disagree on the norm: {totals}"
+        assert totals.pop() == pytest.approx(first["ref_total"], rel=1e-5), tag
+        assert first["ref_total"] > 0.05 * 2, f"{tag}: the case must clip"
+        assert first["tied"] == ["lm_head.weight"]

@@ -177,3 +177,15 @@ def test_state_moves_between_layouts_by_original_names(tmp_path):
         assert res["moved"] > 0  # the step changed the weights, so the load carried something
         assert res["state_diff"] == 0.0 and res["loss_diff"] < 1e-6 and res["grad_diff"] < 1e-6, res
         assert res["layouts"][0] != res["layouts"][1], res
+
+
+def test_clip_grad_norm_of_a_per_layer_plan_is_the_unsplit_models(tmp_path):
+    """Sharded gradients (Megatron's column/row linears on 2 ranks) count once in the norm."""
+    results = launch(w.clip_like_unsplit, 2, tmp_path, "megatron", deadline_s=120)
+    check_ok(results)
+    for r in results.values():
+        res = r["result"]
+        assert res["ref_total"] > 0.1, res  # the case clips
+        assert res["total"] == pytest.approx(res["ref_total"], rel=1e-5), res
+        assert res["grad_rel_diff"] < 1e-4, res
+        assert any(p.startswith("S(") for p in res["placements"]), res

@@ -240,3 +240,32 @@ def reshard_equal(rank: int, world: int, out_dir: str) -> dict[str, Any]:
             "loss_diff": abs(losses[0] - losses[1]),
             "grad_diff": max(float((a[n] - b[n]).abs().max()) for n in a if a[n] is not None),
             "layouts": (sorted(set(megatron.placements().values())), sorted(set(dp.placements().values())))}
+
+
+def clip_like_unsplit(rank: int, world: int, out_dir: str, strategy: str) -> dict[str, Any]:
+    """GPT split per layer (Megatron's column/row linears: sharded gradients): after one step,
+    ``pg.clip_grad_norm_`` gives the unsplit model's norm and clipped gradients."""
+    import torch.nn.functional as F
+
+    import fxsplit.distributed as fxd
+    from fxsplit.api import load_model
+
+    torch.manual_seed(0)
+    case = load_model("gpt", size="tiny", batch_size=8)
+    reference = case.model
+    pg = fxd.parallelize(lambda: copy.deepcopy(reference), case.example_inputs, strategy=strategy)
+    out = _first(pg(*case.example_inputs))
+    target = torch.randint(0, out.shape[-1], out.shape[:-1], generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(y: Any, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(_first(y).flatten(0, -2), t.flatten())
+
+    pg.train_step(*case.example_inputs, target=target, loss_fn=loss_fn)
+    loss_fn(reference(*case.example_inputs), target).backward()
+    ref_total = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05))
+    total = pg.clip_grad_norm_(0.05)
+    grads = pg.grads()
+    params = dict(reference.named_parameters(remove_duplicate=False))
+    diff = max(float((grads[n] - p.grad).abs().max() / (p.grad.abs().max() + 1e-12)) for n, p in params.items())
+    return {"total": total, "ref_total": ref_total, "grad_rel_diff": diff,
+            "placements": sorted(set(pg.placements().values()))}

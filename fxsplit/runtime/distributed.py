@@ -75,7 +75,7 @@ from fxsplit.runtime.microbatch import (
     microbatch_sizes,
     target_batch_dim,
 )
-from fxsplit.runtime.state import ParameterAPI, check_loadable
+from fxsplit.runtime.state import ParameterAPI, check_loadable, grad_norm
 from fxsplit.runtime.trace import TraceEvent, TraceRecorder, action_end_s
 from fxsplit.schedule import make
 
@@ -811,6 +811,31 @@ class DistributedPipeline(ParameterAPI):
             for _g, name, tensor in st.state.items(st.module.gm):
                 if isinstance(tensor, nn.Parameter):
                     yield name, tensor
+
+    def _grad_norms(self, norm_type: float) -> dict[str, float]:
+        """Every rank's gradient norms, gathered: each tensor of the model once, keyed by its
+        first original name (a tied weight's copies on other ranks share it), counted on its
+        stage's first replica and first shard; a tensor-parallel gradient is gathered whole
+        first (collective over the stage's shards, in the same order on each)."""
+        from torch.distributed.tensor import DTensor
+
+        first = self.replicas is None or (self.replicas.index == 0 and self.replicas.tp_index == 0)
+        mine: dict[str, float] = {}
+        for st in self.stages:
+            for g, _name, tensor in st.state.items(st.module.gm):
+                if not isinstance(tensor, nn.Parameter) or tensor.grad is None:
+                    continue
+                grad = tensor.grad.full_tensor() if isinstance(tensor.grad, DTensor) else tensor.grad
+                key = st.state.originals[g][0]
+                if first and key not in mine:
+                    mine[key] = grad_norm(grad, norm_type)
+        everyone: list[dict[str, float] | None] = [None] * dist.get_world_size()
+        self._run("the gradient norms' all-gather", lambda: dist.all_gather_object(everyone, mine))
+        merged: dict[str, float] = {}
+        for part in everyone:
+            for key, value in (part or {}).items():
+                merged.setdefault(key, value)
+        return merged
 
     @staticmethod
     def _stage_state_dict(st: RankStage, order: Sequence[str]) -> dict[str, torch.Tensor]:

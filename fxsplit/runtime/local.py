@@ -447,6 +447,9 @@ class Pipeline(ParameterAPI):
         """``(original name, parameter)`` of every parameter (tied copies on other devices too)."""
         return self.state.named_parameters()
 
+    def _tensor_key(self, name: str) -> str:
+        return self.state.to_graph.get(name, name)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's ``state_dict`` keys, in its order, with the stages' values."""
         return self.state.state_dict()

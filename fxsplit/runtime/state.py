@@ -8,6 +8,7 @@ original names (``tok_emb.weight`` and ``lm_head.weight``) and may have a copy i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -17,7 +18,7 @@ from fxsplit.codegen.place import get_state
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError
 
-__all__ = ["StateMap", "ParameterAPI", "check_loadable"]
+__all__ = ["StateMap", "ParameterAPI", "check_loadable", "grad_norm"]
 
 
 def check_loadable(pairs: Sequence[tuple[str, object, torch.Tensor]], where: str = "the pipeline") -> None:
@@ -147,6 +148,11 @@ class StateMap:
                 t.copy_(value.to(t.device))
 
 
+def grad_norm(grad: torch.Tensor, norm_type: float) -> float:
+    """The ``norm_type``-norm of one gradient, in float64 (as a number)."""
+    return float(torch.linalg.vector_norm(grad.detach().to(torch.float64), norm_type))
+
+
 class ParameterAPI:
     """``parameters()`` and ``zero_grad()`` derived from ``named_parameters()``; shared by the
     local and the distributed pipeline."""
@@ -157,6 +163,54 @@ class ParameterAPI:
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Scale the gradients so that their norm over the whole model is at most ``max_norm``,
+        as ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)`` does on
+        the unsplit model: each parameter counted once (a tied weight's copies, a stage's
+        replicas and its tensor-parallel shards together once), every copy scaled by the same
+        ``max_norm / (norm + 1e-6)`` when that is below 1. Call it after ``train_step`` and
+        before the optimizer's step; on a distributed pipeline every rank calls it (collective).
+        ``torch.nn.utils.clip_grad_norm_(pipe.parameters())`` instead would count a tied
+        weight once per copy and, across processes, clip each rank by its own stages' norm.
+
+        Returns:
+            The norm of all the gradients before clipping (the same on every rank).
+
+        Raises:
+            ConfigError: for ``max_norm`` or ``norm_type`` not a positive number.
+        """
+        for label, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"clip_grad_norm_: {label}={value!r} must be a positive number (norm_type may be "
+                                  "float('inf'))")
+        if math.isinf(max_norm):
+            raise ConfigError("clip_grad_norm_: max_norm=inf clips nothing; leave the call out")
+        norms = list(self._grad_norms(float(norm_type)).values())
+        total = (max(norms, default=0.0) if math.isinf(norm_type)
+                 else sum(n**norm_type for n in norms) ** (1.0 / norm_type))
+        scale = max_norm / (total + 1e-6)
+        if scale < 1.0:
+            seen: set[int] = set()
+            for p in self.parameters():
+                if p.grad is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    p.grad.mul_(scale)
+        return total
+
+    def _grad_norms(self, norm_type: float) -> dict[str, float]:
+        """``{tensor: norm of its gradient}``, each tensor of the model once (this process holds
+        every stage)."""
+        out: dict[str, float] = {}
+        for name, p in self.named_parameters():
+            key = self._tensor_key(name)
+            if p.grad is not None and key not in out:
+                out[key] = grad_norm(p.grad, norm_type)
+        return out
+
+    def _tensor_key(self, name: str) -> str:
+        """One key per tensor of the model for ``name`` (aliases of a tied tensor share it)."""
+        return name
 
     def _stash_grads(self) -> list[tuple[nn.Parameter, torch.Tensor | None]]:
         """Take every parameter's gradient away (``.grad = None``) for a step: the step's

@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 
 from fxsplit.errors import ConfigError
 from fxsplit.passes.parallel_strategies import NodeLayout
-from fxsplit.runtime.state import ParameterAPI
+from fxsplit.runtime.state import ParameterAPI, grad_norm
 
 __all__ = ["LayersCalibration", "ParallelGraph", "ParallelPlan", "placement_of", "same_on_every_rank", "shard_stage"]
 
@@ -336,6 +336,12 @@ class ParallelGraph(ParameterAPI):
                     value.to_local().copy_(piece.to_local())
                 else:
                     value.copy_(whole)
+
+    def _grad_norms(self, norm_type: float) -> dict[str, float]:
+        """Each trainable tensor's gradient norm, its shards gathered whole first (collective:
+        every rank holds every tensor, split or replicated, so each counts it once)."""
+        return {target: grad_norm(_whole_value(value.grad), norm_type) for target, value in self.values.items()
+                if isinstance(value, nn.Parameter) and value.grad is not None}
 
     def grads(self) -> dict[str, torch.Tensor | None]:
         """Every trainable parameter's gradient, whole, under its original names. Collective."""
