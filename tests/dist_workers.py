@@ -964,3 +964,27 @@ def clip_equal(rank: int, world: int, out_dir: str, name: str, batch: int, max_n
         out[tag].update(total=total, ref_total=ref_total, tied=[t.name for t in pipe.tied])
         pipe.close()
     return out
+
+
+def token_mean_refused(rank: int, world: int, out_dir: str, timeout_s: float) -> dict[str, Any]:
+    """A token-mean cross-entropy over uneven padding (the micro-batches' losses weighted by
+    samples are not the batch's): refused on the last rank, and no rank hangs or keeps a grad."""
+    batch = 4
+    case = _case("gpt", batch)
+    pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="1f1b", microbatches=4,
+                       state_dict=case.model.state_dict(), timeout_s=timeout_s, cost_model="analytic",
+                       options=CompileOptions(link=LinkSpec()))
+    inputs, target = case.make_batch(batch, 3)
+    target = target.clone()
+    target[0, 1:] = -100  # sample 0 keeps one token, the others all of theirs
+
+    def token_mean(out: Any, tgt: Any) -> Any:
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), tgt.flatten())
+
+    start = time.monotonic()
+    try:
+        pipe.train_step(*inputs, target=target, loss_fn=token_mean)
+    finally:
+        with open(os.path.join(out_dir, f"elapsed{rank}.txt"), "w") as f:
+            f.write(f"{time.monotonic() - start} {all(p.grad is None for p in pipe.parameters())}")
+    return {"finished": True}

@@ -642,3 +642,17 @@ def test_clip_grad_norm_clips_by_the_whole_models_norm(tmp_path):
         assert totals.pop() == pytest.approx(first["ref_total"], rel=1e-5), tag
         assert first["ref_total"] > 0.05 * 2, f"{tag}: the case must clip"
         assert first["tied"] == ["lm_head.weight"]
+
+
+def test_a_token_mean_over_uneven_padding_is_refused_across_ranks(tmp_path):
+    """The loss of the first two micro-batches together is checked against what the weights add
+    up: a token mean over uneven padding is refused (ConfigError on the last rank), the others
+    stop within the timeout and no rank keeps a gradient of the failed step."""
+    timeout_s = 10.0
+    results = launch(w.token_mean_refused, 2, tmp_path, timeout_s, deadline_s=90)
+    last = results[1]["result"]
+    assert "normalised by something other than the samples" in last["message"], last
+    assert results[0]["result"].get("error"), results[0]
+    for rank in (0, 1):
+        elapsed, clean = (tmp_path / f"elapsed{rank}.txt").read_text().split()
+        assert float(elapsed) < timeout_s + 3 and clean == "True", (rank, elapsed, clean)

@@ -485,3 +485,76 @@ def test_clip_grad_norm_clips_by_the_whole_models_norm(norm_type: float) -> None
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="max_norm"):
             pipe.clip_grad_norm_(bad)
+
+
+def test_an_output_the_pipeline_cannot_merge_is_refused_not_cut_to_one_micro_batch() -> None:
+    """An output whose dim 0 is batch x seq (``logits.flatten(0, 1)``) used to come back as the
+    first micro-batch's rows alone, silently; a value the same in every micro-batch is kept."""
+
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 5)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            y = self.b(torch.relu(self.a(x)))
+            return y.flatten(0, 1), y, torch.ones(3)
+
+    torch.manual_seed(0)
+    model, x = Flat(), torch.randn(4, 3, 8)
+    pipe = fxsplit.compile(model, ["cpu"] * 2, (x,), microbatches=4)
+    with pytest.raises(ConfigError, match=r"output 0 of the model differs between micro-batches .* \[3, 5\]"):
+        pipe(x)
+    single = fxsplit.compile(model, ["cpu"] * 2, (x,), microbatches=1)
+    flat, whole, ones = single(x)
+    torch.testing.assert_close(flat, model(x)[0])
+    # the merge itself: batched rows concatenated, equal values kept, differing ones refused
+    from fxsplit.runtime import merge_outputs
+
+    a, b = torch.zeros(2, 3), torch.ones(2, 3)
+    assert merge_outputs([[a, "k", torch.ones(3)], [b, "k", torch.ones(3)]], [2, 2], [True, False, False])[1] == "k"
+    with pytest.raises(ConfigError, match="output 1"):
+        merge_outputs([[a, a], [b, b]], [2, 2], [True, False])
+
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+def _token_mean(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())  # ignore_index=-100
+
+
+def _token_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+
+
+def test_a_token_mean_over_uneven_padding_is_refused_not_reweighted() -> None:
+    """cross_entropy's mean skips ignored tokens: with uneven padding the micro-batches' losses
+    weighted by samples are not the batch's loss, and passed for a mean before (silently other
+    gradients); even padding, or a token sum, trains as the unsplit model."""
+    torch.manual_seed(0)
+    model = _TinyLM()
+    ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(2))
+    uneven, even = target.clone(), target.clone()
+    uneven[0, 2:] = -100
+    even[:, 4:] = -100
+    pipe = fxsplit.compile(model, ["cpu"] * 2, (ids,), microbatches=4)
+    with pytest.raises(ConfigError, match="normalised by something other than the samples"):
+        pipe.train_step(ids, target=uneven, loss_fn=_token_mean)
+    for loss_fn, tgt in ((_token_mean, even), (_token_sum, uneven)):
+        ref = copy.deepcopy(model)
+        ref_loss = loss_fn(ref(ids), tgt)
+        ref_loss.backward()
+        pipe.zero_grad()
+        loss = pipe.train_step(ids, target=tgt, loss_fn=loss_fn)
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        grads = dict(ref.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)

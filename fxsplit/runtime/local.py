@@ -36,6 +36,7 @@ from fxsplit.passes.per_sample import is_random
 from fxsplit.runtime.microbatch import (
     LossReductions,
     batch_size_of,
+    check_loss_pair,
     loss_weights,
     merge_outputs,
     split_microbatches,
@@ -110,6 +111,8 @@ class _Step:
     losses: list[torch.Tensor | None] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     reduction_checked: bool = False
+    reduction: str = "unknown"
+    pair: dict[int, list[Any]] = field(default_factory=dict)  # micro-batches 0 and 1's outputs, detached
     scale: Callable[[torch.Tensor], torch.Tensor] | None = None  # a GradScaler's scale(): fp16 loss scaling
 
     def total_loss(self) -> torch.Tensor:
@@ -314,6 +317,7 @@ class Pipeline(ParameterAPI):
                 for action in order:
                     self.run_action(action, step)
             self._sync_tied()
+            self._check_pair(step)
         except BaseException:
             self._unstash_grads(saved, ok=False)  # the gradients are as before the step
             raise
@@ -368,8 +372,11 @@ class Pipeline(ParameterAPI):
                                                     step.targets[i], step.sizes[i], self._target_dim)
                     if kind == "sum":  # a sum over the batch is the plain sum of the micro-batches' sums
                         step.weights = [1.0] * len(step.weights)
+                    step.reduction = kind
                 with self._precision(s):  # as the unsplit model under autocast computes its loss
                     loss = step.loss_fn(self._unflatten(outputs), step.targets[i])
+                if i < 2 and step.reduction != "unknown":  # kept for the pair check after the step
+                    step.pair[i] = [x.detach() if isinstance(x, torch.Tensor) else x for x in outputs]
             except ConfigError:
                 raise
             except Exception as exc:
@@ -378,6 +385,14 @@ class Pipeline(ParameterAPI):
                                      stage=s, microbatch=i) from exc
             weight = step.weights[i]
             step.losses[i] = loss if weight == 1.0 else loss * weight  # x * 1.0 == x: skip the op
+
+    def _check_pair(self, step: _Step) -> None:
+        """After the step's actions (outside the traced ones): micro-batches 0 and 1 together
+        give the loss their weights add up (:func:`~fxsplit.runtime.microbatch.check_loss_pair`)."""
+        if len(step.pair) == 2:
+            check_loss_pair(step.loss_fn, [step.pair[0], step.pair[1]], step.targets[:2], step.sizes[:2],
+                            step.reduction, self.batched_outputs, self._unflatten, self._target_dim)
+        step.pair.clear()
 
     @staticmethod
     def _pending(s: int, i: int, step: _Step) -> PendingWeights:

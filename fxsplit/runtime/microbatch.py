@@ -187,6 +187,59 @@ def loss_reduction(
     )
 
 
+def check_loss_pair(
+    loss_fn: Any, outputs: Sequence[Sequence[Any]], targets: Sequence[Any], sizes: Sequence[int], kind: str,
+    batched: Sequence[bool] | None, unflatten: Any, target_dim: int = 0,
+) -> None:
+    """Check that the loss of two micro-batches together is what the pipeline adds up from
+    their losses: ``(n0 L0 + n1 L1) / (n0 + n1)`` for a mean, ``L0 + L1`` for a sum.
+
+    :func:`loss_reduction` tells a mean from a sum on one micro-batch given twice; a loss
+    normalised by a count that varies between micro-batches (a token mean that skips padding:
+    ``cross_entropy(..., ignore_index=-100)`` with uneven padding, a Hugging Face model's own
+    ``loss``) passes that test and still gives another batch loss and other gradients when the
+    micro-batches are weighted by their samples. Run on each step's first two micro-batches.
+
+    Args:
+        loss_fn: ``loss_fn(output, target) -> scalar``.
+        outputs: ``[2]`` the micro-batches' flat outputs (detached here; the three losses are
+            computed again from them in float32, so that mixed precision cannot hide or fake a
+            difference).
+        targets: ``[2]`` their targets.
+        sizes: ``[2]`` their samples.
+        kind: ``"mean"`` or ``"sum"`` (:func:`loss_reduction`).
+        batched, unflatten, target_dim: As :func:`loss_reduction`.
+
+    Raises:
+        ConfigError: naming both values and the fix when they differ by more than rounding.
+    """
+    flags = list(batched) if batched is not None else [_looks_batched(x, sizes[0]) for x in outputs[0]]
+
+    def joined(a: Any, b: Any, dim: int | None) -> Any:
+        return torch.cat([a, b.to(a.device)], dim=dim) if dim is not None and isinstance(a, torch.Tensor) else a
+
+    with torch.no_grad():
+        outs = [[(x.detach().float() if x.is_floating_point() else x.detach()) if isinstance(x, torch.Tensor) else x
+                 for x in mb] for mb in outputs]
+        both = [joined(a, b, 0 if f else None) for a, b, f in zip(outs[0], outs[1], flags, strict=True)]
+        leaves0, spec = pytree.tree_flatten(targets[0])
+        leaves1, _ = pytree.tree_flatten(targets[1])
+        target = pytree.tree_unflatten([joined(a, b, target_batch_dim(a, sizes[0], target_dim))
+                                        for a, b in zip(leaves0, leaves1, strict=True)], spec)
+        got = float(loss_fn(unflatten(both), target))
+        losses = [float(loss_fn(unflatten(mb), t)) for mb, t in zip(outs, targets, strict=True)]
+    n0, n1 = sizes
+    expected = (n0 * losses[0] + n1 * losses[1]) / (n0 + n1) if kind == "mean" else losses[0] + losses[1]
+    if abs(got - expected) > 1e-5 * max(abs(got), abs(expected)) + 1e-9:
+        raise ConfigError(
+            f"loss_fn over micro-batches 0 and 1 together gives {got:.6g}, but the pipeline would count "
+            f"{expected:.6g} ({'their losses weighted by samples' if kind == 'mean' else 'their sum'}: "
+            f"{losses[0]:.6g} on {n0} and {losses[1]:.6g} on {n1} samples): the loss is normalised by something "
+            "other than the samples (e.g. the tokens that cross_entropy does not ignore, or a model's own token-mean "
+            "loss), so the micro-batched step would train on another loss. Make it a per-sample mean or a sum "
+            "(e.g. the token sum divided by a fixed count), or run with microbatches=1")
+
+
 class LossReductions:
     """:func:`loss_reduction` of each ``loss_fn`` a pipeline was given, found once per function
     (kept by weak reference; a callable that cannot be weakly referenced is tried every step).
@@ -219,7 +272,14 @@ def merge_outputs(per_mb: Sequence[Sequence[Any]], sizes: Sequence[int], batched
 
     Batched outputs (``batched``, default: tensors whose dim 0 is each micro-batch's size) are
     concatenated; 0-d tensors (a mean loss) are averaged, weighted by micro-batch size; anything
-    else is taken from the first micro-batch.
+    else must be the same in every micro-batch (a value that does not depend on the batch) and is
+    taken from the first.
+
+    Raises:
+        ConfigError: for an output that is none of these (it differs between micro-batches but
+            its dim 0 is not the batch, e.g. ``logits.flatten(0, 1)`` of shape ``[batch * seq,
+            vocab]``): fxsplit cannot tell how its rows interleave the samples, and taking one
+            micro-batch's would silently return another answer than the model's.
     """
     if len(per_mb) == 1:  # one micro-batch: its outputs are the batch's
         return list(per_mb[0])
@@ -234,5 +294,30 @@ def merge_outputs(per_mb: Sequence[Sequence[Any]], sizes: Sequence[int], batched
         elif isinstance(first, torch.Tensor) and first.dim() == 0 and len(vals) > 1:
             merged.append(sum(v.to(first.device) * (n / total) for v, n in zip(vals, sizes, strict=True)))
         else:
+            for i, v in enumerate(vals[1:], start=1):
+                if not _same_value(first, v):
+                    raise ConfigError(
+                        f"output {j} of the model differs between micro-batches ({_describe(first)} in micro-batch 0, "
+                        f"{_describe(v)} in micro-batch {i}) but its dim 0 is not the batch, so the pipeline cannot "
+                        "merge it into the batch's output (taking one micro-batch's would return another answer than "
+                        "the model's). Return it with the batch on dim 0 (e.g. logits [batch, seq, vocab] rather "
+                        "than flattened to [batch * seq, vocab]), or run with microbatches=1")
             merged.append(first)
     return merged
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two micro-batches' values of one output are the same value."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a.detach().cpu(), b.detach().cpu()))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value whose == is not a truth value: not provably the same
+        return a is b
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return f"a {type(value).__name__}"
