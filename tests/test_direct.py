@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from strategies import MiB, condensed_graphs, problems
-from test_solvers_dp import brute_force
+from test_solvers_dp import assert_solvers_equal_brute_force
 from typer.testing import CliRunner
 
 from fxsplit.cli import _register_all, app
@@ -105,13 +105,7 @@ def test_direct_bytes_without_the_full_table(monkeypatch: pytest.MonkeyPatch) ->
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(direct_problems())
 def test_dp_cpsat_and_auto_equal_brute_force_with_direct_transfers(problem: Problem) -> None:
-    assume(count_downsets(problem.graph, limit=30) is not None)
-    expected = brute_force(problem)  # every chain and assignment, costed by evaluate
-    assume(math.isfinite(expected))
-    for solver in ("dp", "cpsat", "auto"):
-        plan = solve(problem, solver)
-        assert plan.status == "optimal", solver
-        assert plan.objective_s == pytest.approx(expected, rel=1e-6, abs=1e-6), solver
+    assert_solvers_equal_brute_force(problem)
 
 
 def test_a_direct_transfer_is_paid_by_its_ends_not_between() -> None:

@@ -4,8 +4,6 @@ records it, the cost model charges it, and every solver optimises it (against br
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -13,7 +11,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from strategies import problems
 from test_condense import _front_end
-from test_solvers_dp import brute_force
+from test_solvers_dp import assert_solvers_equal_brute_force
 from torch import nn
 
 from fxsplit.ir import CondensedGraph, DeviceSpec, Edge, LinkSpec, Problem, evaluate
@@ -52,14 +50,7 @@ def test_grad_cut_of_every_downset_in_the_tables(problem: Problem) -> None:
 @given(problems(max_blocks=7, max_devices=4, heterogeneous=True, device_order=None, objective=None,
                 memory_mib=(8, 64)).flatmap(with_grad_bytes))
 def test_dp_cpsat_and_auto_equal_brute_force_with_smaller_gradients(problem: Problem) -> None:
-    assume(count_downsets(problem.graph, limit=30) is not None)
-    expected = brute_force(problem)  # every chain and assignment, costed by evaluate
-    assume(math.isfinite(expected))
-    for solver in ("dp", "cpsat", "auto"):
-        plan = solve(problem, solver)
-        assert plan.status == "optimal", solver
-        assert plan.objective_s == pytest.approx(expected, rel=1e-6, abs=1e-6), solver
-        assert plan.lower_bound_s <= plan.objective_s * (1 + 1e-6) + 1e-9, solver  # a bound from the same model
+    assert_solvers_equal_brute_force(problem)
 
 
 def test_a_boundary_pays_the_values_forward_and_their_gradients_back() -> None:

@@ -56,6 +56,19 @@ def brute_force(problem: Problem, prefixes_only: bool = False) -> float:
     return best
 
 
+def assert_solvers_equal_brute_force(problem: Problem, solvers: tuple[str, ...] = ("dp", "cpsat", "auto")) -> None:
+    """Each solver proves the optimum :func:`brute_force` finds, with a bound of the same model
+    (no higher than its plan); problems without a feasible split are skipped (``assume``)."""
+    assume(count_downsets(problem.graph, limit=30) is not None)
+    expected = brute_force(problem)  # every chain and assignment, costed by evaluate
+    assume(math.isfinite(expected))
+    for solver in solvers:
+        plan = solve(problem, solver)
+        assert plan.status == "optimal", solver
+        assert plan.objective_s == pytest.approx(expected, rel=1e-6, abs=1e-6), solver
+        assert plan.lower_bound_s <= plan.objective_s * (1 + 1e-6) + 1e-9, solver
+
+
 def _check_against_brute(problem: Problem) -> None:
     expected = brute_force(problem)
     if math.isinf(expected):
