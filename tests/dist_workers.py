@@ -833,6 +833,11 @@ def split_stages_equal(rank: int, world: int, out_dir: str,
         ref_loss, ref_grads = reference(case, inputs, target)
         loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
         out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
+        # the whole model's gradient norm: shards gathered, replicas and tied copies once
+        ref_total = float(torch.nn.utils.clip_grad_norm_(case.model.parameters(), 0.05))
+        clipped = {n: p.grad.clone() for n, p in case.model.named_parameters(remove_duplicate=False)}
+        out[tag]["clip"] = (pipe.clip_grad_norm_(0.05), ref_total)
+        compare(pipe, None, ref_loss, clipped, f"{tag}/clipped")
         split = {n: str(p.placements) for n, p in pipe.named_parameters() if isinstance(p, DTensor)}
         out[tag].update(broadcast=float(loss), stages=list(pipe.stage_indices), split=split, plan=pipe.tp_plan.strategy,
                         shard=pipe.replicas.tp_index, replica=pipe.replicas.index)

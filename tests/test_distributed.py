@@ -521,6 +521,8 @@ def test_stages_split_over_tensor_parallel_ranks_train_like_the_unsplit_model(tm
         assert [row["shard"] for row in rows.values()] == [0, 1, 0, 1], tag
         assert len({row["broadcast"] for row in rows.values()}) == 1, tag
         assert all(row["plan"] == "megatron" and row["split"] for row in rows.values()), tag
+        totals = {row["clip"][0] for row in rows.values()}  # pipe.clip_grad_norm_: the unsplit model's norm
+        assert len(totals) == 1 and totals.pop() == pytest.approx(rows[0]["clip"][1], rel=1e-5), (tag, rows[0]["clip"])
         for a, b in ((0, 1), (2, 3)):  # the two shards of one stage (or of one replica)
             assert rows[a]["stages"] == rows[b]["stages"] and rows[a]["checked"] == rows[b]["checked"], tag
             assert rows[a]["split"] == rows[b]["split"], tag
