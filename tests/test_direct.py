@@ -282,3 +282,21 @@ def test_an_acyclic_tarnawski_file_loads_without_networkx(tmp_path: Path) -> Non
             "pb = load_tarnawski(sys.argv[1], transfers='direct'); print(len(pb.graph), 'networkx' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["3", "False"], out.stdout + out.stderr
+
+
+def test_auto_leaves_direct_transfers_to_cpsat_where_the_dp_table_is_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fxsplit.solvers.estimate as estimate_module
+    from fxsplit.errors import SolverError
+
+    g = CondensedGraph.chain([1.0, 2.0, 3.0, 1.0])
+    g = CondensedGraph(g.blocks, g.edges, direct=(DirectTransfer(0, (3,), 1.0), DirectTransfer(1, (2,), 0.5)))
+    pb = Problem(g, (DeviceSpec("a"), DeviceSpec("b")), link=LinkSpec(bytes_per_s=1.0, latency_s=0.0),
+                 transfer_memory=False).check()
+    expected = solve(pb, "dp").objective_s
+    monkeypatch.setattr(direct_module, "MAX_ROW_TABLE", 4)
+    monkeypatch.setattr(direct_module, "FULL_TABLE_DOWNSETS", 0)
+    monkeypatch.setattr(estimate_module, "MAX_ROW_TABLE", 4)
+    with pytest.raises(SolverError, match="too large a table for direct transfers"):
+        solve(pb, "dp")
+    plan = solve(pb, "auto")
+    assert plan.solver == "cpsat" and plan.status == "optimal" and plan.objective_s == pytest.approx(expected)
