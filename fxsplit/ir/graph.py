@@ -175,19 +175,18 @@ class CondensedGraph:
         Each producing block pays the largest of its edges that leave the downset once (a value
         read by several later blocks is sent once), summed over producers.
         """
-        best: dict[int, int] = {}
-        for e in self.edges:
-            if e.src in downset and e.dst not in downset:
-                best[e.src] = max(best.get(e.src, 0), e.size_bytes)
-        return sum(best.values())
+        return self._cut(downset, gradients=False)
 
     def grad_cut_bytes(self, downset: set[int] | frozenset[int]) -> int:
         """Gradient bytes per micro-batch flowing back into ``downset`` in training: as
         :meth:`cut_bytes`, with each edge's :attr:`Edge.backward_bytes`."""
+        return self._cut(downset, gradients=True)
+
+    def _cut(self, downset: set[int] | frozenset[int], *, gradients: bool) -> int:
         best: dict[int, int] = {}
         for e in self.edges:
             if e.src in downset and e.dst not in downset:
-                best[e.src] = max(best.get(e.src, 0), e.backward_bytes)
+                best[e.src] = max(best.get(e.src, 0), e.backward_bytes if gradients else e.size_bytes)
         return sum(best.values())
 
     @property
