@@ -115,15 +115,9 @@ def _direct_quanta(problem: Problem, q: float) -> tuple[tuple[int, tuple[int, ..
     """The graph's direct transfers in quanta over the one link (readers other than the source;
     transfers with one reader summed per (source, reader))."""
     per_byte = 1.0 / (problem.link.bytes_per_s * q)
-    pairs: dict[tuple[int, int], float] = defaultdict(float)
-    many = []
-    for t in problem.graph.direct:
-        readers = tuple(sorted(set(t.dsts) - {t.src}))
-        if len(readers) == 1:
-            pairs[t.src, readers[0]] += t.size_bytes
-        elif readers:
-            many.append((t.src, readers, int(t.size_bytes * per_byte)))
-    out = [(a, (b,), int(size * per_byte)) for (a, b), size in pairs.items()] + many
+    pairs, many = problem.graph.direct_groups()
+    out = [(a, (b,), int(size * per_byte)) for (a, b), size in pairs.items()]
+    out += [(a, readers, int(size * per_byte)) for a, readers, size in many]
     return tuple(x for x in out if x[2] > 0)
 
 

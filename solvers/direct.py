@@ -71,15 +71,9 @@ class DirectPairs:
         """
         num, n = member.shape
         pair = np.zeros((n, n))
-        many: list[tuple[int, list[int], float]] = []
-        for t in graph.direct:
-            readers = sorted(set(t.dsts) - {t.src})
-            if not readers or t.size_bytes == 0:
-                continue
-            if len(readers) == 1:
-                pair[t.src, readers[0]] += t.size_bytes
-            else:
-                many.append((t.src, readers, float(t.size_bytes)))
+        pairs, many = graph.direct_groups()
+        for (src, reader), size in pairs.items():
+            pair[src, reader] = size
         mf = member.astype(float)
         sym = pair + pair.T
         quad = 2.0 * np.einsum("dn,nm,dm->d", mf, pair, mf, optimize=True) if num else np.zeros(0)
@@ -95,7 +89,7 @@ class DirectPairs:
         src = np.array([a for a, _, _ in many], dtype=np.int64)
         incidence = np.zeros((n, len(many)))
         for g, (_, rs, _) in enumerate(many):
-            incidence[rs, g] = 1.0
+            incidence[list(rs), g] = 1.0
         key = (2 * np.rint(mf @ incidence) + (mf[:, src] if many else 0)).T.astype(np.int64)
         return cls(linear, quad, full, rows, kept, np.ascontiguousarray(key),
                    tuple(_paid_table(len(rs), c) for _, rs, c in many))

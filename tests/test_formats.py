@@ -189,3 +189,25 @@ def test_unknown_format_and_missing_file(tmp_path: Path) -> None:
         load_graph_or_problem(tmp_path / "x", format="onnx")
     with pytest.raises(ConfigError, match="does not exist"):
         load_graph_or_problem(tmp_path / "x")
+
+
+def test_a_tarnawski_file_is_parsed_once_while_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fxsplit solve`` detects, loads, re-checks and re-costs one file: one parse, not four;
+    a file written again (other size or time) is parsed again."""
+    import fxsplit.ir.formats as formats
+    from fxsplit import solvers
+    from fxsplit.ir.formats import detect_format, tarnawski_max_load
+
+    path = _orphan_instance(tmp_path)
+    calls = []
+    real = json.loads
+    monkeypatch.setattr(formats.json, "loads", lambda text: calls.append(1) or real(text))
+    assert detect_format(path) == "tarnawski"
+    pb = load_tarnawski(path, link=LinkSpec(bytes_per_s=1.0)).with_(objective="bottleneck")
+    plan = solvers.solve(pb, "dp")
+    assert tarnawski_plan_faults(path, pb, plan) == [] and tarnawski_max_load(path, pb, plan) > 0
+    assert len(calls) == 1
+    data = real(path.read_text())
+    data["maxFPGAs"] = 1
+    path.write_text(json.dumps(data, indent=2))
+    assert len(load_tarnawski(path).devices) == 1 and len(calls) == 2

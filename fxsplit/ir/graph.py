@@ -206,6 +206,23 @@ class CondensedGraph:
                 total += t.size_bytes
         return total
 
+    def direct_groups(self) -> tuple[dict[tuple[int, int], float], list[tuple[int, tuple[int, ...], float]]]:
+        """:attr:`direct` as the solvers cost it: ``(pairs, many)``, the transfers with one reader
+        other than their source summed per ``(source, reader)`` (bytes), and those with several
+        as ``(source, readers, bytes)``; transfers read by their source alone, or of 0 bytes,
+        cost nothing and are left out."""
+        pairs: dict[tuple[int, int], float] = {}
+        many: list[tuple[int, tuple[int, ...], float]] = []
+        for t in self.direct:
+            readers = tuple(sorted(set(t.dsts) - {t.src}))
+            if not readers or t.size_bytes == 0:
+                continue
+            if len(readers) == 1:
+                pairs[t.src, readers[0]] = pairs.get((t.src, readers[0]), 0.0) + t.size_bytes
+            else:
+                many.append((t.src, readers, float(t.size_bytes)))
+        return pairs, many
+
     # -- totals ----------------------------------------------------------------------------
     @property
     def total_time_s(self) -> float:
