@@ -323,7 +323,9 @@ def _same_draws(f: Any, h: Any, batch: int, start: int, n: int) -> Any:
 def _unmergeable_output(node: torch.fx.Node, full_run: Any, runs: list[Any], batch: int,
                         parts: list[tuple[int, int]], rtol: float, atol: float) -> BatchMixing | None:
     """A floating output without the batch (a loss, a statistic) is merged as the size-weighted
-    mean of the micro-batches' values: anything else over the batch is not per-sample."""
+    mean of the micro-batches' values, or a 0-d one as their sum
+    (:func:`~fxsplit.runtime.microbatch.scalar_reductions`): anything else over the batch is not
+    per-sample."""
     for i, arg in enumerate(pytree.tree_leaves(node.args[0])):
         if not isinstance(arg, torch.fx.Node):
             continue
@@ -340,9 +342,13 @@ def _unmergeable_output(node: torch.fx.Node, full_run: Any, runs: list[Any], bat
         mean = sum(x * (n / batch) for x, (_, n) in zip(mine, parts, strict=True))
         diff = _differs(full, mean, rtol, atol)  # type: ignore[arg-type]
         if diff is not None:
-            how = "their sum" if _differs(full, sum(mine), rtol, atol) is None else "neither their mean nor their sum"  # type: ignore[arg-type]
+            summed = _differs(full, sum(mine), rtol, atol) is None  # type: ignore[arg-type]
+            if summed and full.dim() == 0:  # the runtimes add a 0-d sum up (merge_outputs' "sum")
+                continue
+            how = "their sum" if summed else "neither their mean nor their sum"
             return BatchMixing(arg.name, "mixes samples", _where(arg),
                                f"output {i} {list(full.shape)} has no batch dimension and is {how} over the "
-                               "micro-batches, not their mean (the pipeline averages such outputs): it reduces "
-                               "over the batch in a way micro-batches change")
+                               "micro-batches, not their mean (the pipeline merges a 0-d output as the mean or the sum "
+                               "of the micro-batches' values and refuses another that differs between them): it "
+                               "reduces over the batch in a way micro-batches change")
     return None

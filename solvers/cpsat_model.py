@@ -116,7 +116,7 @@ def _direct_quanta(problem: Problem, q: float) -> tuple[tuple[int, tuple[int, ..
     transfers with one reader summed per (source, reader))."""
     per_byte = 1.0 / (problem.link.bytes_per_s * q)
     pairs, many = problem.graph.direct_groups()
-    out = [(a, (b,), int(size * per_byte)) for (a, b), size in pairs.items()]
+    out: list[tuple[int, tuple[int, ...], int]] = [(a, (b,), int(size * per_byte)) for (a, b), size in pairs.items()]
     out += [(a, readers, int(size * per_byte)) for a, readers, size in many]
     return tuple(x for x in out if x[2] > 0)
 

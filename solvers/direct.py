@@ -72,8 +72,8 @@ class DirectPairs:
         num, n = member.shape
         pair = np.zeros((n, n))
         pairs, many = graph.direct_groups()
-        for (src, reader), size in pairs.items():
-            pair[src, reader] = size
+        for (sender, reader), size in pairs.items():
+            pair[sender, reader] = size
         mf = member.astype(float)
         sym = pair + pair.T
         quad = 2.0 * np.einsum("dn,nm,dm->d", mf, pair, mf, optimize=True) if num else np.zeros(0)

@@ -179,9 +179,13 @@ def test_microbatches_split_and_merge_back():
     mbs, sizes = split_microbatches([x, scale, 7], 3)
     assert sizes == [2, 2, 1] and [mb[0].shape[0] for mb in mbs] == sizes
     assert all(mb[1] is scale and mb[2] == 7 for mb in mbs)
-    merged = merge_outputs([[mb[0], mb[0].mean()] for mb in mbs], sizes)
+    per_mb = [[mb[0], mb[0].mean(), mb[0].sum()] for mb in mbs]
+    merged = merge_outputs(per_mb, sizes, reductions={1: "mean", 2: "sum"})
     torch.testing.assert_close(merged[0], x)
     torch.testing.assert_close(merged[1], sum(mb[0].mean() * n / 5 for mb, n in zip(mbs, sizes, strict=True)))
+    torch.testing.assert_close(merged[2], x.sum())
+    with pytest.raises(ConfigError, match="output 1 .* it is 0-d"):  # how it adds up was not found
+        merge_outputs(per_mb, sizes)
     with pytest.raises(ConfigError, match="cannot be split into 6"):
         split_microbatches([x], 6)
 

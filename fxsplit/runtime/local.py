@@ -34,11 +34,14 @@ from fxsplit.options import precision
 from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
 from fxsplit.passes.per_sample import is_random
 from fxsplit.runtime.microbatch import (
+    DrawsAsExpected,
     LossReductions,
     batch_size_of,
     check_loss_pair,
     loss_weights,
     merge_outputs,
+    scalar_outputs,
+    scalar_reductions,
     split_microbatches,
     split_target,
 )
@@ -257,7 +260,59 @@ class Pipeline(ParameterAPI):
                 values = list(self._run_stage(s, i, _to_stage(values, self._devices[s], leaf=False)))
             outs.append(values)
         self._end_step()
-        return self._unflatten(merge_outputs(outs, sizes, self.batched_outputs))
+        reductions = None
+        if len(outs) > 1 and (scalars := scalar_outputs(outs[0])):  # e.g. the model's own loss
+            parts, joint = self._run_pair(mbs[:2], outs[:2])
+            reductions = scalar_reductions(parts, joint, sizes[:2], scalars)
+        return self._unflatten(merge_outputs(outs, sizes, self.batched_outputs, reductions))
+
+    def _run_pair(self, inputs: Sequence[Sequence[Any]],
+                  outputs: Sequence[Sequence[Any]]) -> tuple[Sequence[Sequence[Any]], list[Any]]:
+        """Micro-batches 0 and 1 run together as one through every stage, without gradients, for
+        :func:`~fxsplit.runtime.microbatch.scalar_reductions` (how a 0-d output adds up) and the
+        loss pair check; each call of a model with 0-d outputs pays this forward of two
+        micro-batches. Draws give their expectation and autocast is off
+        (:class:`~fxsplit.runtime.microbatch.DrawsAsExpected`), so when the stages draw random
+        numbers or run in mixed precision, the two are run apart again the same way: the parts
+        compared with the joint run are computed as it is. Buffers the stages write are put back.
+
+        Args:
+            inputs: ``[2][flat inputs]`` the micro-batches' inputs (a value not split is the same
+                object in both and is given once).
+            outputs: ``[2][flat outputs]`` their outputs from the step.
+
+        Returns:
+            ``(parts, joint)``: ``[2][flat outputs]`` and ``[flat outputs]``.
+
+        Raises:
+            ConfigError: when the stages update buffers once per step (deferred BatchNorm: an
+                extra forward would count in the step's statistics), or draw random numbers other
+                than dropout's.
+        """
+        if self.bn_tracker is not None:
+            raise ConfigError(
+                "the model returns a 0-d output (its own loss?) that must be checked by running micro-batches 0 and 1 "
+                "together, and it updates buffers once per step (BatchNorm statistics), which that run would change. "
+                "Return per-sample outputs and reduce them in loss_fn, or run with microbatches=1")
+        joined = [a if a is b else torch.cat([a, b.to(a.device)]) for a, b in zip(inputs[0], inputs[1], strict=True)]
+        again = self.autocast is not None or any(
+            is_random(n) for st in self.program.stages for n in st.gm.graph.nodes)
+        buffers = {id(b): (b, b.detach().clone()) for st in self.program.stages for b in st.gm.buffers()}
+
+        def run(values: Sequence[Any]) -> list[Any]:
+            for s in range(self.num_stages):
+                values = list(self.program.stages[s].gm(*_to_stage(list(values), self._devices[s], leaf=False)))
+            return list(values)
+
+        try:
+            with torch.no_grad(), DrawsAsExpected():
+                joint = run(joined)
+                parts = [run(values) for values in inputs] if again else outputs
+        finally:
+            for b, before in buffers.values():
+                if not torch.equal(b, before):  # only those written: a copy bumps a saved tensor's version
+                    b.copy_(before)
+        return parts, joint
 
     def _begin_step(self) -> None:
         if self.bn_tracker is not None:
@@ -390,8 +445,12 @@ class Pipeline(ParameterAPI):
         """After the step's actions (outside the traced ones): micro-batches 0 and 1 together
         give the loss their weights add up (:func:`~fxsplit.runtime.microbatch.check_loss_pair`)."""
         if len(step.pair) == 2:
-            check_loss_pair(step.loss_fn, [step.pair[0], step.pair[1]], step.targets[:2], step.sizes[:2],
-                            step.reduction, self.batched_outputs, self._unflatten, self._target_dim)
+            parts: Sequence[Sequence[Any]] = [step.pair[0], step.pair[1]]
+            joint = None
+            if scalar_outputs(parts[0]):  # the model computes a 0-d value itself: run the pair together
+                parts, joint = self._run_pair(step.inputs[:2], parts)
+            check_loss_pair(step.loss_fn, parts, step.targets[:2], step.sizes[:2], step.reduction,
+                            self.batched_outputs, self._unflatten, self._target_dim, joint=joint)
         step.pair.clear()
 
     @staticmethod

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxsplit.errors import ConfigError
 
 __all__ = ["batch_size_of", "check_splittable", "split_microbatches", "split_target", "target_batch_dim", "loss_weights", "merge_outputs", "microbatch_sizes",
-           "loss_reduction", "LossReductions"]
+           "loss_reduction", "LossReductions", "scalar_outputs", "scalar_reductions", "DrawsAsExpected"]
 
 
 def batch_size_of(flat: Sequence[Any]) -> int:
@@ -189,7 +190,7 @@ def loss_reduction(
 
 def check_loss_pair(
     loss_fn: Any, outputs: Sequence[Sequence[Any]], targets: Sequence[Any], sizes: Sequence[int], kind: str,
-    batched: Sequence[bool] | None, unflatten: Any, target_dim: int = 0,
+    batched: Sequence[bool] | None, unflatten: Any, target_dim: int = 0, joint: Sequence[Any] | None = None,
 ) -> None:
     """Check that the loss of two micro-batches together is what the pipeline adds up from
     their losses: ``(n0 L0 + n1 L1) / (n0 + n1)`` for a mean, ``L0 + L1`` for a sum.
@@ -209,11 +210,26 @@ def check_loss_pair(
         sizes: ``[2]`` their samples.
         kind: ``"mean"`` or ``"sum"`` (:func:`loss_reduction`).
         batched, unflatten, target_dim: As :func:`loss_reduction`.
+        joint: The model's flat outputs on both micro-batches run together, when the caller ran
+            them (the local runtime does for a model with 0-d outputs: a model's own loss is
+            not the concatenation of anything). None: the outputs are joined, batched ones
+            concatenated, the others taken from micro-batch 0 when both have the same value.
 
     Raises:
-        ConfigError: naming both values and the fix when they differ by more than rounding.
+        ConfigError: naming both values and the fix when they differ by more than rounding; and
+            without ``joint``, for an output without the batch that differs between the two
+            (a 0-d loss the model computes itself), whose value on both cannot be known here.
     """
     flags = list(batched) if batched is not None else [_looks_batched(x, sizes[0]) for x in outputs[0]]
+    if joint is None:
+        for j, (a, b, f) in enumerate(zip(outputs[0], outputs[1], flags, strict=True)):
+            if not f and not _same_value(a, b):
+                raise ConfigError(
+                    f"output {j} of the model has no batch dimension and differs between micro-batches 0 and 1 "
+                    f"({_describe(a)}: {_brief(a)} and {_brief(b)}; the model's own loss?), so its value on the "
+                    "batch is not what the pipeline can add up from its micro-batches, and loss_fn reads the "
+                    "outputs. Compute the loss in loss_fn from per-sample outputs (e.g. the logits), or run with "
+                    "microbatches=1")
 
     def joined(a: Any, b: Any, dim: int | None) -> Any:
         return torch.cat([a, b.to(a.device)], dim=dim) if dim is not None and isinstance(a, torch.Tensor) else a
@@ -221,7 +237,9 @@ def check_loss_pair(
     with torch.no_grad():
         outs = [[(x.detach().float() if x.is_floating_point() else x.detach()) if isinstance(x, torch.Tensor) else x
                  for x in mb] for mb in outputs]
-        both = [joined(a, b, 0 if f else None) for a, b, f in zip(outs[0], outs[1], flags, strict=True)]
+        both = ([joined(a, b, 0 if f else None) for a, b, f in zip(outs[0], outs[1], flags, strict=True)]
+                if joint is None else [(x.detach().float() if x.is_floating_point() else x.detach())
+                                       if isinstance(x, torch.Tensor) else x for x in joint])
         leaves0, spec = pytree.tree_flatten(targets[0])
         leaves1, _ = pytree.tree_flatten(targets[1])
         target = pytree.tree_unflatten([joined(a, b, target_batch_dim(a, sizes[0], target_dim))
@@ -267,19 +285,24 @@ def _looks_batched(x: Any, batch: int) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch
 
 
-def merge_outputs(per_mb: Sequence[Sequence[Any]], sizes: Sequence[int], batched: Sequence[bool] | None = None) -> list[Any]:
+def merge_outputs(per_mb: Sequence[Sequence[Any]], sizes: Sequence[int], batched: Sequence[bool] | None = None,
+                  reductions: Mapping[int, str] | None = None) -> list[Any]:
     """Merge flat outputs of the micro-batches into flat outputs of the batch.
 
     Batched outputs (``batched``, default: tensors whose dim 0 is each micro-batch's size) are
-    concatenated; 0-d tensors (a mean loss) are averaged, weighted by micro-batch size; anything
-    else must be the same in every micro-batch (a value that does not depend on the batch) and is
-    taken from the first.
+    concatenated; a 0-d tensor (a loss the model computes itself) is merged as ``reductions``
+    says (:func:`scalar_reductions`, found by running two micro-batches together): ``"mean"``
+    weights the micro-batches by their samples, ``"sum"`` adds them; anything else must be the
+    same in every micro-batch (a value that does not depend on the batch) and is taken from
+    the first.
 
     Raises:
-        ConfigError: for an output that is none of these (it differs between micro-batches but
-            its dim 0 is not the batch, e.g. ``logits.flatten(0, 1)`` of shape ``[batch * seq,
-            vocab]``): fxsplit cannot tell how its rows interleave the samples, and taking one
-            micro-batch's would silently return another answer than the model's.
+        ConfigError: for an output that differs between micro-batches but is none of these: its
+            dim 0 is not the batch (``logits.flatten(0, 1)`` of shape ``[batch * seq, vocab]``:
+            fxsplit cannot tell how its rows interleave the samples), or it is 0-d and
+            ``reductions`` does not say how it adds up (a token mean over padding is not the
+            samples' mean). Taking one micro-batch's would silently return another answer than
+            the model's.
     """
     if len(per_mb) == 1:  # one micro-batch: its outputs are the batch's
         return list(per_mb[0])
@@ -289,21 +312,127 @@ def merge_outputs(per_mb: Sequence[Sequence[Any]], sizes: Sequence[int], batched
         vals = [outs[j] for outs in per_mb]
         first = vals[0]
         cat = batched[j] if batched is not None else all(_looks_batched(v, n) for v, n in zip(vals, sizes, strict=True))
+        rule = (reductions or {}).get(j)
         if cat and isinstance(first, torch.Tensor):
             merged.append(torch.cat([v.to(first.device) for v in vals], dim=0))
-        elif isinstance(first, torch.Tensor) and first.dim() == 0 and len(vals) > 1:
+        elif rule == "mean":
             merged.append(sum(v.to(first.device) * (n / total) for v, n in zip(vals, sizes, strict=True)))
+        elif rule == "sum":
+            merged.append(sum(v.to(first.device) for v in vals))
         else:
             for i, v in enumerate(vals[1:], start=1):
                 if not _same_value(first, v):
+                    zero_d = isinstance(first, torch.Tensor) and first.dim() == 0
                     raise ConfigError(
                         f"output {j} of the model differs between micro-batches ({_describe(first)} in micro-batch 0, "
-                        f"{_describe(v)} in micro-batch {i}) but its dim 0 is not the batch, so the pipeline cannot "
-                        "merge it into the batch's output (taking one micro-batch's would return another answer than "
-                        "the model's). Return it with the batch on dim 0 (e.g. logits [batch, seq, vocab] rather "
-                        "than flattened to [batch * seq, vocab]), or run with microbatches=1")
+                        f"{_describe(v)} in micro-batch {i}) but " + (
+                            "it is 0-d and this runtime cannot run micro-batches together to see how it adds up (a "
+                            "mean over samples, a sum, or a token mean over padding, which no weighting of the "
+                            "micro-batches gives). Compute it outside the model from per-sample outputs (a loss in "
+                            "loss_fn), or run with microbatches=1" if zero_d else
+                            "its dim 0 is not the batch, so the pipeline cannot merge it into the batch's output "
+                            "(taking one micro-batch's would return another answer than the model's). Return it with "
+                            "the batch on dim 0 (e.g. logits [batch, seq, vocab] rather than flattened to [batch * "
+                            "seq, vocab]), or run with microbatches=1"))
             merged.append(first)
     return merged
+
+
+def scalar_outputs(flat_outputs: Sequence[Any]) -> list[int]:
+    """Indices of the 0-d tensors among a micro-batch's flat outputs (a loss or count the model
+    computes itself), whose value on the batch :func:`scalar_reductions` must find."""
+    return [j for j, x in enumerate(flat_outputs) if isinstance(x, torch.Tensor) and x.dim() == 0]
+
+
+def scalar_reductions(parts: Sequence[Sequence[Any]], joint: Sequence[Any], sizes: Sequence[int],
+                      indices: Sequence[int]) -> dict[int, str]:
+    """How each 0-d output adds up over micro-batches, from two micro-batches run apart and
+    together: ``"mean"`` when the joint value is the parts' mean weighted by samples (a
+    per-sample mean loss; also a value that does not depend on the batch), else ``"sum"`` when
+    it is their sum (a count, a token sum over a fixed normaliser).
+
+    Args:
+        parts: ``[2][outputs]`` micro-batches 0 and 1's flat outputs.
+        joint: ``[outputs]`` the flat outputs of both run as one micro-batch.
+        sizes: ``[2]`` their samples.
+        indices: The 0-d outputs to classify (:func:`scalar_outputs`).
+
+    Returns:
+        ``{index: "mean" | "sum"}``. Floating values agree to a relative ``1e-5`` (``4 eps`` of
+        a narrower dtype), others exactly.
+
+    Raises:
+        ConfigError: for an output that is neither (a token mean that skips padding, whose
+            micro-batches count different tokens), naming the three values and the fix.
+    """
+    n0, n1 = sizes
+    rules = {}
+    for j in indices:
+        a, b, got = (float(x[j]) for x in (parts[0], parts[1], joint))
+        dtype = joint[j].dtype
+        rtol = max(1e-5, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
+        mean, total = (n0 * a + n1 * b) / (n0 + n1), a + b
+
+        def close(x: float, got: float = got, rtol: float = rtol) -> bool:
+            return abs(got - x) <= rtol * max(abs(got), abs(x)) + (1e-12 if rtol else 0.0)
+
+        if close(mean) and dtype != torch.bool:
+            rules[j] = "mean"
+        elif close(total) and dtype != torch.bool:
+            rules[j] = "sum"
+        elif a == b == got:
+            rules[j] = "same"
+        else:
+            raise ConfigError(
+                f"output {j} of the model is 0-d and neither the mean nor the sum of its micro-batches' values: "
+                f"{a:.6g} on micro-batch 0 ({n0} samples), {b:.6g} on micro-batch 1 ({n1}), {got:.6g} on both "
+                f"together (mean by samples {mean:.6g}, sum {total:.6g}). It is normalised by something other than "
+                "the samples (e.g. a model's own token-mean loss over uneven padding), so no weighting of the "
+                "micro-batches gives the model's value. Compute the loss in loss_fn from per-sample outputs, "
+                "normalised by the samples or a fixed count, or run with microbatches=1")
+    return rules
+
+
+class DrawsAsExpected(TorchDispatchMode):
+    """Run code without drawing random numbers: a Bernoulli draw (dropout's mask, also inside
+    attention with ``dropout_p > 0`` on the CPU) gives its probability, its expectation, so
+    dropout computes what it computes in evaluation; ``native_dropout`` passes its input through
+    and fused attention kernels run with ``dropout_p=0``. Used
+    where one computation is compared with another and a draw would make them differ
+    (:func:`scalar_reductions`' joint run).
+
+    Raises:
+        ConfigError: for any other op that draws random numbers (``rand``, ``normal_``...),
+            naming it: its draws cannot be matched between two runs of different batch sizes.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **kwargs)
+        if func in (aten.bernoulli_.float, aten.bernoulli_.Tensor):
+            self_, p = args[0], args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+            return self_.copy_(p) if isinstance(p, torch.Tensor) else self_.fill_(p)
+        if func is aten.bernoulli.p:
+            return torch.full_like(args[0], args[1] if len(args) > 1 else kwargs.get("p", 0.5))
+        if func is aten.bernoulli.default:
+            return args[0].clone()
+        if func is aten.native_dropout.default:
+            x = args[0]
+            return x.clone(), torch.ones_like(x, dtype=torch.bool)
+        names = [a.name for a in func._schema.arguments]
+        if "dropout_p" in names:  # attention's fused kernels: dropout off is its expectation
+            at = names.index("dropout_p")
+            if at < len(args):
+                args = (*args[:at], 0.0, *args[at + 1:])
+            else:
+                kwargs = {**kwargs, "dropout_p": 0.0}
+            return func(*args, **kwargs)
+        raise ConfigError(
+            f"{func} draws random numbers in a run that must match another without them (two micro-batches run "
+            "together to find how a 0-d output adds up): its draws cannot be matched. Return per-sample outputs "
+            "and reduce them in loss_fn, or run with microbatches=1")
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -315,6 +444,13 @@ def _same_value(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - a value whose == is not a truth value: not provably the same
         return a is b
+
+
+def _brief(value: Any) -> str:
+    """A value for an error message: a number's digits, else its description."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return f"{float(value):.6g}"
+    return _describe(value)
 
 
 def _describe(value: Any) -> str:
