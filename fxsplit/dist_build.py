@@ -142,12 +142,14 @@ def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inpu
                    num_stages: int, device: torch.device, schedule: str, m: int, tied: list[TiedGroup], *,
                    plan: Plan, autocast: str | None, meta: dict[str, Any], state_order: list[str], timeout_s: float,
                    watchdog: bool, cls: type[P], replicas: Replicas | None = None,
-                   split_layout: tuple[Mapping[str, Any], Sequence[str]] | None = None) -> P:
+                   split_layout: tuple[Mapping[str, Any], Sequence[str]] | None = None,
+                   local_shards: Mapping[int, Mapping[str, tuple[int, ...]]] | None = None) -> P:
     """This rank's runtime (``cls``, a :class:`DistributedPipeline`) around its materialised
     stages, ``(stage, state)`` pairs (:func:`rank_stages`); ``inputs`` is ``(args, kwargs)``,
     one replica's share of a batch. ``split_layout``: ``(layout, fallback)`` of the per-layer
     plan each stage runs over ``replicas.tp_mesh`` (:func:`~fxsplit.runtime.tensor_parallel.shard_stage`;
-    every copy of a stage must hold the same weights)."""
+    every copy of a stage must hold the same weights); ``local_shards``: stage index -> the
+    tensors it holds as this rank's chunk already (``shard_stage``'s ``local``)."""
     flat = captured.flatten_inputs(*inputs)
     batched = batched_flags(captured, flat)
     batch = batch_size_of([x for x, b in zip(flat, batched, strict=True) if b] or flat)
@@ -158,7 +160,8 @@ def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inpu
         recompute = plan.stages[stage.index].recompute
         parallel = None
         if split_layout is not None and replicas is not None and replicas.tp > 1:
-            parallel = shard_stage(stage.gm, split_layout[0], replicas.tp_mesh, fallback=split_layout[1])
+            parallel = shard_stage(stage.gm, split_layout[0], replicas.tp_mesh, fallback=split_layout[1],
+                                   local=(local_shards or {}).get(stage.index))
         module = StageModule(stage.gm, first=first, last=last, batched=batched, recompute=recompute,
                              autocast=(device.type, dtype) if dtype is not None else None, parallel=parallel)
         shapes = WireShapes(

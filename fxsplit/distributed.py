@@ -13,6 +13,7 @@ the device it runs on, and broadcasts the plan, which every rank checks against 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -21,7 +22,7 @@ import os
 import statistics
 import warnings
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -56,7 +57,7 @@ from fxsplit.frontend import front_end, with_batch_dim
 from fxsplit.ir import DeviceSpec, LinkSpec, Plan
 from fxsplit.ir.problem import LOOPED_SCHEDULES
 from fxsplit.options import CompileOptions, autocast_dtype, with_loss_options
-from fxsplit.runtime.dist_state import StageState, materialise
+from fxsplit.runtime.dist_state import StageState, get_tensor, materialise
 from fxsplit.runtime.distributed import DistributedPipeline, from_rank0
 from fxsplit.runtime.links import probe_collective_link
 from fxsplit.runtime.overhead import (
@@ -193,13 +194,58 @@ def _replica_example(args: tuple, kwargs: dict, replicas: int, what: str = "repl
     return tuple(out_args), dict(out_kwargs)
 
 
-def same_as_first_replica(stages: Sequence[Any], replicas: Any) -> None:
+def same_as_first_replica(stages: Sequence[Any], replicas: Any,
+                          local: Mapping[int, Mapping[str, Any]] | None = None) -> None:
     """Give every copy of a stage (its replicas and tensor-parallel ranks) the first copy's
-    values (each initialised its own); collective over the stage's copies."""
+    values (each initialised its own); collective over the stage's copies. ``local``: stage
+    index -> the tensors each copy holds as its own chunk (read from the state dict, or cut
+    from the same initialisation: :func:`_same_draws`; of other shapes on other
+    tensor-parallel ranks): left out."""
     with torch.no_grad():
         for stage in stages:
-            for t in [*stage.gm.parameters(), *stage.gm.buffers()]:
-                dist.broadcast(t.data, src=replicas.first_copy, group=replicas.copies_group)
+            skip = (local or {}).get(stage.index, {})
+            for name, t in [*stage.gm.named_parameters(), *stage.gm.named_buffers()]:
+                if name not in skip:
+                    dist.broadcast(t.data, src=replicas.first_copy, group=replicas.copies_group)
+
+
+@contextlib.contextmanager
+def _same_draws(replicas: Any, device: torch.device) -> Iterator[None]:
+    """Inside the block, every copy of this rank's stage (``replicas.copies_group``) draws the
+    same random numbers: the first copy's seed, broadcast (collective over the copies; nothing
+    when ``replicas`` is None). The generators are put back after."""
+    if replicas is None:
+        yield
+        return
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    dist.broadcast(seed, src=replicas.first_copy, group=replicas.copies_group)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(int(seed))
+        yield
+
+
+def tp_chunks(gm: torch.fx.GraphModule, layout: Mapping[str, Any], index: int, count: int, *,
+              keep_whole: set[str] | frozenset[str] = frozenset()) -> dict[str, tuple[int, int, int]]:
+    """The state tensors of the stage ``gm`` that the per-layer plan ``layout`` splits
+    (``Shard(d)`` on their ``get_attr`` node, as :class:`~fxsplit.runtime.tensor_parallel.ParallelGraph`
+    reads it): ``get_attr`` target -> ``(d, index, count)``, the chunk this tensor-parallel rank
+    holds (:func:`~fxsplit.runtime.dist_state.materialise`'s ``shards``). ``keep_whole``: targets
+    left whole (a tied weight: its copies in other stages may be split otherwise)."""
+    from fxsplit.runtime.tensor_parallel import placement_of
+
+    out: dict[str, tuple[int, int, int]] = {}
+    seen: set[str] = set()
+    for node in gm.graph.find_nodes(op="get_attr"):
+        target = str(node.target)
+        if target in seen:
+            continue
+        seen.add(target)
+        if target in keep_whole or node.name not in layout:
+            continue
+        want = placement_of(layout[node.name].output)
+        if want is not None and want.is_shard() and want.dim >= 0:
+            out[target] = (want.dim, index, count)
+    return out
 
 
 def _choose_mesh(model_fn: Callable[[], nn.Module], args: tuple, kwargs: dict, world: int,
@@ -467,18 +513,28 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     tied = tied_groups(program, world, replicas, tp)
     mine = [(stage, StageState(stage.state, captured.aliases))
             for stage in rank_stages(program, rank // (replicas * tp), pp)]
+    local_shards: dict[int, dict[str, tuple[int, ...]]] = {}
     for stage, state in mine:
-        origin = materialise(stage.gm, state, device, state_dict=state_dict, init_fn=init_fn,
-                             meta_model=meta_model, model_fn=model_fn)
-        log.info("rank %d: stage %d state from %s", rank, stage.index, sorted(set(origin.values())))
+        shards: dict[str, tuple[int, int, int]] = {}
+        if split_layout is not None and mesh is not None:  # each split weight allocated as this rank's chunk
+            shared = {g.name for g in tied} | {n for other, _ in mine if other is not stage for n in other.state}
+            shards = {g: c for g, c in tp_chunks(stage.gm, split_layout[0], mesh.tp_index, mesh.tp,
+                                                  keep_whole=shared).items() if g in state.names}
+        local_shards[stage.index] = {g: tuple(get_tensor(stage.gm, g).shape) for g in shards}
+        with _same_draws(mesh if shards else None, device):  # every copy initialises a cut tensor alike
+            origin = materialise(stage.gm, state, device, state_dict=state_dict, init_fn=init_fn,
+                                 meta_model=meta_model, model_fn=model_fn, shards=shards)
+        log.info("rank %d: stage %d state from %s; %d split tensor(s) held as this rank's chunk", rank, stage.index,
+                 sorted(set(origin.values())), len(shards))
     broadcast_tied([stage for stage, _ in mine], tied)
     if mesh is not None:
-        same_as_first_replica([stage for stage, _ in mine], mesh)
+        same_as_first_replica([stage for stage, _ in mine], mesh, local=local_shards)
     meta = {"model": type(meta_model).__name__, "reference": planned.reference.to_dict(), "cost_model": planned.cost_model,
             "profiled_ranks": planned.profiled_ranks}
     pipe = build_pipeline(mine, captured, (args, kwargs), plan.num_stages, device, schedule, m, tied,
                           plan=plan, autocast=options.autocast, meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s,
-                          watchdog=watchdog, cls=CompiledDistributedPipeline, replicas=mesh, split_layout=split_layout)
+                          watchdog=watchdog, cls=CompiledDistributedPipeline, replicas=mesh, split_layout=split_layout,
+                          local_shards=local_shards)
     if tp > 1:
         pipe.tp_plan = tp_plan
     pipe.hybrid = hybrid

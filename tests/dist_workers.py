@@ -519,7 +519,8 @@ def killed_mid_save(rank: int, world: int, out_dir: str, ckpt: str, timeout_s: f
     batch = 4
     case = _case("gpt", batch)
     pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="1f1b", microbatches=2,
-                       state_dict=case.model.state_dict(), timeout_s=timeout_s)
+                       state_dict=case.model.state_dict(), timeout_s=timeout_s, cost_model="analytic",
+                       options=CompileOptions(link=LinkSpec()))
     pipe.save(ckpt)
     torch.save(pipe.state_dict(), os.path.join(out_dir, f"first{rank}.pt"))
     inputs, target = case.make_batch(batch, 3)
@@ -993,3 +994,47 @@ def token_mean_refused(rank: int, world: int, out_dir: str, timeout_s: float) ->
         with open(os.path.join(out_dir, f"elapsed{rank}.txt"), "w") as f:
             f.write(f"{time.monotonic() - start} {all(p.grad is None for p in pipe.parameters())}")
     return {"finished": True}
+
+
+def presharded_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, str, int, int, bool]]) -> dict[str, Any]:
+    """For each ``(model, schedule, replicas, tp, state dict as a file)``: a pipeline given the
+    unsplit model's state dict (a mapping, or a file read with ``mmap``) reads each split weight
+    as this rank's chunk alone (never allocated whole: the log counts the tensors held as this
+    rank's chunk); one step's loss and every gradient equal the unsplit model's; the forward too."""
+    import logging
+
+    out: dict[str, Any] = {}
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.INFO)
+    logger = logging.getLogger("fxsplit.distributed")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    for name, schedule, replicas, tp, as_file in runs:
+        tag = f"{name}/{schedule}/dp={replicas}/tp={tp}/file={as_file}"
+        case = _case(name, 8)
+        inputs, target = case.make_batch(8, 5)
+        state: Any = case.model.state_dict()
+        if as_file:
+            state = os.path.join(out_dir, f"{name}-{rank}.pt")
+            torch.save(case.model.state_dict(), state)
+        ref_loss, ref_grads = reference(case, inputs, target)
+        records.clear()
+        pipe = fxd.compile(_model_fn(name, 8), case.example_inputs, schedule=schedule, microbatches=2,
+                           state_dict=state, timeout_s=30, cost_model="analytic", options=CompileOptions(link=LinkSpec()),
+                           replicas=replicas, tensor_parallel=tp, tp_strategy="megatron")
+        loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
+        out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
+        with torch.no_grad():
+            got = pipe(*inputs)
+        if pipe.is_last:
+            torch.testing.assert_close(got, case.model(*inputs), rtol=1e-5, atol=1e-6)
+        out[tag]["origins"] = [r for r in records if "state from" in r]
+        out[tag]["split"] = sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor))
+        pipe.close()
+    logger.removeHandler(handler)
+    return out

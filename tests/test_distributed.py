@@ -7,6 +7,7 @@ start-up dominates; the workers live in ``dist_workers.py`` and check their own 
 from __future__ import annotations
 
 import math
+import re
 
 import dist_workers as w
 import pytest
@@ -658,3 +659,22 @@ def test_a_token_mean_over_uneven_padding_is_refused_across_ranks(tmp_path):
     for rank in (0, 1):
         elapsed, clean = (tmp_path / f"elapsed{rank}.txt").read_text().split()
         assert float(elapsed) < timeout_s + 3 and clean == "True", (rank, elapsed, clean)
+
+
+def test_a_state_dict_is_read_shard_by_shard_onto_tensor_parallel_ranks(tmp_path):
+    """Issue 11 (shard at materialisation): given the unsplit model's state dict (a mapping, or a
+    file read with mmap), each tensor-parallel rank allocates and reads only its chunk of every
+    split weight (before, it held its whole stage until DTensor cut it); a tied weight shared by
+    two stages stays whole until then. Loss, every gradient and the forward equal the unsplit
+    model's, with 2 stages x tp=2 (the tied GPT) and 2 replicas x tp=2 (the MLP)."""
+    runs = [("gpt", "1f1b", 1, 2, False), ("mlp", "gpipe", 2, 2, True)]
+    results = launch(w.presharded_equal, 4, tmp_path, runs, deadline_s=150)
+    check_ok(results)
+    for tag in results[0]["result"]:
+        rows = {rank: r["result"][tag] for rank, r in results.items()}
+        for row in rows.values():
+            (line,) = row["origins"]
+            held = int(re.search(r"(\d+) split tensor\(s\) held as this rank's chunk", line).group(1))
+            assert "state_dict" in line and held == len(row["split"]) - ("tok_emb.weight" in row["split"]), (tag, line)
+    gpt = {rank: r["result"]["gpt/1f1b/dp=1/tp=2/file=False"] for rank, r in results.items()}
+    assert "tok_emb.weight" in gpt[0]["split"] and "tok_emb.weight" in gpt[2]["split"]  # tied: cut by DTensor later

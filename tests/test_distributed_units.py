@@ -393,3 +393,70 @@ def test_packing_round_trips_values_and_gradients(spec) -> None:
     for t, w in zip(wire, weights, strict=True):
         if w is not None:
             torch.testing.assert_close(t.grad, w)
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=st.integers(0, 40), count=st.integers(1, 9))
+def test_chunk_bounds_cut_as_torch_chunk_and_dtensor_shard_do(size: int, count: int) -> None:
+    """Each rank's chunk of a split weight, read from the state dict, is the piece DTensor's
+    ``Shard`` gives that rank (``torch.chunk``, the missing last chunks empty)."""
+    from fxsplit.runtime.dist_state import chunk_bounds
+
+    x = torch.arange(size)
+    pieces = list(torch.chunk(x, count)) if size else []
+    pieces += [x[:0]] * (count - len(pieces))
+    for i, piece in enumerate(pieces):
+        start, length = chunk_bounds(size, i, count)
+        assert torch.equal(x.narrow(0, start, length), piece), (size, count, i)
+
+
+def test_a_stage_given_a_state_dict_holds_only_its_chunk_of_each_split_tensor() -> None:
+    """Issue 11 (shard at materialisation): ``materialise(shards=...)`` allocates a split tensor
+    at its chunk's shape and reads that chunk of the state dict, so the whole never exists on
+    the rank; the others load whole; the whole's shape is what the state dict is checked against."""
+    from fxsplit.runtime.dist_state import materialise
+
+    meta, gm, state = _one_stage(_Custom, (torch.randn(2, 8),))
+    sd = _Custom().state_dict()
+    sd["lin.weight"] = torch.arange(64.0).view(8, 8)
+    shards = {"lin.weight": (1, 1, 3), "lin.bias": (0, 0, 3)}
+    origin = materialise(gm, state, torch.device("cpu"), state_dict=sd, init_fn=None, meta_model=meta,
+                         model_fn=_Custom, shards=shards)
+    t = {name: tensor.detach() for _g, name, tensor in state.items(gm)}
+    assert origin["lin.weight"] == origin["lin.bias"] == "state_dict"
+    assert torch.equal(t["lin.weight"], sd["lin.weight"][:, 3:6])  # chunk 1 of 3 on dim 1: columns 3..5
+    assert torch.equal(t["lin.bias"], sd["lin.bias"][:3])
+    assert isinstance(gm.get_submodule("lin").weight, nn.Parameter) and gm.get_submodule("lin").weight.requires_grad
+    assert t["norm.weight"].shape == (8,) and t["proj"].shape == (8, 8)
+    wrong = dict(sd, **{"lin.bias": torch.zeros(3)})
+    meta, gm, state = _one_stage(_Custom, (torch.randn(2, 8),))
+    with pytest.raises(ConfigError, match=r"lin\.bias: shape \[3\] in the state dict, \[8\] in the model"):
+        materialise(gm, state, torch.device("cpu"), state_dict=wrong, init_fn=None, meta_model=meta,
+                    model_fn=_Custom, shards=shards)
+
+
+@pytest.mark.parametrize("source", ["default", "init_fn"])
+def test_chunks_initialised_alike_on_every_rank_make_the_whole_one_rank_would(source: str) -> None:
+    """Without a state dict a split tensor is initialised whole one module at a time (its own
+    init, or ``init_fn``) and cut: with the same random state, the chunks two ranks hold put
+    together are the tensor one rank initialising it whole holds (``reset_parameters`` of the
+    Linear, a constructor value from ``model_fn``, an ``init_fn``), and the rest are whole."""
+    from fxsplit.runtime.dist_state import materialise
+
+    def init_fn(name: str, tensor: torch.Tensor) -> None:
+        tensor.normal_() if tensor.is_floating_point() else tensor.zero_()
+
+    def run(count: int, index: int) -> dict[str, torch.Tensor]:
+        meta, gm, state = _one_stage(_Custom, (torch.randn(2, 8),))
+        shards = {"lin.weight": (0, index, count), "lin.bias": (0, index, count), "proj": (1, index, count)}
+        torch.manual_seed(7)
+        origin = materialise(gm, state, torch.device("cpu"), state_dict=None, meta_model=meta, model_fn=_Custom,
+                             init_fn=init_fn if source == "init_fn" else None, shards=shards)
+        assert source == "init_fn" or (origin["lin.weight"] == "reset_parameters" and origin["proj"] == "model_fn")
+        return {name: tensor.detach().clone() for _g, name, tensor in state.items(gm)}
+
+    whole, parts = run(1, 0), [run(2, 0), run(2, 1)]
+    assert parts[0]["lin.weight"].shape == (4, 8) and parts[1]["proj"].shape == (8, 4)
+    for name, dim in (("lin.weight", 0), ("lin.bias", 0), ("proj", 1)):
+        assert torch.equal(torch.cat([p[name] for p in parts], dim=dim), whole[name]), name
+    assert torch.equal(parts[0]["norm.weight"], whole["norm.weight"]) and parts[0]["mask"].shape == (8, 8)

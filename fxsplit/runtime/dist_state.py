@@ -27,7 +27,7 @@ from fxsplit.errors import ConfigError
 from fxsplit.runtime.dist_init import Pending, default_init, parameters_on_meta
 from fxsplit.runtime.state import check_loadable
 
-__all__ = ["StageState", "materialise", "parameters_on_meta", "retarget_meta_devices"]
+__all__ = ["StageState", "chunk_bounds", "materialise", "parameters_on_meta", "retarget_meta_devices"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,17 @@ def get_tensor(module: nn.Module, name: str) -> torch.Tensor:
     """The parameter or buffer ``name`` (dotted) of ``module``."""
     owner, leaf = _owner(module, name)
     return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]  # type: ignore[return-value]
+
+
+def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Replace the parameter or buffer ``name`` of ``module`` by ``value`` (a parameter stays a
+    parameter, with its ``requires_grad``)."""
+    owner, leaf = _owner(module, name)
+    if leaf in owner._parameters:
+        old = owner._parameters[leaf]
+        owner._parameters[leaf] = nn.Parameter(value, requires_grad=old is not None and old.requires_grad)
+    else:
+        owner._buffers[leaf] = value
 
 
 class StageState:
@@ -112,6 +123,25 @@ def _load_source(state_dict: Mapping[str, torch.Tensor] | str | None) -> Mapping
     return state_dict
 
 
+def chunk_bounds(size: int, index: int, count: int) -> tuple[int, int]:
+    """``(start, length)`` of chunk ``index`` of ``count`` of a dimension of ``size``, as
+    ``torch.chunk`` and DTensor's ``Shard`` cut it: chunks of ``ceil(size / count)``, the last
+    ones shorter or empty.
+
+    Example:
+        >>> [chunk_bounds(5, i, 4) for i in range(4)]
+        [(0, 2), (2, 2), (4, 1), (5, 0)]
+    """
+    step = -(-size // count)
+    start = min(index * step, size)
+    return start, min(step, size - start)
+
+
+def _chunk(tensor: torch.Tensor, dim: int, index: int, count: int) -> torch.Tensor:
+    """Chunk ``index`` of ``count`` of ``tensor`` on ``dim`` (a view)."""
+    return tensor.narrow(dim, *chunk_bounds(tensor.shape[dim], index, count))
+
+
 def materialise(
     module: nn.Module,
     state: StageState,
@@ -121,6 +151,7 @@ def materialise(
     init_fn: InitFn | None,
     meta_model: nn.Module,
     model_fn: Callable[[], nn.Module] | None,
+    shards: Mapping[str, tuple[int, int, int]] | None = None,
 ) -> dict[str, str]:
     """Allocate ``module`` on ``device`` and fill every state tensor; see the module docstring.
 
@@ -134,6 +165,12 @@ def materialise(
             this stage's tensors swapped in; it is left as it was).
         model_fn: Builds the model (for constructor values such as buffers); None to not
             rebuild.
+        shards: Graph name -> ``(dim, index, count)``: a tensor this rank holds only chunk
+            ``index`` of ``count`` of, cut on ``dim`` (:func:`chunk_bounds`; a tensor-parallel
+            ``Shard(dim)``). It is allocated at that chunk's shape and never whole: read from
+            that chunk of the state dict; else filled whole by ``init_fn`` or the model's own
+            initialisation one module at a time (peak: one module's tensors) and cut. Every rank
+            that cuts one tensor must initialise it alike (the same random state).
 
     Returns:
         Original name -> where its value came from (``"state_dict"``, ``"init_fn"``,
@@ -142,26 +179,69 @@ def materialise(
     Raises:
         ConfigError: naming every tensor no source could fill, with the fix.
     """
+    source = _load_source(state_dict)
+    whole: dict[str, torch.Tensor] = {}  # graph name -> the meta tensor of the whole
+    for g, _name, tensor in state.items(module) if shards else ():
+        if g in shards:  # type: ignore[operator]
+            whole[g] = tensor
+            _set_tensor(module, g, _chunk(tensor, *shards[g]).clone())  # type: ignore[index]  # meta: no memory
     module.to_empty(device=device)
     if isinstance(module, torch.fx.GraphModule):
         retarget_meta_devices(module, device)
-    source = _load_source(state_dict)
     origin: dict[str, str] = {}
     todo: Pending = {}
+    chunked: Pending = {}  # filled whole, then cut
     rows = state.sources(module, source)
-    check_loadable([(key, source[key], t) for _g, _n, t, key in rows if key is not None], "this rank's stage")
+    check_loadable([(key, source[key], whole.get(g, t)) for g, _n, t, key in rows if key is not None],
+                   "this rank's stage")
     with torch.no_grad():
         for g, name, tensor, key in rows:
             if key is not None:
-                tensor.copy_(source[key].to(tensor.dtype))
+                value = source[key] if g not in whole else _chunk(source[key], *shards[g])  # type: ignore[index]
+                tensor.copy_(value.to(tensor.dtype))
                 origin[name] = "state_dict"
+            elif init_fn is not None and g in whole:
+                full = torch.empty(whole[g].shape, dtype=tensor.dtype, device=tensor.device)
+                init_fn(name, full)
+                tensor.copy_(_chunk(full, *shards[g]))  # type: ignore[index]
+                origin[name] = "init_fn"
             elif init_fn is not None:
                 init_fn(name, tensor)
                 origin[name] = "init_fn"
             else:
-                todo[g] = (state.originals[g], tensor)
+                (chunked if g in whole else todo)[g] = (state.originals[g], tensor)
     _fill_defaults(todo, origin, meta_model, model_fn)
+    if chunked:
+        _fill_chunks(chunked, whole, shards or {}, origin, meta_model, model_fn)
     return origin
+
+
+def _fill_chunks(chunked: Pending, whole: Mapping[str, torch.Tensor], shards: Mapping[str, tuple[int, int, int]],
+                 origin: dict[str, str], meta_model: nn.Module, model_fn: Any) -> None:
+    """The model's own initialisation of the tensors held as chunks: each module's tensors
+    filled whole, cut and freed before the next module's (the constructor's values, step 3 of
+    :func:`~fxsplit.runtime.dist_init.default_init`, in one call at the end for what is left)."""
+    by_module: dict[str, list[str]] = {}
+    for g, (aliases, _t) in chunked.items():
+        by_module.setdefault(aliases[0].rpartition(".")[0], []).append(g)
+    left: Pending = {}
+
+    def cut(filled: Pending, how: Mapping[str, str]) -> None:
+        with torch.no_grad():
+            for g, label in how.items():
+                aliases, full = filled[g]
+                chunked[g][1].copy_(_chunk(full, *shards[g]))
+                origin[aliases[0]] = label
+
+    for names in by_module.values():
+        temps = {g: (chunked[g][0], torch.empty(whole[g].shape, dtype=chunked[g][1].dtype, device=chunked[g][1].device))
+                 for g in names}
+        filled, missing = default_init(meta_model, temps, None)
+        cut(temps, filled)
+        left.update({g: temps[g] for g in missing})
+    if left:
+        _fill_defaults(left, origin, meta_model, model_fn)
+        cut(left, {g: origin[left[g][0][0]] for g in left})
 
 
 def _fill_defaults(todo: Pending, origin: dict[str, str], meta_model: nn.Module, model_fn: Any) -> None:

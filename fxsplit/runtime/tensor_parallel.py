@@ -157,6 +157,10 @@ class ParallelGraph(ParameterAPI):
         trainable: Graph names (``get_attr`` targets) of trainable parameters.
         aliases: Graph name -> every original name of that tensor (tied weights have several).
         fallback: Nodes to run on whole tensors (no DTensor strategy).
+        local: ``get_attr`` target -> the whole tensor's shape, for the tensors ``gm`` holds
+            already as this rank's chunk of the placement the layout gives them
+            (:func:`~fxsplit.runtime.dist_state.materialise` with ``shards``): wrapped as they
+            are (``DTensor.from_local``), never cut again.
         unflatten: Builds the model's output structure from the graph's flat outputs.
         flatten: Flattens ``(args, kwargs)`` into the graph's inputs.
         state_order: Original names in the model's ``state_dict`` order.
@@ -170,8 +174,8 @@ class ParallelGraph(ParameterAPI):
                  fallback: Sequence[str] = (),
                  flatten: Callable[[Sequence[Any], Mapping[str, Any]], list[Any]],
                  unflatten: Callable[[Sequence[Any]], Any],
-                 state_order: Sequence[str] = ()) -> None:
-        from torch.distributed.tensor import distribute_tensor
+                 state_order: Sequence[str] = (), local: Mapping[str, tuple[int, ...]] | None = None) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
         names = {n.name for n in gm.graph.nodes}
         unknown = sorted(set(layout) - names)
@@ -196,8 +200,14 @@ class ParallelGraph(ParameterAPI):
             if not isinstance(tensor, torch.Tensor) or node.target in self.values:
                 continue
             want = placement_of(self.layout[node.name].output) if node.name in self.layout else None
-            value = tensor.detach() if want is None or want.is_replicate() else distribute_tensor(
-                tensor.detach(), mesh, [want], src_data_rank=None)  # a replica: a plain tensor, whole
+            value: torch.Tensor
+            if local and str(node.target) in local and want is not None:  # this rank's chunk since materialised
+                shape = torch.Size(local[str(node.target)])
+                value = DTensor.from_local(tensor.detach(), mesh, [want], run_check=False, shape=shape,
+                                           stride=torch.empty(shape, device="meta").stride())
+            else:
+                value = tensor.detach() if want is None or want.is_replicate() else distribute_tensor(
+                    tensor.detach(), mesh, [want], src_data_rank=None)  # a replica: a plain tensor, whole
             self.values[str(node.target)] = nn.Parameter(value) if node.target in trainable else value
 
     # -- running -----------------------------------------------------------------------------
@@ -368,7 +378,7 @@ class ParallelGraph(ParameterAPI):
 
 
 def shard_stage(gm: torch.fx.GraphModule, layout: Mapping[str, NodeLayout], mesh: Any, *,
-                fallback: Sequence[str] = ()) -> ParallelGraph:
+                fallback: Sequence[str] = (), local: Mapping[str, tuple[int, ...]] | None = None) -> ParallelGraph:
     """Split one pipeline stage's ops over a tensor-parallel mesh, in place: every parameter and
     buffer of ``gm`` the plan splits becomes a DTensor shard (a trainable one an
     ``nn.Parameter``), set on ``gm`` itself so the stage's state, optimizer and checkpoints see
@@ -380,6 +390,7 @@ def shard_stage(gm: torch.fx.GraphModule, layout: Mapping[str, NodeLayout], mesh
             (:meth:`NodeStrategies.layout`); entries for other stages' nodes are ignored.
         mesh: The stage's 1-D tensor-parallel ``DeviceMesh``.
         fallback: Nodes to run on whole tensors.
+        local: The tensors ``gm`` holds as this rank's chunk already (as :class:`ParallelGraph`).
 
     Returns:
         The :class:`ParallelGraph` whose :meth:`~ParallelGraph.run_flat` runs the stage: its
@@ -391,7 +402,7 @@ def shard_stage(gm: torch.fx.GraphModule, layout: Mapping[str, NodeLayout], mesh
     trainable = frozenset(str(n.target) for n in gm.graph.find_nodes(op="get_attr")
                           if isinstance(_attr(gm, str(n.target)), nn.Parameter) and _attr(gm, str(n.target)).requires_grad)
     graph = ParallelGraph(gm, mine, mesh, trainable=trainable, aliases={}, fallback=[f for f in fallback if f in names],
-                          flatten=lambda a, k: list(a), unflatten=list)
+                          flatten=lambda a, k: list(a), unflatten=list, local=local)
     for target, value in graph.values.items():
         owner_name, _, leaf = target.rpartition(".")
         owner = gm.get_submodule(owner_name) if owner_name else gm
