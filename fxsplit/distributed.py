@@ -499,9 +499,6 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     schedule, m = _chosen(schedule, asked, plan)
     _check_args(schedule, m, pp, plan.num_stages)
     _warn_if_not_per_sample(captured.gm, m, rank, planned.not_per_sample)
-    if tp > 1 and any(st.recompute for st in plan.stages):
-        raise ConfigError(f"tensor_parallel={tp} with recomputed stages {[i for i, st in enumerate(plan.stages) if st.recompute]}"
-                          ": split stages keep their activations; plan without recompute")
     split_layout = None
     if tp > 1:
         link = options.link if isinstance(options.link, LinkSpec) else None  # else measured over every rank

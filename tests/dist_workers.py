@@ -996,8 +996,9 @@ def token_mean_refused(rank: int, world: int, out_dir: str, timeout_s: float) ->
     return {"finished": True}
 
 
-def presharded_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, str, int, int, bool]]) -> dict[str, Any]:
-    """For each ``(model, schedule, replicas, tp, state dict as a file)``: a pipeline given the
+def presharded_equal(rank: int, world: int, out_dir: str,
+                     runs: list[tuple[str, str, int, int, bool, str]]) -> dict[str, Any]:
+    """For each ``(model, schedule, replicas, tp, state dict as a file, recompute)``: a pipeline given the
     unsplit model's state dict (a mapping, or a file read with ``mmap``) reads each split weight
     as this rank's chunk alone (never allocated whole: the log counts the tensors held as this
     rank's chunk); one step's loss and every gradient equal the unsplit model's; the forward too."""
@@ -1014,8 +1015,8 @@ def presharded_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, 
     logger = logging.getLogger("fxsplit.distributed")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    for name, schedule, replicas, tp, as_file in runs:
-        tag = f"{name}/{schedule}/dp={replicas}/tp={tp}/file={as_file}"
+    for name, schedule, replicas, tp, as_file, recompute in runs:
+        tag = f"{name}/{schedule}/dp={replicas}/tp={tp}/file={as_file}/recompute={recompute}"
         case = _case(name, 8)
         inputs, target = case.make_batch(8, 5)
         state: Any = case.model.state_dict()
@@ -1025,16 +1026,26 @@ def presharded_equal(rank: int, world: int, out_dir: str, runs: list[tuple[str, 
         ref_loss, ref_grads = reference(case, inputs, target)
         records.clear()
         pipe = fxd.compile(_model_fn(name, 8), case.example_inputs, schedule=schedule, microbatches=2,
-                           state_dict=state, timeout_s=30, cost_model="analytic", options=CompileOptions(link=LinkSpec()),
+                           state_dict=state, timeout_s=30, cost_model="analytic",
+                           options=CompileOptions(link=LinkSpec(), recompute=recompute, allow_idle_devices=False),
                            replicas=replicas, tensor_parallel=tp, tp_strategy="megatron")
+        runs_of_stage = [0]
+        for st in pipe.stages:  # count the split stage's runs: forward, then again in backward
+            if st.module.recomputed is not None:
+                def counted(*a: Any, _run: Any = st.module.recomputed.run, _runs: list[int] = runs_of_stage) -> Any:
+                    _runs[0] += 1
+                    return _run(*a)
+                st.module.recomputed.run = counted
         loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True)
         out[tag] = compare(pipe, loss if pipe.is_last else None, ref_loss, ref_grads, tag)
+        out[tag]["stage_runs"] = runs_of_stage[0]
         with torch.no_grad():
             got = pipe(*inputs)
         if pipe.is_last:
             torch.testing.assert_close(got, case.model(*inputs), rtol=1e-5, atol=1e-6)
         out[tag]["origins"] = [r for r in records if "state from" in r]
         out[tag]["split"] = sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor))
+        out[tag]["recomputed"] = [st.module.recomputed is not None for st in pipe.stages]
         pipe.close()
     logger.removeHandler(handler)
     return out

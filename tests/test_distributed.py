@@ -666,8 +666,9 @@ def test_a_state_dict_is_read_shard_by_shard_onto_tensor_parallel_ranks(tmp_path
     file read with mmap), each tensor-parallel rank allocates and reads only its chunk of every
     split weight (before, it held its whole stage until DTensor cut it); a tied weight shared by
     two stages stays whole until then. Loss, every gradient and the forward equal the unsplit
-    model's, with 2 stages x tp=2 (the tied GPT) and 2 replicas x tp=2 (the MLP)."""
-    runs = [("gpt", "1f1b", 1, 2, False), ("mlp", "gpipe", 2, 2, True)]
+    model's, with 2 stages x tp=2 (the tied GPT, every stage recomputing its activations over its
+    tp ranks: refused before) and 2 replicas x tp=2 (the MLP)."""
+    runs = [("gpt", "1f1b", 1, 2, False, "all"), ("mlp", "gpipe", 2, 2, True, "none")]
     results = launch(w.presharded_equal, 4, tmp_path, runs, deadline_s=150)
     check_ok(results)
     for tag in results[0]["result"]:
@@ -676,5 +677,6 @@ def test_a_state_dict_is_read_shard_by_shard_onto_tensor_parallel_ranks(tmp_path
             (line,) = row["origins"]
             held = int(re.search(r"(\d+) split tensor\(s\) held as this rank's chunk", line).group(1))
             assert "state_dict" in line and held == len(row["split"]) - ("tok_emb.weight" in row["split"]), (tag, line)
-    gpt = {rank: r["result"]["gpt/1f1b/dp=1/tp=2/file=False"] for rank, r in results.items()}
+    gpt = {rank: r["result"]["gpt/1f1b/dp=1/tp=2/file=False/recompute=all"] for rank, r in results.items()}
     assert "tok_emb.weight" in gpt[0]["split"] and "tok_emb.weight" in gpt[2]["split"]  # tied: cut by DTensor later
+    assert all(row["recomputed"] == [True] and row["stage_runs"] == 2 * 2 for row in gpt.values())  # m = 2

@@ -244,7 +244,8 @@ class StageModule(nn.Module):
         batched: For the first stage, which flat inputs are batched tensors (``[num_inputs]``);
             those arrive positionally, the others through :meth:`bind_static`.
         recompute: Keep only the received tensors for backward and run ``gm`` again there
-            (:class:`~fxsplit.runtime.recompute.RecomputedForward`).
+            (:class:`~fxsplit.runtime.recompute.RecomputedForward`; a split stage runs over its
+            tensor-parallel ranks again, collectives included).
         autocast: ``(device type, dtype)``: run ``gm`` under ``torch.autocast`` (mixed precision).
         parallel: Run ``gm`` split over a tensor-parallel mesh instead
             (:func:`~fxsplit.runtime.tensor_parallel.shard_stage`'s
@@ -262,7 +263,8 @@ class StageModule(nn.Module):
         super().__init__()
         self.gm = gm
         self.parallel = parallel  # a ParallelGraph over gm (a plain object: its tensors are gm's)
-        self.recomputed = RecomputedForward(gm) if recompute else None  # a plain object: no state of its own
+        split = functools.partial(_run_split, parallel) if parallel is not None else None
+        self.recomputed = RecomputedForward(gm, split) if recompute else None  # a plain object: no state of its own
         self.autocast = autocast
         self.first, self.last = first, last
         self.in_layouts, self.out_layouts = boundary_layouts(gm)
@@ -292,8 +294,10 @@ class StageModule(nn.Module):
 
     def forward(self, *wire: torch.Tensor) -> Any:
         self.forwards += 1
-        run: Any = self.recomputed if self.recomputed is not None else self.gm
-        if self.parallel is not None:
+        run: Any = self.gm
+        if self.recomputed is not None:  # also over a split stage's ranks
+            run = self.recomputed
+        elif self.parallel is not None:
             run = functools.partial(_run_split, self.parallel)
         with precision(*self.autocast) if self.autocast is not None else precision("cpu", None):
             out = tuple(run(*self._inputs(wire)))

@@ -25,6 +25,7 @@ References:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,14 +45,19 @@ class RecomputedForward:
     Args:
         gm: The stage's code; its parameters stay where they are (no wrapper module, so state
             names do not change).
+        run: What runs the stage, when not ``gm`` itself (a stage split over tensor-parallel
+            ranks: its :class:`~fxsplit.runtime.tensor_parallel.ParallelGraph`, whose collectives
+            run again in backward, on every rank in the same order); ``gm`` still holds the
+            buffers replayed.
 
     Shape:
         ``__call__(*values)`` takes and returns what ``gm`` does. Without autograd (no grad
         mode, or nothing that requires a gradient) it is ``gm(*values)``.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, run: Callable[..., Any] | None = None) -> None:
         self.gm = gm
+        self.run: Callable[..., Any] = run if run is not None else gm
         self._deferred = [m for m in gm.modules() if isinstance(m, DeferredBatchNorm)]
         self._trackers = list({id(m.tracker): m.tracker for m in gm.modules()
                                if isinstance(m, OncePerStep | StepStartValue)}.values())
@@ -62,7 +68,7 @@ class RecomputedForward:
 
     def __call__(self, *values: Any) -> Any:
         if not torch.is_grad_enabled() or not self._needs_grad(values):
-            return self.gm(*values)
+            return self.run(*values)
         calls = [0]
         with torch.no_grad():  # what the first forward reads
             before = [(b, b.detach().clone()) for b in self._replayed]
@@ -71,7 +77,7 @@ class RecomputedForward:
         def run(*inputs: Any) -> Any:
             calls[0] += 1
             if calls[0] == 1:
-                return self.gm(*inputs)
+                return self.run(*inputs)
             if [t.commits for t in self._trackers] != commits:
                 raise ExecutionError(
                     "a recomputing stage runs its forward again after its step ended (pipe(x) then loss.backward()): "
@@ -98,7 +104,7 @@ class RecomputedForward:
         for m in self._deferred:
             m.replaying = True
         try:
-            return self.gm(*inputs)
+            return self.run(*inputs)
         finally:
             for m in self._deferred:
                 m.replaying = False
