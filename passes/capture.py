@@ -251,6 +251,7 @@ def _capture_export(
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users:  # tied weights: export reads one alias
             gm.graph.erase_node(node)
+    _functionalize_view_writes(gm)
     _functionalize_activations(gm)
     _drop_self_copies(gm)
     gm._forward_pre_hooks.clear()  # export's input-spec check; we call the graph flat
@@ -456,6 +457,132 @@ def _functionalize_activations(gm: torch.fx.GraphModule) -> int:
             continue
         node.target = twin
         changed += 1
+    return changed
+
+
+_aten = torch.ops.aten
+_INVERTED_VIEWS = {_aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.alias.default}
+_SCATTERED_VIEWS = {_aten.slice.Tensor: _aten.slice_scatter.default, _aten.select.int: _aten.select_scatter.default,
+                    _aten.diagonal.default: _aten.diagonal_scatter.default}
+
+
+def _is_view(node: Any) -> bool:
+    """Whether ``node`` calls an op whose result aliases its first argument (a view)."""
+    schema = getattr(getattr(node, "target", None), "_schema", None)
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function" and bool(node.args)
+            and isinstance(node.args[0], torch.fx.Node) and schema is not None and bool(schema.returns)
+            and schema.returns[0].alias_info is not None and not writes_in_place(node))
+
+
+def _views_to_base(node: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node] | None:
+    """The view ops from ``node`` back to the tensor it views (innermost first) and that tensor;
+    None when a view on the way is one :func:`_functionalize_view_writes` cannot invert."""
+    chain = []
+    while _is_view(node):
+        if node.target not in _SCATTERED_VIEWS and node.target not in _INVERTED_VIEWS:
+            return None
+        chain.append(node)
+        node = node.args[0]
+    return chain, node
+
+
+def _copy_meta(new: torch.fx.Node, shaped_as: torch.fx.Node, where: torch.fx.Node) -> None:
+    """Give a node made by :func:`_functionalize_view_writes` the value metadata of the node it
+    is shaped as and the source location of the write it replaces."""
+    new.meta.update({k: v for k, v in where.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")})
+    for key in ("val", "tensor_meta"):
+        if key in shaped_as.meta:
+            new.meta[key] = shaped_as.meta[key]
+
+
+def _dtype_of(node: Any) -> torch.dtype | None:
+    """The dtype export recorded for ``node``'s value (None when it recorded none)."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _put_back(graph: torch.fx.Graph, view: torch.fx.Node, base: torch.fx.Node, value: torch.fx.Node) -> torch.fx.Node:
+    """A node: ``base`` with the part ``view`` shows replaced by ``value`` (``view``'s shape)."""
+    if view.target in _SCATTERED_VIEWS:
+        return graph.call_function(_SCATTERED_VIEWS[view.target], (base, value, *view.args[1:]), dict(view.kwargs))
+    if view.target is _aten.permute.default:
+        dims = [d % len(view.args[1]) for d in view.args[1]]
+        return graph.call_function(_aten.permute.default, (value, [dims.index(i) for i in range(len(dims))]))
+    if view.target is _aten.alias.default:
+        return value
+    return graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))  # t, transpose: self-inverse
+
+
+def _functionalize_view_writes(gm: torch.fx.GraphModule) -> int:
+    """Rewrite in-place writes into activations, also through views, as functional ops.
+
+    ``shifted = labels.new_zeros(...); shifted[:, 1:] = labels[:, :-1]`` is exported as
+    ``copy_(slice(shifted), ...)``: the write reaches ``shifted`` through the view, and the later
+    readers of ``shifted`` name ``shifted``, with no edge to the write. Split into stages, a
+    reader could run before the write (T5's and BART's decoder inputs, derived so from
+    ``labels``, came out all zeros: another answer than the model's, silently). Here each such
+    write becomes ``value = op(view, ...)`` (``aten.copy``, or the op's functional twin such as
+    ``aten.fill``) put back into what the view shows (``slice_scatter``, ``select_scatter``,
+    ``diagonal_scatter``, the inverse of a transpose or permute), and every later reader of the
+    written tensor, or of a view of it, reads the new value (a view of it made again). A write
+    into the tensor itself is the same without views (``early = buf[:, :3]; buf.copy_(y)``:
+    ``early`` shows ``y``); ``copy_`` becomes its source broadcast and cast (``aten.copy`` has no
+    gradient). Writes into
+    parameters, buffers or the model's inputs (state the caller sees), and writes through views
+    it cannot invert (reshapes, ``as_strided``), are left as they are.
+
+    Returns:
+        The number of writes rewritten.
+    """
+    graph = gm.graph
+    changed = 0
+    for node in list(graph.nodes):
+        if not writes_in_place(node):
+            continue
+        found = _views_to_base(node.args[0])
+        if found is None:
+            continue  # through a view it cannot invert
+        chain, base = found
+        twin = _aten.copy.default if node.target is _aten.copy_.default else _functional_twin(node.target)
+        if base.op in ("get_attr", "placeholder") or writes_in_place(base) or twin is None:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        here = order[node]
+        views = [base]  # the base and every view of it made before the write, with their readers after it
+        for v in views:
+            views += [u for u in v.users if _is_view(u) and u.args[0] is v and order[u] < here and u not in views]
+        with graph.inserting_before(node.next):  # in creation order, right after the write
+            if twin is _aten.copy.default:  # copy_ broadcasts and casts its source (aten.copy has no gradient)
+                src, dest = node.args[0:2][::-1]
+                dtype = _dtype_of(dest)
+                if isinstance(src, torch.fx.Node) and dtype is not None and _dtype_of(src) != dtype:
+                    src = graph.call_function(_aten._to_copy.default, (src,), {"dtype": dtype})
+                value = graph.call_function(_aten.expand_as.default, (src, dest))
+            else:
+                value = graph.call_function(twin, node.args, dict(node.kwargs))
+            written, shaped = value, [(value, node.args[0])]
+            for view in chain:  # innermost first: each part put back into what it views
+                written = _put_back(graph, view, view.args[0], written)  # type: ignore[arg-type]
+                shaped.append((written, view.args[0]))
+            again = {base: written}
+            for v in views[1:]:  # every view of the written tensor made again (parents first); unread ones go
+                again[v] = graph.call_function(v.target, (again[v.args[0]], *v.args[1:]), dict(v.kwargs))  # type: ignore[index]
+        for old, new in again.items():
+            for user in [u for u in list(old.users) if order.get(u, -1) > here]:
+                user.replace_input_with(old, new)
+        node.replace_all_uses_with(value)  # the write's own result: the view, written
+        for made, like in shaped:
+            _copy_meta(made, like, node)  # type: ignore[arg-type]
+        for v in reversed(views[1:]):
+            if again[v].users:
+                _copy_meta(again[v], v, node)
+            else:
+                graph.erase_node(again[v])
+        graph.erase_node(node)
+        changed += 1
+    if changed:
+        graph.lint()
+        gm.recompile()
     return changed
 
 
