@@ -474,7 +474,7 @@ def _is_view(node: Any) -> bool:
             and schema.returns[0].alias_info is not None and not writes_in_place(node))
 
 
-def _views_to_base(node: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node] | None:
+def _views_to_base(node: Any) -> tuple[list[Any], Any] | None:
     """The view ops from ``node`` back to the tensor it views (innermost first) and that tensor;
     None when a view on the way is one :func:`_functionalize_view_writes` cannot invert."""
     chain = []
@@ -501,12 +501,13 @@ def _dtype_of(node: Any) -> torch.dtype | None:
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
-def _put_back(graph: torch.fx.Graph, view: torch.fx.Node, base: torch.fx.Node, value: torch.fx.Node) -> torch.fx.Node:
+def _put_back(graph: torch.fx.Graph, view: Any, base: Any, value: Any) -> Any:
     """A node: ``base`` with the part ``view`` shows replaced by ``value`` (``view``'s shape)."""
     if view.target in _SCATTERED_VIEWS:
         return graph.call_function(_SCATTERED_VIEWS[view.target], (base, value, *view.args[1:]), dict(view.kwargs))
     if view.target is _aten.permute.default:
-        dims = [d % len(view.args[1]) for d in view.args[1]]
+        order = [int(d) for d in view.args[1]]
+        dims = [d % len(order) for d in order]
         return graph.call_function(_aten.permute.default, (value, [dims.index(i) for i in range(len(dims))]))
     if view.target is _aten.alias.default:
         return value
