@@ -251,6 +251,7 @@ def _capture_export(
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users:  # tied weights: export reads one alias
             gm.graph.erase_node(node)
+    _drop_dtype_asserts(gm)
     _functionalize_view_writes(gm)
     _functionalize_activations(gm)
     _drop_self_copies(gm)
@@ -409,6 +410,20 @@ def in_place_root(node: Any) -> Any:
     while writes_in_place(node):
         node = node.args[0]
     return node
+
+
+def _drop_dtype_asserts(gm: torch.fx.GraphModule) -> int:
+    """Erase export's ``_assert_tensor_metadata`` checks (recorded before a ``.to(dtype)`` or
+    ``.float()``: the value's dtype when captured). Under autocast the value is bf16 where it
+    was captured as float32, and the check failed the pipeline (a Hugging Face model's
+    ``logits.float()`` before its loss) where the unsplit model runs; ``to`` converts whatever
+    it is given, so the check guards nothing the graph needs."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+            gm.graph.erase_node(node)
+            dropped += 1
+    return dropped
 
 
 def _drop_self_copies(gm: torch.fx.GraphModule) -> int:

@@ -982,7 +982,7 @@ def token_mean_refused(rank: int, world: int, out_dir: str, timeout_s: float) ->
                        options=CompileOptions(link=LinkSpec()))
     inputs, target = case.make_batch(batch, 3)
     target = target.clone()
-    target[0, 1:] = -100  # sample 0 keeps one token, the others all of theirs
+    target[3, 1:] = -100  # sample 3 (the last micro-batch) keeps one token: only the pair (2, 3) shows it
 
     def token_mean(out: Any, tgt: Any) -> Any:
         return torch.nn.functional.cross_entropy(out.flatten(0, 1), tgt.flatten())

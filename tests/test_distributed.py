@@ -648,13 +648,16 @@ def test_clip_grad_norm_clips_by_the_whole_models_norm(tmp_path):
 
 
 def test_a_token_mean_over_uneven_padding_is_refused_across_ranks(tmp_path):
-    """The loss of the first two micro-batches together is checked against what the weights add
-    up: a token mean over uneven padding is refused (ConfigError on the last rank), the others
-    stop within the timeout and no rank keeps a gradient of the failed step."""
+    """The loss of every two consecutive micro-batches together is checked against what the
+    weights add up: a token mean over uneven padding is refused (ConfigError on the last rank),
+    also when only the last micro-batch is padded (micro-batches 0 and 1 alone were checked
+    before: silently another loss), the others stop within the timeout and no rank keeps a
+    gradient of the failed step."""
     timeout_s = 10.0
     results = launch(w.token_mean_refused, 2, tmp_path, timeout_s, deadline_s=90)
     last = results[1]["result"]
     assert "normalised by something other than the samples" in last["message"], last
+    assert "micro-batches 2 and 3 together" in last["message"], last
     assert results[0]["result"].get("error"), results[0]
     for rank in (0, 1):
         elapsed, clean = (tmp_path / f"elapsed{rank}.txt").read_text().split()

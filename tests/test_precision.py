@@ -285,3 +285,30 @@ def test_a_solver_time_out_in_one_precision_leaves_the_other(monkeypatch) -> Non
     with pytest.raises(SolverError, match="no precision has a plan; own dtypes: gave up | autocast bf16: gave up"):
         compiler.plan_precisions(lambda p: None, 8, 2, "1f1b", "auto",  # type: ignore[arg-type,return-value]
                                  fxsplit.CompileOptions(autocast="auto"))
+
+
+class _FloatLogits(torch.nn.Module):
+    """``logits.float()`` before a loss, as Hugging Face models do: export records the fp32 dtype
+    it saw, in an ``_assert_tensor_metadata`` check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).float()
+
+
+def test_a_float_cast_export_checked_in_fp32_runs_under_bf16_autocast() -> None:
+    """Regression (a probe of Hugging Face models: Llama with labels under autocast="bf16"
+    failed to compile, "Tensor dtype mismatch! Expected: torch.float32, Got: torch.bfloat16"):
+    the pipeline runs such a graph under autocast as the unsplit model does."""
+    torch.manual_seed(0)
+    model, x = _FloatLogits(), torch.randn(8, 8)
+    pipe = fxsplit.compile(copy.deepcopy(model), devices(2), (x,), microbatches=2, cost_model="analytic",
+                           options=fxsplit.CompileOptions(autocast="bf16", allow_idle_devices=False))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x)
+    got = pipe(x)
+    assert got.dtype == want.dtype == torch.float32
+    _close_to_max(got, want, 2e-2, "output")

@@ -151,3 +151,35 @@ def test_the_loss_pair_check_without_a_joint_run_refuses_a_0d_output_that_differ
         check_loss_pair(lambda out, _: out[1], outs, [None, None], [2, 2], "mean", [True, False], lambda f: f)
     same = [[torch.ones(2, 3), torch.tensor(1.0)], [torch.zeros(2, 3), torch.tensor(1.0)]]
     check_loss_pair(lambda out, _: out[0].mean(), same, [None, None], [2, 2], "mean", [True, False], lambda f: f)
+
+
+def test_padding_in_a_later_micro_batch_is_refused_too() -> None:
+    """Regression (a probe of Hugging Face training patterns): only micro-batches 0 and 1 were
+    checked, so a token mean whose uneven padding sits in micro-batches 2 and 3 trained on
+    another loss, silently. Now every two consecutive micro-batches are checked for a loss_fn's
+    token mean, and a model's own 0-d loss against all micro-batches run together."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(2))
+    late = labels.clone()
+    late[6, 1:] = -100  # micro-batch 3 of 4 (samples 6 and 7); 0 and 1 unpadded
+
+    def token_mean(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    logits_only = nn.Sequential(nn.Embedding(32, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32))
+    plain = fxsplit.compile(logits_only, ["cpu"] * 2, (ids,), microbatches=4, cost_model="analytic")
+    with pytest.raises(ConfigError, match="loss_fn over micro-batches 2 and 3 together"):
+        plain.train_step(ids, target=late, loss_fn=token_mean)
+    assert all(p.grad is None for p in plain.parameters())
+    plain.train_step(ids, target=labels, loss_fn=token_mean)  # no padding: a per-sample mean
+
+    model = _OwnLoss("mean").eval()
+    pipe = fxsplit.compile(model, ["cpu"] * 2, (ids, labels), microbatches=4, cost_model="analytic")
+    with pytest.raises(ConfigError, match=r"loss_fn over micro-batches 0\.\.3 together gives "
+                                          f"{float(model(ids, late)[1]):.6g}"):
+        pipe.train_step(ids, late, loss_fn=lambda out, _: out[1])
+    with pytest.raises(ConfigError, match="output 1 of the model is 0-d and neither"):
+        pipe(ids, late)
+    assert all(p.grad is None for p in pipe.parameters())
+    pipe.train_step(ids, labels, loss_fn=lambda out, _: out[1])

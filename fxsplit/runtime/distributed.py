@@ -34,7 +34,6 @@ References:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
@@ -87,8 +86,8 @@ __all__ = ["DistributedPipeline", "RankStage", "Replicas", "TiedGroup", "from_ra
 
 log = logging.getLogger(__name__)
 
-#: Steps of each loss function on which the first two micro-batches' joint loss is checked
-#: (:meth:`DistributedPipeline._check_pair`).
+#: Steps of each loss function on which every two consecutive micro-batches' joint loss is
+#: checked (:meth:`DistributedPipeline._check_pair`).
 PAIR_CHECK_STEPS = 3
 
 T = TypeVar("T")
@@ -266,7 +265,8 @@ class DistributedPipeline(ParameterAPI):
         self._scaler: torch.amp.GradScaler | None = None  # the step's loss scaler (fp16)
         self._losses: list[torch.Tensor] = []  # the step's micro-batch losses, weighted, unscaled (last rank)
         self._mb_size = 0
-        self._pair_first: tuple[list[Any], Any, int] | None = None
+        self._pair_prev: tuple[list[Any], Any, int] | None = None  # the last micro-batch's outputs, target, size
+        self._pair_step = False  # this step checks its pairs
         self._pair_checks: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._runners: dict[tuple[int, int, bool], Any] = {}  # schedules, built at first use
         # runtime trace of this rank's stage in the latest train_step (None: not recorded)
@@ -451,24 +451,20 @@ class DistributedPipeline(ParameterAPI):
         return loss if self._scaler is None else scale_loss(self._scaler, loss)  # what goes backward
 
     def _check_pair(self, outs: list[Any], target: Any) -> None:
-        """The step's first two micro-batches: their loss together is what the weights add up
-        (:func:`~fxsplit.runtime.microbatch.check_loss_pair`); a loss normalised by a count that
-        varies between micro-batches is refused. Inside torch's schedule on the last rank (a
-        failure there stops every rank within the timeout), so only on a loss function's first
+        """Every two consecutive micro-batches of the step: their loss together is what the
+        weights add up (:func:`~fxsplit.runtime.microbatch.check_loss_pair`; all pairs passing
+        means the whole batch does); a loss normalised by a count that varies between
+        micro-batches is refused. Inside torch's schedule on the last rank (a failure there stops
+        every rank within the timeout), so only on a loss function's first
         :data:`PAIR_CHECK_STEPS` steps: it would add to every measured step after."""
-        if (self._reduction not in ("mean", "sum") or self.microbatches < 2 or len(self._losses) > 1
-                or self._pair_checks.get(self._loss_fn, 0) >= PAIR_CHECK_STEPS):
+        if self._reduction not in ("mean", "sum") or self.microbatches < 2 or not self._pair_step:
             return
-        if not self._losses:
-            self._pair_first = ([x.detach() if isinstance(x, torch.Tensor) else x for x in outs], target,
-                                self._mb_size)
-            return
-        if self._pair_first is not None:
-            (first, first_target, first_size), self._pair_first = self._pair_first, None
-            check_loss_pair(self._loss_fn, [first, outs], [first_target, target], [first_size, self._mb_size],
-                            self._reduction, self.batched_outputs, self._unflatten, self._target_dim or 0)
-            with contextlib.suppress(TypeError):  # a callable that cannot be weakly referenced: every step
-                self._pair_checks[self._loss_fn] = self._pair_checks.get(self._loss_fn, 0) + 1
+        now = ([x.detach() if isinstance(x, torch.Tensor) else x for x in outs], target, self._mb_size)
+        prev, self._pair_prev = self._pair_prev, now
+        if prev is not None:
+            check_loss_pair(self._loss_fn, [prev[0], now[0]], [prev[1], now[1]], [prev[2], now[2]],
+                            self._reduction, self.batched_outputs, self._unflatten, self._target_dim or 0,
+                            first=len(self._losses) - 1)
 
     def _run(self, what: str, call: Callable[[], Any]) -> Any:
         self.progress.started_s = time.monotonic()
@@ -561,7 +557,13 @@ class DistributedPipeline(ParameterAPI):
             target = target.movedim(self._target_dim, 0) if self._target_dim else target
         self._loss_fn, self._scaler, self._losses = loss_fn, grad_scaler, []
         self._reduction = "mean" if self.microbatches == 1 else None
-        self._pair_first = None
+        self._pair_prev = None
+        try:  # a callable that cannot be weakly referenced: checked every step
+            done = self._pair_checks.get(loss_fn, 0)
+            self._pair_checks[loss_fn] = done + 1
+        except TypeError:
+            done = 0
+        self._pair_step = self.is_last and done < PAIR_CHECK_STEPS
         if self.recorder is not None:
             self._wall_t0 = time.time()
             self.recorder.begin(time.perf_counter())

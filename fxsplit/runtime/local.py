@@ -115,7 +115,11 @@ class _Step:
     sizes: list[int] = field(default_factory=list)
     reduction_checked: bool = False
     reduction: str = "unknown"
-    pair: dict[int, list[Any]] = field(default_factory=dict)  # micro-batches 0 and 1's outputs, detached
+    # the loss checks (check_loss_pair): the last micro-batch's outputs, detached, and the pairs
+    # of consecutive micro-batches to check between actions; whether the model has 0-d outputs
+    kept: tuple[int, list[Any]] | None = None
+    pending: list[tuple[int, list[Any], list[Any]]] = field(default_factory=list)
+    scalars: bool = False
     scale: Callable[[torch.Tensor], torch.Tensor] | None = None  # a GradScaler's scale(): fp16 loss scaling
 
     def total_loss(self) -> torch.Tensor:
@@ -262,27 +266,28 @@ class Pipeline(ParameterAPI):
         self._end_step()
         reductions = None
         if len(outs) > 1 and (scalars := scalar_outputs(outs[0])):  # e.g. the model's own loss
-            parts, joint = self._run_pair(mbs[:2], outs[:2])
-            reductions = scalar_reductions(parts, joint, sizes[:2], scalars)
+            parts, joint = self._run_together(mbs, outs)
+            reductions = scalar_reductions(parts, joint, sizes, scalars)
         return self._unflatten(merge_outputs(outs, sizes, self.batched_outputs, reductions))
 
-    def _run_pair(self, inputs: Sequence[Sequence[Any]],
-                  outputs: Sequence[Sequence[Any]]) -> tuple[Sequence[Sequence[Any]], list[Any]]:
-        """Micro-batches 0 and 1 run together as one through every stage, without gradients, for
+    def _run_together(self, inputs: Sequence[Sequence[Any]],
+                      outputs: Sequence[Sequence[Any]] | None) -> tuple[Sequence[Sequence[Any]], list[Any]]:
+        """The micro-batches run together as one through every stage, without gradients, for
         :func:`~fxsplit.runtime.microbatch.scalar_reductions` (how a 0-d output adds up) and the
-        loss pair check; each call of a model with 0-d outputs pays this forward of two
-        micro-batches. Draws give their expectation and autocast is off
-        (:class:`~fxsplit.runtime.microbatch.DrawsAsExpected`), so when the stages draw random
-        numbers or run in mixed precision, the two are run apart again the same way: the parts
-        compared with the joint run are computed as it is. Buffers the stages write are put back.
+        loss check of a model that computes its loss itself: each call or step of a model with
+        0-d outputs pays this forward of its whole batch. Draws give their expectation and autocast
+        is off (:class:`~fxsplit.runtime.microbatch.DrawsAsExpected`), so when the stages draw
+        random numbers or run in mixed precision, or no ``outputs`` are given, the micro-batches
+        are run apart again the same way (a second forward of the batch): the parts compared with
+        the joint run are computed as it is. Buffers the stages write are put back.
 
         Args:
-            inputs: ``[2][flat inputs]`` the micro-batches' inputs (a value not split is the same
-                object in both and is given once).
-            outputs: ``[2][flat outputs]`` their outputs from the step.
+            inputs: ``[k][flat inputs]`` the micro-batches' inputs (a value not split is the same
+                object in all and is given once).
+            outputs: ``[k][flat outputs]`` their outputs from the step, or None.
 
         Returns:
-            ``(parts, joint)``: ``[2][flat outputs]`` and ``[flat outputs]``.
+            ``(parts, joint)``: ``[k][flat outputs]`` and ``[flat outputs]``.
 
         Raises:
             ConfigError: when the stages update buffers once per step (deferred BatchNorm: an
@@ -294,8 +299,9 @@ class Pipeline(ParameterAPI):
                 "the model returns a 0-d output (its own loss?) that must be checked by running micro-batches 0 and 1 "
                 "together, and it updates buffers once per step (BatchNorm statistics), which that run would change. "
                 "Return per-sample outputs and reduce them in loss_fn, or run with microbatches=1")
-        joined = [a if a is b else torch.cat([a, b.to(a.device)]) for a, b in zip(inputs[0], inputs[1], strict=True)]
-        again = self.autocast is not None or any(
+        joined = [column[0] if all(x is column[0] for x in column) else torch.cat([x.to(column[0].device) for x in column])
+                  for column in zip(*inputs, strict=True)]
+        again = outputs is None or self.autocast is not None or any(
             is_random(n) for st in self.program.stages for n in st.gm.graph.nodes)
         buffers = {id(b): (b, b.detach().clone()) for st in self.program.stages for b in st.gm.buffers()}
 
@@ -307,7 +313,7 @@ class Pipeline(ParameterAPI):
         try:
             with torch.no_grad(), DrawsAsExpected():
                 joint = run(joined)
-                parts = [run(values) for values in inputs] if again else outputs
+                parts = [run(values) for values in inputs] if again or outputs is None else outputs
         finally:
             for b, before in buffers.values():
                 if not torch.equal(b, before):  # only those written: a copy bumps a saved tensor's version
@@ -372,7 +378,9 @@ class Pipeline(ParameterAPI):
                 for action in order:
                     self.run_action(action, step)
             self._sync_tied()
-            self._check_pair(step)
+            self._check_pairs(step)
+            if step.scalars:
+                self._check_together(step)
         except BaseException:
             self._unstash_grads(saved, ok=False)  # the gradients are as before the step
             raise
@@ -404,6 +412,8 @@ class Pipeline(ParameterAPI):
         trace) gets its start and end times. Actions must come in an order the schedule
         validator accepts (a stage's forward before its backward, stage by stage)."""
         s, kind, i = action.stage, action.kind, action.microbatch
+        if step.pending and s == self.num_stages - 1:  # the last stage's loss checks, between its actions
+            self._check_pairs(step)
         start = time.perf_counter()
         if kind == "F":
             self._forward(s, i, step)
@@ -430,8 +440,14 @@ class Pipeline(ParameterAPI):
                     step.reduction = kind
                 with self._precision(s):  # as the unsplit model under autocast computes its loss
                     loss = step.loss_fn(self._unflatten(outputs), step.targets[i])
-                if i < 2 and step.reduction != "unknown":  # kept for the pair check after the step
-                    step.pair[i] = [x.detach() if isinstance(x, torch.Tensor) else x for x in outputs]
+                if len(step.inputs) > 1 and step.reduction != "unknown":  # for the loss checks, between actions
+                    if scalar_outputs(outputs):  # the model computes a 0-d value itself: checked together
+                        step.scalars = True
+                    else:
+                        now = [x.detach() if isinstance(x, torch.Tensor) else x for x in outputs]
+                        if step.kept is not None and step.kept[0] == i - 1:
+                            step.pending.append((i - 1, step.kept[1], now))
+                        step.kept = (i, now)
             except ConfigError:
                 raise
             except Exception as exc:
@@ -441,17 +457,22 @@ class Pipeline(ParameterAPI):
             weight = step.weights[i]
             step.losses[i] = loss if weight == 1.0 else loss * weight  # x * 1.0 == x: skip the op
 
-    def _check_pair(self, step: _Step) -> None:
-        """After the step's actions (outside the traced ones): micro-batches 0 and 1 together
-        give the loss their weights add up (:func:`~fxsplit.runtime.microbatch.check_loss_pair`)."""
-        if len(step.pair) == 2:
-            parts: Sequence[Sequence[Any]] = [step.pair[0], step.pair[1]]
-            joint = None
-            if scalar_outputs(parts[0]):  # the model computes a 0-d value itself: run the pair together
-                parts, joint = self._run_pair(step.inputs[:2], parts)
-            check_loss_pair(step.loss_fn, parts, step.targets[:2], step.sizes[:2], step.reduction,
-                            self.batched_outputs, self._unflatten, self._target_dim, joint=joint)
-        step.pair.clear()
+    def _check_pairs(self, step: _Step) -> None:
+        """Between actions (outside the traced ones) and after the step's: every two consecutive
+        micro-batches together give the loss their weights add up
+        (:func:`~fxsplit.runtime.microbatch.check_loss_pair`; all pairs passing means the whole
+        batch does); at most two micro-batches' outputs are kept for it."""
+        while step.pending:
+            i, a, b = step.pending.pop(0)
+            check_loss_pair(step.loss_fn, [a, b], step.targets[i:i + 2], step.sizes[i:i + 2], step.reduction,
+                            self.batched_outputs, self._unflatten, self._target_dim, first=i)
+
+    def _check_together(self, step: _Step) -> None:
+        """After the step of a model with 0-d outputs (its own loss): all its micro-batches run
+        together give the loss the weights add up (:meth:`_run_together`)."""
+        parts, joint = self._run_together(step.inputs, None)
+        check_loss_pair(step.loss_fn, parts, step.targets, step.sizes, step.reduction, self.batched_outputs,
+                        self._unflatten, self._target_dim, joint=joint)
 
     @staticmethod
     def _pending(s: int, i: int, step: _Step) -> PendingWeights:

@@ -191,68 +191,80 @@ def loss_reduction(
 def check_loss_pair(
     loss_fn: Any, outputs: Sequence[Sequence[Any]], targets: Sequence[Any], sizes: Sequence[int], kind: str,
     batched: Sequence[bool] | None, unflatten: Any, target_dim: int = 0, joint: Sequence[Any] | None = None,
+    first: int = 0,
 ) -> None:
-    """Check that the loss of two micro-batches together is what the pipeline adds up from
-    their losses: ``(n0 L0 + n1 L1) / (n0 + n1)`` for a mean, ``L0 + L1`` for a sum.
+    """Check that the loss of consecutive micro-batches together is what the pipeline adds up
+    from their losses: ``sum(n_i L_i) / sum(n_i)`` for a mean, ``sum(L_i)`` for a sum.
 
     :func:`loss_reduction` tells a mean from a sum on one micro-batch given twice; a loss
     normalised by a count that varies between micro-batches (a token mean that skips padding:
     ``cross_entropy(..., ignore_index=-100)`` with uneven padding, a Hugging Face model's own
     ``loss``) passes that test and still gives another batch loss and other gradients when the
-    micro-batches are weighted by their samples. Run on each step's first two micro-batches.
+    micro-batches are weighted by their samples. The runtimes run it on every two consecutive
+    micro-batches of a step (a pair passes only when both have the same count per sample, or the
+    same loss: so all pairs passing means the whole batch does), or on all of them at once.
 
     Args:
         loss_fn: ``loss_fn(output, target) -> scalar``.
-        outputs: ``[2]`` the micro-batches' flat outputs (detached here; the three losses are
+        outputs: ``[k]`` the micro-batches' flat outputs (detached here; the losses are
             computed again from them in float32, so that mixed precision cannot hide or fake a
             difference).
-        targets: ``[2]`` their targets.
-        sizes: ``[2]`` their samples.
+        targets: ``[k]`` their targets.
+        sizes: ``[k]`` their samples.
         kind: ``"mean"`` or ``"sum"`` (:func:`loss_reduction`).
         batched, unflatten, target_dim: As :func:`loss_reduction`.
-        joint: The model's flat outputs on both micro-batches run together, when the caller ran
-            them (the local runtime does for a model with 0-d outputs: a model's own loss is
+        joint: The model's flat outputs on the ``k`` micro-batches run together, when the caller
+            ran them (the local runtime does for a model with 0-d outputs: a model's own loss is
             not the concatenation of anything). None: the outputs are joined, batched ones
-            concatenated, the others taken from micro-batch 0 when both have the same value.
+            concatenated, the others taken from the first when all have the same value.
+        first: The index of the first of them in the step, for the message.
 
     Raises:
-        ConfigError: naming both values and the fix when they differ by more than rounding; and
-            without ``joint``, for an output without the batch that differs between the two
-            (a 0-d loss the model computes itself), whose value on both cannot be known here.
+        ConfigError: naming the values and the fix when they differ by more than rounding; and
+            without ``joint``, for an output without the batch that differs between them (a 0-d
+            loss the model computes itself), whose value on all of them cannot be known here.
     """
     flags = list(batched) if batched is not None else [_looks_batched(x, sizes[0]) for x in outputs[0]]
+    which = (f"micro-batches {first} and {first + 1}" if len(outputs) == 2
+             else f"micro-batches {first}..{first + len(outputs) - 1}")
     if joint is None:
-        for j, (a, b, f) in enumerate(zip(outputs[0], outputs[1], flags, strict=True)):
-            if not f and not _same_value(a, b):
+        for j, f in enumerate(flags):
+            differs = next((x[j] for x in outputs[1:] if not _same_value(outputs[0][j], x[j])), None)
+            if not f and differs is not None:
                 raise ConfigError(
-                    f"output {j} of the model has no batch dimension and differs between micro-batches 0 and 1 "
-                    f"({_describe(a)}: {_brief(a)} and {_brief(b)}; the model's own loss?), so its value on the "
-                    "batch is not what the pipeline can add up from its micro-batches, and loss_fn reads the "
-                    "outputs. Compute the loss in loss_fn from per-sample outputs (e.g. the logits), or run with "
-                    "microbatches=1")
+                    f"output {j} of the model has no batch dimension and differs between {which} "
+                    f"({_describe(outputs[0][j])}: {_brief(outputs[0][j])} and {_brief(differs)}; the model's own "
+                    "loss?), so its value on the batch is not what the pipeline can add up from its micro-batches, and "
+                    "loss_fn reads the outputs. Compute the loss in loss_fn from per-sample outputs (e.g. the logits), "
+                    "or run with microbatches=1")
 
-    def joined(a: Any, b: Any, dim: int | None) -> Any:
-        return torch.cat([a, b.to(a.device)], dim=dim) if dim is not None and isinstance(a, torch.Tensor) else a
+    def as_float(values: Sequence[Any]) -> list[Any]:
+        return [(x.detach().float() if x.is_floating_point() else x.detach()) if isinstance(x, torch.Tensor) else x
+                for x in values]
 
     with torch.no_grad():
-        outs = [[(x.detach().float() if x.is_floating_point() else x.detach()) if isinstance(x, torch.Tensor) else x
-                 for x in mb] for mb in outputs]
-        both = ([joined(a, b, 0 if f else None) for a, b, f in zip(outs[0], outs[1], flags, strict=True)]
-                if joint is None else [(x.detach().float() if x.is_floating_point() else x.detach())
-                                       if isinstance(x, torch.Tensor) else x for x in joint])
-        leaves0, spec = pytree.tree_flatten(targets[0])
-        leaves1, _ = pytree.tree_flatten(targets[1])
-        target = pytree.tree_unflatten([joined(a, b, target_batch_dim(a, sizes[0], target_dim))
-                                        for a, b in zip(leaves0, leaves1, strict=True)], spec)
+        outs = [as_float(mb) for mb in outputs]
+        if joint is None:
+            both = [torch.cat([mb[j].to(outs[0][j].device) for mb in outs]) if f and isinstance(outs[0][j], torch.Tensor)
+                    else outs[0][j] for j, f in enumerate(flags)]
+        else:
+            both = as_float(joint)
+        leaves = [pytree.tree_flatten(t)[0] for t in targets]
+        spec = pytree.tree_flatten(targets[0])[1]
+        target = pytree.tree_unflatten(
+            [torch.cat([lv[i].to(leaves[0][i].device) for lv in leaves], dim=d)
+             if (d := target_batch_dim(leaves[0][i], sizes[0], target_dim)) is not None else leaves[0][i]
+             for i in range(len(leaves[0]))], spec)
         got = float(loss_fn(unflatten(both), target))
         losses = [float(loss_fn(unflatten(mb), t)) for mb, t in zip(outs, targets, strict=True)]
-    n0, n1 = sizes
-    expected = (n0 * losses[0] + n1 * losses[1]) / (n0 + n1) if kind == "mean" else losses[0] + losses[1]
+    total = sum(sizes)
+    expected = (sum(n * v for n, v in zip(sizes, losses, strict=True)) / total if kind == "mean" else sum(losses))
     if abs(got - expected) > 1e-5 * max(abs(got), abs(expected)) + 1e-9:
+        parts = ", ".join(f"{v:.6g} on {n}" for v, n in list(zip(losses, sizes, strict=True))[:4])
         raise ConfigError(
-            f"loss_fn over micro-batches 0 and 1 together gives {got:.6g}, but the pipeline would count "
+            f"loss_fn over {which} together gives {got:.6g}, but the pipeline would count "
             f"{expected:.6g} ({'their losses weighted by samples' if kind == 'mean' else 'their sum'}: "
-            f"{losses[0]:.6g} on {n0} and {losses[1]:.6g} on {n1} samples): the loss is normalised by something "
+            f"{parts}{', ...' if len(losses) > 4 else ''} samples): the loss is normalised by something "
             "other than the samples (e.g. the tokens that cross_entropy does not ignore, or a model's own token-mean "
             "loss), so the micro-batched step would train on another loss. Make it a per-sample mean or a sum "
             "(e.g. the token sum divided by a fixed count), or run with microbatches=1")
@@ -346,15 +358,15 @@ def scalar_outputs(flat_outputs: Sequence[Any]) -> list[int]:
 
 def scalar_reductions(parts: Sequence[Sequence[Any]], joint: Sequence[Any], sizes: Sequence[int],
                       indices: Sequence[int]) -> dict[int, str]:
-    """How each 0-d output adds up over micro-batches, from two micro-batches run apart and
+    """How each 0-d output adds up over micro-batches, from the micro-batches run apart and
     together: ``"mean"`` when the joint value is the parts' mean weighted by samples (a
     per-sample mean loss; also a value that does not depend on the batch), else ``"sum"`` when
     it is their sum (a count, a token sum over a fixed normaliser).
 
     Args:
-        parts: ``[2][outputs]`` micro-batches 0 and 1's flat outputs.
-        joint: ``[outputs]`` the flat outputs of both run as one micro-batch.
-        sizes: ``[2]`` their samples.
+        parts: ``[k][outputs]`` the micro-batches' flat outputs.
+        joint: ``[outputs]`` the flat outputs of all ``k`` run as one micro-batch.
+        sizes: ``[k]`` their samples.
         indices: The 0-d outputs to classify (:func:`scalar_outputs`).
 
     Returns:
@@ -363,33 +375,35 @@ def scalar_reductions(parts: Sequence[Sequence[Any]], joint: Sequence[Any], size
 
     Raises:
         ConfigError: for an output that is neither (a token mean that skips padding, whose
-            micro-batches count different tokens), naming the three values and the fix.
+            micro-batches count different tokens), naming the values and the fix.
     """
-    n0, n1 = sizes
+    total = sum(sizes)
     rules = {}
     for j in indices:
-        a, b, got = (float(x[j]) for x in (parts[0], parts[1], joint))
+        values = [float(x[j]) for x in parts]
+        got = float(joint[j])
         dtype = joint[j].dtype
         rtol = max(1e-5, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
-        mean, total = (n0 * a + n1 * b) / (n0 + n1), a + b
+        mean, added = sum(n * v for n, v in zip(sizes, values, strict=True)) / total, sum(values)
 
         def close(x: float, got: float = got, rtol: float = rtol) -> bool:
             return abs(got - x) <= rtol * max(abs(got), abs(x)) + (1e-12 if rtol else 0.0)
 
         if close(mean) and dtype != torch.bool:
             rules[j] = "mean"
-        elif close(total) and dtype != torch.bool:
+        elif close(added) and dtype != torch.bool:
             rules[j] = "sum"
-        elif a == b == got:
+        elif all(v == got for v in values):
             rules[j] = "same"
         else:
+            shown = ", ".join(f"{v:.6g} ({n} samples)" for v, n in list(zip(values, sizes, strict=True))[:4])
             raise ConfigError(
                 f"output {j} of the model is 0-d and neither the mean nor the sum of its micro-batches' values: "
-                f"{a:.6g} on micro-batch 0 ({n0} samples), {b:.6g} on micro-batch 1 ({n1}), {got:.6g} on both "
-                f"together (mean by samples {mean:.6g}, sum {total:.6g}). It is normalised by something other than "
-                "the samples (e.g. a model's own token-mean loss over uneven padding), so no weighting of the "
-                "micro-batches gives the model's value. Compute the loss in loss_fn from per-sample outputs, "
-                "normalised by the samples or a fixed count, or run with microbatches=1")
+                f"{shown}{', ...' if len(values) > 4 else ''} apart, {got:.6g} all together (mean by samples "
+                f"{mean:.6g}, sum {added:.6g}). It is normalised by something other than the samples (e.g. a model's "
+                "own token-mean loss over uneven padding), so no weighting of the micro-batches gives the model's "
+                "value. Compute the loss in loss_fn from per-sample outputs, normalised by the samples or a fixed "
+                "count, or run with microbatches=1")
     return rules
 
 
