@@ -556,8 +556,12 @@ def _functionalize_view_writes(gm: torch.fx.GraphModule) -> int:
         if not writes_in_place(node):
             continue
         found = _views_to_base(node.args[0])
-        if found is None:
-            continue  # through a view it cannot invert
+        if found is None:  # through a view it cannot invert: say where, the split may separate its readers
+            log.warning("%s writes in place through a view fxsplit cannot rewrite (%s); if the plan puts it and a later "
+                        "reader of that tensor in different stages, the reader gets the value before the write. Write "
+                        "the value functionally (torch.where, index_put, slice_scatter) to be safe; at: %s",
+                        node.name, node.format_node(), (node.meta.get("stack_trace") or "?").strip().splitlines()[-1])
+            continue
         chain, base = found
         twin = _aten.copy.default if node.target is _aten.copy_.default else _functional_twin(node.target)
         if base.op in ("get_attr", "placeholder") or writes_in_place(base) or twin is None:

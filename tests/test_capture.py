@@ -403,3 +403,19 @@ def test_writes_through_views_train_like_the_model_over_many_stages() -> None:
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, msg=name)
     assert torch.equal(pipe(x, ids)[1], ref(x, ids)[1])
+
+
+def test_a_write_through_a_reshaped_view_is_named_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """A write fxsplit cannot rewrite (through ``view``) is left as it was, and the capture says
+    where: a split could separate it from its readers."""
+
+    class Reshaped(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            buf = torch.tanh(x).new_zeros(x.shape)
+            buf.view(-1)[:3] = 1.0
+            return buf + x
+
+    with caplog.at_level("WARNING", logger="fxsplit.passes.capture"):
+        cap = capture(Reshaped(), (torch.randn(4, 6),))
+    assert "writes in place through a view fxsplit cannot rewrite" in caplog.text
+    torch.testing.assert_close(cap.gm(*cap.flatten_inputs((torch.ones(4, 6),), {}))[0], Reshaped()(torch.ones(4, 6)))
