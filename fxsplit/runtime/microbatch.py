@@ -257,14 +257,13 @@ def check_loss_pair(
              for i in range(len(leaves[0]))], spec)
         got = float(loss_fn(unflatten(both), target))
         losses = [float(loss_fn(unflatten(mb), t)) for mb, t in zip(outs, targets, strict=True)]
-    total = sum(sizes)
-    expected = (sum(n * v for n, v in zip(sizes, losses, strict=True)) / total if kind == "mean" else sum(losses))
+    mean, added, shown = _by_samples(losses, sizes)
+    expected = mean if kind == "mean" else added
     if abs(got - expected) > 1e-5 * max(abs(got), abs(expected)) + 1e-9:
-        parts = ", ".join(f"{v:.6g} on {n}" for v, n in list(zip(losses, sizes, strict=True))[:4])
         raise ConfigError(
             f"loss_fn over {which} together gives {got:.6g}, but the pipeline would count "
             f"{expected:.6g} ({'their losses weighted by samples' if kind == 'mean' else 'their sum'}: "
-            f"{parts}{', ...' if len(losses) > 4 else ''} samples): the loss is normalised by something "
+            f"{shown}): the loss is normalised by something "
             "other than the samples (e.g. the tokens that cross_entropy does not ignore, or a model's own token-mean "
             "loss), so the micro-batched step would train on another loss. Make it a per-sample mean or a sum "
             "(e.g. the token sum divided by a fixed count), or run with microbatches=1")
@@ -377,14 +376,13 @@ def scalar_reductions(parts: Sequence[Sequence[Any]], joint: Sequence[Any], size
         ConfigError: for an output that is neither (a token mean that skips padding, whose
             micro-batches count different tokens), naming the values and the fix.
     """
-    total = sum(sizes)
     rules = {}
     for j in indices:
         values = [float(x[j]) for x in parts]
         got = float(joint[j])
         dtype = joint[j].dtype
         rtol = max(1e-5, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
-        mean, added = sum(n * v for n, v in zip(sizes, values, strict=True)) / total, sum(values)
+        mean, added, shown = _by_samples(values, sizes)
 
         def close(x: float, got: float = got, rtol: float = rtol) -> bool:
             return abs(got - x) <= rtol * max(abs(got), abs(x)) + (1e-12 if rtol else 0.0)
@@ -396,10 +394,9 @@ def scalar_reductions(parts: Sequence[Sequence[Any]], joint: Sequence[Any], size
         elif all(v == got for v in values):
             rules[j] = "same"
         else:
-            shown = ", ".join(f"{v:.6g} ({n} samples)" for v, n in list(zip(values, sizes, strict=True))[:4])
             raise ConfigError(
                 f"output {j} of the model is 0-d and neither the mean nor the sum of its micro-batches' values: "
-                f"{shown}{', ...' if len(values) > 4 else ''} apart, {got:.6g} all together (mean by samples "
+                f"{shown} apart, {got:.6g} all together (mean by samples "
                 f"{mean:.6g}, sum {added:.6g}). It is normalised by something other than the samples (e.g. a model's "
                 "own token-mean loss over uneven padding), so no weighting of the micro-batches gives the model's "
                 "value. Compute the loss in loss_fn from per-sample outputs, normalised by the samples or a fixed "
@@ -458,6 +455,14 @@ def _same_value(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - a value whose == is not a truth value: not provably the same
         return a is b
+
+
+def _by_samples(values: Sequence[float], sizes: Sequence[int]) -> tuple[float, float, str]:
+    """The micro-batches' ``values`` weighted by their samples ``sizes``, their sum, and the first
+    four as text for a message."""
+    pairs = list(zip(values, sizes, strict=True))
+    shown = ", ".join(f"{v:.6g} on {n} samples" for v, n in pairs[:4]) + (", ..." if len(pairs) > 4 else "")
+    return sum(n * v for v, n in pairs) / sum(sizes), sum(values), shown
 
 
 def _brief(value: Any) -> str:
