@@ -296,7 +296,7 @@ class Pipeline(ParameterAPI):
         """
         if self.bn_tracker is not None:
             raise ConfigError(
-                "the model returns a 0-d output (its own loss?) that must be checked by running micro-batches 0 and 1 "
+                "the model returns a 0-d output (its own loss?) that must be checked by running its micro-batches "
                 "together, and it updates buffers once per step (BatchNorm statistics), which that run would change. "
                 "Return per-sample outputs and reduce them in loss_fn, or run with microbatches=1")
         joined = [column[0] if all(x is column[0] for x in column) else torch.cat([x.to(column[0].device) for x in column])
