@@ -117,8 +117,9 @@ class _Step:
     reduction: str = "unknown"
     # the loss checks (check_loss_pair): the last micro-batch's outputs, detached, and the pairs
     # of consecutive micro-batches to check between actions; whether the model has 0-d outputs
-    kept: tuple[int, list[Any]] | None = None
-    pending: list[tuple[int, list[Any], list[Any]]] = field(default_factory=list)
+    kept: tuple[int, list[Any], torch.Tensor] | None = None
+    pending: list[tuple[int, tuple[list[Any], list[Any]], tuple[torch.Tensor, torch.Tensor]]] = field(
+        default_factory=list)
     scalars: bool = False
     scale: Callable[[torch.Tensor], torch.Tensor] | None = None  # a GradScaler's scale(): fp16 loss scaling
 
@@ -446,8 +447,8 @@ class Pipeline(ParameterAPI):
                     else:
                         now = [x.detach() if isinstance(x, torch.Tensor) else x for x in outputs]
                         if step.kept is not None and step.kept[0] == i - 1:
-                            step.pending.append((i - 1, step.kept[1], now))
-                        step.kept = (i, now)
+                            step.pending.append((i - 1, (step.kept[1], now), (step.kept[2], loss.detach())))
+                        step.kept = (i, now, loss.detach())
             except ConfigError:
                 raise
             except Exception as exc:
@@ -463,9 +464,11 @@ class Pipeline(ParameterAPI):
         (:func:`~fxsplit.runtime.microbatch.check_loss_pair`; all pairs passing means the whole
         batch does); at most two micro-batches' outputs are kept for it."""
         while step.pending:
-            i, a, b = step.pending.pop(0)
-            check_loss_pair(step.loss_fn, [a, b], step.targets[i:i + 2], step.sizes[i:i + 2], step.reduction,
-                            self.batched_outputs, self._unflatten, self._target_dim, first=i)
+            i, outputs, losses = step.pending.pop(0)
+            same = self.autocast is None and all(x.dtype == torch.float32 for x in losses)  # as the check computes
+            check_loss_pair(step.loss_fn, outputs, step.targets[i:i + 2], step.sizes[i:i + 2], step.reduction,
+                            self.batched_outputs, self._unflatten, self._target_dim, first=i,
+                            losses=[float(x) for x in losses] if same else None)
 
     def _check_together(self, step: _Step) -> None:
         """After the step of a model with 0-d outputs (its own loss): all its micro-batches run

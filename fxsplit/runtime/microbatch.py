@@ -191,7 +191,7 @@ def loss_reduction(
 def check_loss_pair(
     loss_fn: Any, outputs: Sequence[Sequence[Any]], targets: Sequence[Any], sizes: Sequence[int], kind: str,
     batched: Sequence[bool] | None, unflatten: Any, target_dim: int = 0, joint: Sequence[Any] | None = None,
-    first: int = 0,
+    first: int = 0, losses: Sequence[float] | None = None,
 ) -> None:
     """Check that the loss of consecutive micro-batches together is what the pipeline adds up
     from their losses: ``sum(n_i L_i) / sum(n_i)`` for a mean, ``sum(L_i)`` for a sum.
@@ -218,6 +218,8 @@ def check_loss_pair(
             not the concatenation of anything). None: the outputs are joined, batched ones
             concatenated, the others taken from the first when all have the same value.
         first: The index of the first of them in the step, for the message.
+        losses: ``[k]`` their losses as the step computed them, when it did so in float32
+            without autocast (the values the check would compute again); None: computed here.
 
     Raises:
         ConfigError: naming the values and the fix when they differ by more than rounding; and
@@ -256,7 +258,8 @@ def check_loss_pair(
              if (d := target_batch_dim(leaves[0][i], sizes[0], target_dim)) is not None else leaves[0][i]
              for i in range(len(leaves[0]))], spec)
         got = float(loss_fn(unflatten(both), target))
-        losses = [float(loss_fn(unflatten(mb), t)) for mb, t in zip(outs, targets, strict=True)]
+        if losses is None:
+            losses = [float(loss_fn(unflatten(mb), t)) for mb, t in zip(outs, targets, strict=True)]
     mean, added, shown = _by_samples(losses, sizes)
     expected = mean if kind == "mean" else added
     if abs(got - expected) > 1e-5 * max(abs(got), abs(expected)) + 1e-9:
