@@ -253,7 +253,6 @@ def _capture_export(
             gm.graph.erase_node(node)
     _drop_dtype_asserts(gm)
     _functionalize_view_writes(gm)
-    _functionalize_activations(gm)
     _drop_self_copies(gm)
     gm._forward_pre_hooks.clear()  # export's input-spec check; we call the graph flat
     gm.graph._codegen = torch.fx.graph.CodeGen()
@@ -451,30 +450,6 @@ def _functional_twin(target: Any) -> Any:
     return getattr(base, target._overloadname, None) if base is not None else None
 
 
-def _functionalize_activations(gm: torch.fx.GraphModule) -> int:
-    """Replace in-place ops on activations (``relu_``, ``add_``) by their functional twins.
-
-    Export keeps in-place ops and points later readers at the op's result, but readers that ran
-    *before* the mutation still name the old value: once stages are split, such a reader may
-    run after the mutation (and a value received from another stage is a leaf that autograd
-    forbids mutating). Ops that mutate parameters or buffers (BatchNorm's counter), the model's
-    inputs (a side effect the caller sees) or a view (whose base must change too) are kept.
-    """
-    changed = 0
-    for node in gm.graph.nodes:
-        root = node.args[0] if writes_in_place(node) else None
-        if not isinstance(root, torch.fx.Node):
-            continue
-        root_schema = getattr(root.target, "_schema", None)
-        writes_view = root_schema is not None and root_schema.returns and root_schema.returns[0].alias_info is not None
-        twin = _functional_twin(node.target)
-        if root.op in ("get_attr", "placeholder") or writes_view or twin is None:
-            continue
-        node.target = twin
-        changed += 1
-    return changed
-
-
 _aten = torch.ops.aten
 _INVERTED_VIEWS = {_aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.alias.default}
 _SCATTERED_VIEWS = {_aten.slice.Tensor: _aten.slice_scatter.default, _aten.select.int: _aten.select_scatter.default,
@@ -531,6 +506,11 @@ def _put_back(graph: torch.fx.Graph, view: Any, base: Any, value: Any) -> Any:
 
 def _functionalize_view_writes(gm: torch.fx.GraphModule) -> int:
     """Rewrite in-place writes into activations, also through views, as functional ops.
+
+    Export keeps in-place ops (``relu_``, ``add_``, ``copy_``) and points later readers at the
+    op's result, but readers that ran *before* the mutation still name the old value: once
+    stages are split, such a reader may run after the mutation (and a value received from
+    another stage is a leaf that autograd forbids mutating).
 
     ``shifted = labels.new_zeros(...); shifted[:, 1:] = labels[:, :-1]`` is exported as
     ``copy_(slice(shifted), ...)``: the write reaches ``shifted`` through the view, and the later
