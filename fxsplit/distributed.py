@@ -227,25 +227,14 @@ def _same_draws(replicas: Any, device: torch.device) -> Iterator[None]:
 def tp_chunks(gm: torch.fx.GraphModule, layout: Mapping[str, Any], index: int, count: int, *,
               keep_whole: set[str] | frozenset[str] = frozenset()) -> dict[str, tuple[int, int, int]]:
     """The state tensors of the stage ``gm`` that the per-layer plan ``layout`` splits
-    (``Shard(d)`` on their ``get_attr`` node, as :class:`~fxsplit.runtime.tensor_parallel.ParallelGraph`
-    reads it): ``get_attr`` target -> ``(d, index, count)``, the chunk this tensor-parallel rank
+    (``Shard(d)``, :func:`~fxsplit.runtime.tensor_parallel.attr_placements`, as
+    :class:`~fxsplit.runtime.tensor_parallel.ParallelGraph` holds them): ``get_attr`` target -> ``(d, index, count)``, the chunk this tensor-parallel rank
     holds (:func:`~fxsplit.runtime.dist_state.materialise`'s ``shards``). ``keep_whole``: targets
     left whole (a tied weight: its copies in other stages may be split otherwise)."""
-    from fxsplit.runtime.tensor_parallel import placement_of
+    from fxsplit.runtime.tensor_parallel import attr_placements
 
-    out: dict[str, tuple[int, int, int]] = {}
-    seen: set[str] = set()
-    for node in gm.graph.find_nodes(op="get_attr"):
-        target = str(node.target)
-        if target in seen:
-            continue
-        seen.add(target)
-        if target in keep_whole or node.name not in layout:
-            continue
-        want = placement_of(layout[node.name].output)
-        if want is not None and want.is_shard() and want.dim >= 0:
-            out[target] = (want.dim, index, count)
-    return out
+    return {target: (want.dim, index, count) for target, want in attr_placements(gm, layout).items()
+            if target not in keep_whole and want is not None and want.is_shard() and want.dim >= 0}
 
 
 def _choose_mesh(model_fn: Callable[[], nn.Module], args: tuple, kwargs: dict, world: int,

@@ -48,7 +48,8 @@ from fxsplit.errors import ConfigError
 from fxsplit.passes.parallel_strategies import NodeLayout
 from fxsplit.runtime.state import ParameterAPI, grad_norm
 
-__all__ = ["LayersCalibration", "ParallelGraph", "ParallelPlan", "placement_of", "same_on_every_rank", "shard_stage"]
+__all__ = ["LayersCalibration", "ParallelGraph", "ParallelPlan", "attr_placements", "placement_of", "same_on_every_rank",
+           "shard_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -195,20 +196,19 @@ class ParallelGraph(ParameterAPI):
         self.replanner: Callable[[float], tuple[Mapping[str, NodeLayout], Sequence[str], ParallelPlan]] | None = None
         """Set by :func:`fxsplit.distributed.parallelize`: the plan again for a dispatch overhead
         (collective), for :meth:`calibrate`."""
-        for node in gm.graph.find_nodes(op="get_attr"):
-            tensor = _attr(gm, str(node.target))
-            if not isinstance(tensor, torch.Tensor) or node.target in self.values:
+        for target, want in attr_placements(gm, self.layout).items():
+            tensor = _attr(gm, target)
+            if not isinstance(tensor, torch.Tensor):
                 continue
-            want = placement_of(self.layout[node.name].output) if node.name in self.layout else None
             value: torch.Tensor
-            if local and str(node.target) in local and want is not None:  # this rank's chunk since materialised
-                shape = torch.Size(local[str(node.target)])
+            if local and target in local and want is not None:  # this rank's chunk since materialised
+                shape = torch.Size(local[target])
                 value = DTensor.from_local(tensor.detach(), mesh, [want], run_check=False, shape=shape,
                                            stride=torch.empty(shape, device="meta").stride())
             else:
                 value = tensor.detach() if want is None or want.is_replicate() else distribute_tensor(
                     tensor.detach(), mesh, [want], src_data_rank=None)  # a replica: a plain tensor, whole
-            self.values[str(node.target)] = nn.Parameter(value) if node.target in trainable else value
+            self.values[target] = nn.Parameter(value) if target in trainable else value
 
     # -- running -----------------------------------------------------------------------------
     def run_flat(self, flat: Sequence[Any], *, check: bool = True) -> list[Any]:
@@ -375,6 +375,18 @@ class ParallelGraph(ParameterAPI):
 
         return {name: placement_name(value._spec) if hasattr(value, "_spec") else "R"
                 for name, value in self.named_parameters()}
+
+
+def attr_placements(gm: torch.fx.GraphModule, layout: Mapping[str, NodeLayout]) -> dict[str, Any]:
+    """Each ``get_attr`` target of ``gm`` -> the placement ``layout`` gives its first
+    ``get_attr`` node (:func:`placement_of`; None where the layout names none): how
+    :class:`ParallelGraph` holds that tensor, and so the chunk a rank materialises of it."""
+    out: dict[str, Any] = {}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        target = str(node.target)
+        if target not in out:
+            out[target] = placement_of(layout[node.name].output) if node.name in layout else None
+    return out
 
 
 def shard_stage(gm: torch.fx.GraphModule, layout: Mapping[str, NodeLayout], mesh: Any, *,
