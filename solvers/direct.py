@@ -29,13 +29,20 @@ import numpy as np
 from fxsplit.errors import SolverError
 from fxsplit.ir.graph import CondensedGraph
 
-__all__ = ["DirectPairs", "FlippedDirectPairs"]
+__all__ = ["DirectPairs", "FlippedDirectPairs", "dp_table_fits"]
 
 #: Downsets up to which the bilinear term is tabulated for all pairs (``D x D`` float64: 134 MB);
 #: above, each pair's term is a row product (slower, ``D x n`` floats).
 FULL_TABLE_DOWNSETS = 4096
 #: ``D x n`` floats above which direct transfers are refused for the DP.
 MAX_ROW_TABLE = 40_000_000
+
+
+def dp_table_fits(downsets: int, blocks: int) -> bool:
+    """Whether :meth:`DirectPairs.of` builds its table for ``downsets`` downsets of ``blocks``
+    blocks: the whole ``D x D`` table (up to :data:`FULL_TABLE_DOWNSETS`), or ``D x n`` rows up
+    to :data:`MAX_ROW_TABLE` floats."""
+    return downsets <= FULL_TABLE_DOWNSETS or downsets * blocks <= MAX_ROW_TABLE
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,9 @@ class DirectPairs:
             SolverError: when ``D x n`` exceeds :data:`MAX_ROW_TABLE` (use CP-SAT).
         """
         num, n = member.shape
+        if not dp_table_fits(num, n):
+            raise SolverError(f"dp: {num} downsets x {n} blocks is too large a table for direct transfers; use "
+                              "solver='cpsat'")
         pair = np.zeros((n, n))
         pairs, many = graph.direct_groups()
         for (sender, reader), size in pairs.items():
@@ -81,11 +91,8 @@ class DirectPairs:
         full, rows, kept = None, np.zeros((0, 0)), np.zeros((0, 0))
         if num <= FULL_TABLE_DOWNSETS:
             full = 2.0 * (mf @ sym) @ mf.T
-        elif num * n <= MAX_ROW_TABLE:
-            rows, kept = 2.0 * (mf @ sym), mf
         else:
-            raise SolverError(f"dp: {num} downsets x {n} blocks is too large a table for direct transfers; use "
-                              "solver='cpsat'")
+            rows, kept = 2.0 * (mf @ sym), mf
         src = np.array([a for a, _, _ in many], dtype=np.int64)
         incidence = np.zeros((n, len(many)))
         for g, (_, rs, _) in enumerate(many):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from fxsplit.errors import SolverError
 from fxsplit.ir.downsets import DEFAULT_MAX_DOWNSETS, DownsetBudgetError, enumerate_downsets
 from fxsplit.ir.problem import Problem
-from fxsplit.solvers.direct import MAX_ROW_TABLE
+from fxsplit.solvers.direct import dp_table_fits
 from fxsplit.solvers.layout import build_layout, stage_counts
 
 __all__ = ["DPEstimate", "MAKESPAN_RUNS", "estimate_dp"]
@@ -40,7 +40,7 @@ class DPEstimate:
 
     Attributes:
         downsets: ``D``; ``None`` when more than the budget, or more than direct transfers' tables
-            allow (:data:`~fxsplit.solvers.direct.MAX_ROW_TABLE`): the DP refuses.
+            allow (:func:`~fxsplit.solvers.direct.dp_table_fits`): the DP refuses.
         pairs: ``P``, downset pairs compared (upper bound).
         moves, signatures: ``M`` and ``G`` of the layout.
         runs: DP runs for the objective.
@@ -82,7 +82,7 @@ def estimate_dp(problem: Problem, max_downsets: int | None = DEFAULT_MAX_DOWNSET
         masks = enumerate_downsets(problem.graph, max_count=max_downsets)
     except DownsetBudgetError:
         return DPEstimate(None)
-    if problem.graph.direct and len(masks) * len(problem.graph) > MAX_ROW_TABLE:
+    if problem.graph.direct and not dp_table_fits(len(masks), len(problem.graph)):
         return DPEstimate(None)  # the DP refuses direct transfers' tables this large (solvers.direct)
     per_size: dict[int, int] = {}
     for mask in masks:

@@ -285,7 +285,6 @@ def test_an_acyclic_tarnawski_file_loads_without_networkx(tmp_path: Path) -> Non
 
 
 def test_auto_leaves_direct_transfers_to_cpsat_where_the_dp_table_is_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
-    import fxsplit.solvers.estimate as estimate_module
     from fxsplit.errors import SolverError
 
     g = CondensedGraph.chain([1.0, 2.0, 3.0, 1.0])
@@ -295,7 +294,6 @@ def test_auto_leaves_direct_transfers_to_cpsat_where_the_dp_table_is_too_large(m
     expected = solve(pb, "dp").objective_s
     monkeypatch.setattr(direct_module, "MAX_ROW_TABLE", 4)
     monkeypatch.setattr(direct_module, "FULL_TABLE_DOWNSETS", 0)
-    monkeypatch.setattr(estimate_module, "MAX_ROW_TABLE", 4)
     with pytest.raises(SolverError, match="too large a table for direct transfers"):
         solve(pb, "dp")
     plan = solve(pb, "auto")
