@@ -56,6 +56,7 @@ def worker(rank: int, port: int, queue: Any, variant: str, folder: str) -> None:
     import torch
     import torch.distributed as dist
 
+    import fxsplit.dist_build
     import fxsplit.distributed as fxd
     from fxsplit.api import CompileOptions
     from fxsplit.ir import LinkSpec
@@ -70,7 +71,7 @@ def worker(rank: int, port: int, queue: Any, variant: str, folder: str) -> None:
             torch.save(state, path)
             state = path
     if "whole stage first" in variant:
-        fxd.tp_chunks = lambda *a, **k: {}  # type: ignore[assignment]  # materialise every tensor whole
+        fxsplit.dist_build.tp_chunks = lambda *a, **k: {}  # type: ignore[assignment]  # materialise every tensor whole
     x = torch.randn(8, WIDTH)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS

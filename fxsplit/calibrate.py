@@ -226,8 +226,10 @@ def fit_link_latency(problem: Problem, stages: Sequence[Sequence[int]], devices:
 
     Returns:
         ``(problem, added seconds)``; the added seconds are negative when the probe's latency
-        was more than the step shows.
+        was more than the step shows, and 0 for a one-stage plan (no message to charge).
     """
+    if len(stages) < 2:
+        return problem, 0.0
     def predicted(extra: float) -> float:
         pb = per_microbatch(problem.with_latency_added(extra), microbatches, kind)
         return plan_step_s(evaluate(pb, stages, devices))  # simulated for looped and zero-bubble schedules

@@ -605,5 +605,6 @@ def assemble(
         device_names=[specs[st.device].name for st in plan.stages], training=model.training,
         executor=options.executor, bn_tracker=tracker,
         batched_inputs=captured.batched_inputs, batched_outputs=captured.batched_outputs, layout=captured.layout,
-        autocast=autocast_dtype(options.autocast),
+        autocast=autocast_dtype(options.autocast), input_guards=captured.guards,
+        size_outputs=captured.size_output_values if captured.size_outputs else None,
     )

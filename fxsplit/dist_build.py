@@ -28,7 +28,8 @@ from fxsplit.runtime.distributed import DistributedPipeline, RankStage, Replicas
 from fxsplit.runtime.microbatch import batch_size_of, microbatch_sizes
 from fxsplit.runtime.tensor_parallel import shard_stage
 
-__all__ = ["batched_flags", "broadcast_tied", "build_pipeline", "rank_stages", "to_meta", "tied_groups"]
+__all__ = ["batched_flags", "broadcast_tied", "build_pipeline", "rank_chunks", "rank_stages", "tied_groups", "tied_holders",
+           "to_meta", "tp_chunks"]
 
 P = TypeVar("P", bound=DistributedPipeline)
 
@@ -95,17 +96,10 @@ def tied_groups(program: Any, world: int, replicas: int = 1, tp: int = 1) -> lis
     """The tensors read by several stages that this rank holds a copy of; one subgroup per
     tensor held on several ranks (per replica and shard of the pipeline, :func:`replica_groups`),
     created on every rank in name order (``new_group`` is collective)."""
-    holders: dict[str, list[int]] = {}
-    for st in program.stages:
-        for name in st.state:
-            tensor = get_state(st.gm, name)
-            if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:  # buffers need no sum
-                holders.setdefault(name, []).append(st.index)
     groups = []
     pp = world // (replicas * tp)
+    holders = tied_holders(program)
     for name in sorted(holders):
-        if len(holders[name]) < 2:
-            continue
         for d in range(replicas):
             for t in range(tp):
                 ranks = tuple(sorted({(rank_of(s, pp) * replicas + d) * tp + t for s in holders[name]}))
@@ -113,6 +107,45 @@ def tied_groups(program: Any, world: int, replicas: int = 1, tp: int = 1) -> lis
                 if dist.get_rank() in ranks:
                     groups.append(TiedGroup(name, ranks, group))
     return groups
+
+
+def tied_holders(program: Any) -> dict[str, list[int]]:
+    """Graph name -> the stages (indices) of ``program`` that read it, for every trainable
+    parameter read by more than one stage (a tied weight: its copies' gradients are summed;
+    buffers need no sum)."""
+    holders: dict[str, list[int]] = {}
+    for st in program.stages:
+        for name in st.state:
+            tensor = get_state(st.gm, name)
+            if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+                holders.setdefault(name, []).append(st.index)
+    return {name: stages for name, stages in holders.items() if len(stages) > 1}
+
+
+def tp_chunks(gm: torch.fx.GraphModule, layout: Mapping[str, Any], index: int, count: int, *,
+              keep_whole: set[str] | frozenset[str] = frozenset()) -> dict[str, tuple[int, int, int]]:
+    """The state tensors of the stage ``gm`` that the per-layer plan ``layout`` splits
+    (``Shard(d)``, :func:`~fxsplit.runtime.tensor_parallel.attr_placements`, as
+    :class:`~fxsplit.runtime.tensor_parallel.ParallelGraph` holds them): ``get_attr`` target -> ``(d, index, count)``, the chunk this tensor-parallel rank
+    holds (:func:`~fxsplit.runtime.dist_state.materialise`'s ``shards``). ``keep_whole``: targets
+    left whole (a tied weight: its copies in other stages may be split otherwise)."""
+    from fxsplit.runtime.tensor_parallel import attr_placements
+
+    return {target: (want.dim, index, count) for target, want in attr_placements(gm, layout).items()
+            if target not in keep_whole and want is not None and want.is_shard() and want.dim >= 0}
+
+
+def rank_chunks(stages: Sequence[Any], layout: Mapping[str, Any], index: int, count: int,
+                tied: set[str] | frozenset[str]) -> dict[int, dict[str, tuple[int, int, int]]]:
+    """Stage index -> :func:`tp_chunks` of each of one rank's ``stages`` (``fxsplit.codegen``
+    stages): what tensor-parallel rank ``index`` of ``count`` holds as its chunk. A tensor in
+    ``tied`` (read by several stages) or held by two of these stages stays whole."""
+    out = {}
+    for stage in stages:
+        shared = set(tied) | {g for other in stages if other is not stage for g in other.state}
+        out[stage.index] = {g: c for g, c in tp_chunks(stage.gm, layout, index, count, keep_whole=shared).items()
+                            if g in stage.state}
+    return out
 
 
 def broadcast_tied(stages: Sequence[Any], tied: list[TiedGroup]) -> None:
@@ -177,4 +210,5 @@ def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inpu
         microbatches=m, in_spec=captured.in_spec, out_spec=captured.out_spec, tied=tied,
         state_order=state_order, plan=plan, autocast=autocast, meta=meta, timeout_s=timeout_s, watchdog=watchdog,
         batched_inputs=batched, batched_outputs=captured.batched_outputs, layout=captured.layout, replicas=replicas,
+        input_guards=captured.guards, size_outputs=captured.size_output_values if captured.size_outputs else None,
     )

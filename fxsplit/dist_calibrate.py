@@ -42,13 +42,13 @@ from fxsplit.calibrate import (
     stage_rows,
 )
 from fxsplit.codegen import split_graph
-from fxsplit.dist_build import build_pipeline, rank_stages, tied_groups
+from fxsplit.dist_build import build_pipeline, rank_chunks, rank_stages, tied_groups, tied_holders
 from fxsplit.errors import ConfigError, PlanError
 from fxsplit.ir import Plan, Problem, evaluate
 from fxsplit.options import CompileOptions
 from fxsplit.passes.measure import gc_paused
 from fxsplit.runtime.dist_state import StageState, get_tensor, materialise
-from fxsplit.runtime.distributed import DistributedPipeline, from_rank0
+from fxsplit.runtime.distributed import DistributedPipeline, _local, from_rank0
 from fxsplit.runtime.trace import barrier_timed_s
 from fxsplit.schedule import plan_step_s, with_loss
 
@@ -72,6 +72,8 @@ class DistContext:
         batch: Samples in the example batch.
         solver: The solver rank 0 runs.
         options: The ``CompileOptions``.
+        split_layout: ``(layout, fallback)``, the per-layer plan every tensor-parallel stage runs
+            (:func:`~fxsplit.runtime.dist_build.build_pipeline`); None without tensor parallelism.
     """
 
     model_fn: Callable[[], nn.Module]
@@ -82,51 +84,141 @@ class DistContext:
     batch: int
     solver: str
     options: CompileOptions
+    split_layout: tuple[Mapping[str, Any], Sequence[str]] | None = None
 
 
-def exchange_state(modules: Sequence[nn.Module], old: Sequence[Sequence[str]], new: Sequence[Sequence[str]],
-                   like: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    """The tensors of this rank's new stages, each taken from this rank's old stages or received
-    from the first rank whose old stages held it; collective.
+@dataclass(frozen=True)
+class Held:
+    """What one rank holds of one stage tensor: its local ``shape`` and, for a tensor-parallel
+    shard, ``chunk = (dim, index, count)`` (:func:`~fxsplit.runtime.dist_state.chunk_bounds`);
+    ``chunk`` None: the whole tensor."""
 
-    For every graph state name in sorted order, the first old holder sends it to each new
-    holder that did not hold it, with blocking ``send``/``recv``: every rank walks the same global
-    order, so each transfer's two ranks meet once both have finished the earlier ones.
+    shape: tuple[int, ...]
+    chunk: tuple[int, int, int] | None = None
+
+    def covers(self, need: tuple[int, int, int] | None) -> bool:
+        """True when this piece alone gives what a stage needs (``need``: a chunk, or None for
+        the whole tensor): the whole tensor covers any chunk of it."""
+        return self.chunk is None or self.chunk == need
+
+
+Pieces = list[tuple[int, Held]]
+"""Where a rank's new tensor comes from: ``(rank, piece)`` pairs, the rank itself for what it
+holds; one piece, or every chunk of the tensor in chunk order (joined on the chunks' dim)."""
+
+
+def transfer_plan(old: Sequence[Mapping[str, Held]], new: Sequence[Mapping[str, tuple[int, int, int] | None]],
+                  pipeline_of: Callable[[int], int]) -> list[tuple[str, int, Pieces]]:
+    """For every tensor and every rank whose new stages hold it (name, then rank order): the
+    pieces it takes, and from which rank; the same list on every rank (no communication).
+
+    A rank keeps what it holds when that covers what it needs (:meth:`Held.covers`); else it
+    takes one covering piece from a rank of its own pipeline (the ``[pp, dp, tp]`` mesh's
+    pipeline ``pipeline_of(rank)``: the same replica and shard, so a replica keeps its own
+    buffers), else from the lowest such rank; else (a whole tensor wanted where only shards are
+    held) every chunk, each from the lowest rank holding it.
+
+    Args:
+        old: ``[world]``: graph name -> what each rank's old stages hold.
+        new: ``[world]``: graph name -> the chunk each rank's new stages hold (None: whole).
+        pipeline_of: Rank -> the index of the pipeline it belongs to.
+
+    Raises:
+        PlanError: when a tensor of the new plan is held by no rank, or not all its chunks are.
+    """
+    world = len(old)
+    out: list[tuple[str, int, Pieces]] = []
+    for name in sorted({g for names in new for g in names}):
+        holders = [r for r in range(world) if name in old[r]]
+        if not holders:
+            raise PlanError(f"stage state {name!r} of the new plan is held by no stage of the old one; "
+                            "the two plans were not cut from the same capture")
+        for rank in (r for r in range(world) if name in new[r]):
+            need = new[rank][name]
+            if name in old[rank] and old[rank][name].covers(need):
+                out.append((name, rank, [(rank, old[rank][name])]))
+                continue
+            home = pipeline_of(rank)
+            covering = sorted((r for r in holders if old[r][name].covers(need)),
+                              key=lambda r: (pipeline_of(r) != home, r))
+            if covering:
+                out.append((name, rank, [(covering[0], old[covering[0]][name])]))
+                continue
+            chunks: dict[Any, int] = {old[r][name].chunk: r for r in reversed(holders)}  # the lowest holder of each chunk
+            first = old[holders[0]][name].chunk
+            assert first is not None  # (internal: nothing whole is held, or it would cover)
+            dim, _, count = first
+            wanted = [(dim, i, count) for i in range(count)]
+            if any(c not in chunks for c in wanted):
+                raise PlanError(f"stage state {name!r}: ranks {holders} hold chunks {sorted(c[1] for c in chunks)} of it, not all "
+                                f"{count}; the old stages cannot give it whole")
+            out.append((name, rank, [(chunks[c], old[chunks[c]][name]) for c in wanted]))
+    return out
+
+
+def exchange_state(modules: Sequence[nn.Module], old: Sequence[Mapping[str, Held]],
+                   new: Sequence[Mapping[str, tuple[int, int, int] | None]], like: nn.Module, device: torch.device,
+                   pipeline_of: Callable[[int], int] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of this rank's new stages, each kept from this rank's old stages or received
+    from the ranks :func:`transfer_plan` names; collective.
+
+    Every rank walks the plan's transfers in one global order with blocking ``send``/``recv``,
+    so each transfer's two ranks meet once both have finished the earlier ones. A tensor-
+    parallel shard travels as the rank's local chunk; chunks joined make a whole tensor.
 
     Args:
         modules: This rank's old stage GraphModules (their state, on ``device``).
-        old, new: Graph state names of every rank's old and new stages (``[world]`` lists).
-        like: A module holding every name on the meta device (the capture), for shapes and dtypes.
+        old, new, pipeline_of: As :func:`transfer_plan` takes them.
+        like: A module holding every name on the meta device (the capture), for dtypes.
         device: This rank's device.
 
     Returns:
-        Graph name -> tensor, for every name of ``new[rank]``.
+        Graph name -> tensor, for every name of ``new[rank]``: whole, or this rank's chunk
+        where it held that chunk or received it (what
+        :func:`~fxsplit.runtime.dist_state.materialise` takes as a source).
 
     Raises:
-        PlanError: when a name of a new stage was held by no old stage.
+        PlanError: as :func:`transfer_plan`.
     """
     rank = dist.get_rank()
     out: dict[str, torch.Tensor] = {}
 
     def held(name: str) -> torch.Tensor:
-        return next(get_tensor(m, name) for m in modules if name in _names(m)).detach()
+        return _local(next(get_tensor(m, name) for m in modules if name in _names(m)).detach())
 
-    for name in sorted({g for names in new for g in names}):
-        holders = [r for r, names in enumerate(old) if name in names]
-        if not holders:
-            raise PlanError(f"stage state {name!r} of the new plan is held by no stage of the old one; "
-                            "the two plans were not cut from the same capture")
-        takers = [r for r, names in enumerate(new) if name in names and name not in old[r]]
-        if rank == holders[0]:
-            for r in takers:
-                dist.send(held(name).contiguous(), dst=r)
-        if rank in takers:
-            meta = get_tensor(like, name)
-            buf = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-            dist.recv(buf, src=holders[0])
-            out[name] = buf
-        elif name in new[rank]:
-            out[name] = held(name)
+    for name, taker, pieces in transfer_plan(old, new, pipeline_of or (lambda r: 0)):
+        got = []
+        for source, piece in pieces:
+            if source == taker:
+                if rank == taker:
+                    got.append(held(name))
+                continue
+            if rank == source:
+                dist.send(held(name).contiguous(), dst=taker)
+            elif rank == taker:
+                buf = torch.empty(piece.shape, dtype=get_tensor(like, name).dtype, device=device)
+                dist.recv(buf, src=source)
+                got.append(buf)
+        if rank == taker:
+            chunk = pieces[0][1].chunk
+            out[name] = got[0] if len(got) == 1 else torch.cat(got, dim=chunk[0] if chunk is not None else 0)
+    return out
+
+
+def held_state(modules: Sequence[nn.Module]) -> dict[str, Held]:
+    """Graph name -> what ``modules`` (one rank's stages) hold of it: a DTensor shard's local
+    shape and chunk (``Shard(dim)`` over its tensor-parallel mesh), a plain tensor whole."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Held] = {}
+    for module in modules:
+        for name in sorted(_names(module)):
+            tensor = get_tensor(module, name)
+            chunk = None
+            if isinstance(tensor, DTensor) and tensor.placements[0].is_shard():
+                mesh = tensor.device_mesh
+                chunk = (tensor.placements[0].dim, mesh.get_local_rank(), mesh.size())  # type: ignore[attr-defined]
+            out[name] = Held(tuple(_local(tensor).shape), chunk)
     return out
 
 
@@ -181,6 +273,12 @@ class CompiledDistributedPipeline(DistributedPipeline):
         rebuilt plan that measures slower by more than ``min_gain`` is undone; the wall of a few
         steps is noisier).
 
+        On a ``[pp, dp, tp]`` mesh (``compile(replicas=..., tensor_parallel=...)``) the mesh
+        stays: rank 0's pipeline is measured (its stage times; the step wall holds the replicas'
+        gradient all-reduce, timed apart as :attr:`sync_s`), the split is solved again for one
+        replica's share of the batch, and every replica's pipeline is rebuilt on it, each
+        tensor-parallel rank holding only its chunks (:func:`exchange_state`).
+
         Args:
             args, kwargs: A batch of the model's inputs (as for :meth:`train_step`).
             target, loss_fn: As for :meth:`train_step`.
@@ -193,16 +291,11 @@ class CompiledDistributedPipeline(DistributedPipeline):
             ``train_step`` walls between barriers, per-stage times the ranks' runtime traces.
 
         Raises:
-            ConfigError: for replicated stages, ``steps < 1``, a negative ``min_gain``, ``rounds < 1``, or a pipeline
+            ConfigError: for ``steps < 1``, a negative ``min_gain``, ``rounds < 1``, or a pipeline
                 without its compile context (built by hand) or without a trace recorder.
             PlanError: on every rank, when rank 0 could not re-plan (its message).
         """
         check_calibrate_args(steps, min_gain, rounds)
-        if self.replicas is not None:
-            raise ConfigError(f"calibrate re-plans one pipeline over every rank; this one has {self.replicas.count} "
-                              f"replica(s) of each stage split over tp={self.replicas.tp} ranks (compile(replicas=..., "
-                              "tensor_parallel=...)): calibrating replicated or split stages is not supported yet, "
-                              "compile with replicas=1 and tensor_parallel=1 to calibrate")
         if self.context is None:
             raise ConfigError("calibrate needs the pipeline fxsplit.distributed.compile returns (it keeps what it "
                               "planned from)")
@@ -252,14 +345,15 @@ class CompiledDistributedPipeline(DistributedPipeline):
         return walls, per_step
 
     def _measure(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable, steps: int) -> Measured:
-        """Every stage's mean times over ``steps`` steps (after one warm-up) and rank 0's median
-        step wall (barrier to barrier), the same on every rank."""
+        """Every stage's mean times over ``steps`` steps (after one warm-up) as rank 0's pipeline
+        measured them, and rank 0's median step wall (barrier to barrier), the same on every rank."""
         self._recorder_or_raise()
         with gc_paused():
             walls, per_step = self.timed_steps(*args, target=target, loss_fn=loss_fn, steps=steps, **kwargs)
         self.zero_grad(set_to_none=True)
-        walls = from_rank0(lambda: walls)
-        return stage_rows(self.running_plan(), per_step), (self.predicted_step_s(), statistics.median(walls))
+        # rank 0's pipeline's: every rank must take the same decisions (a replica measured its own)
+        walls, per_step, predicted_s = from_rank0(lambda: (walls, per_step, self.predicted_step_s()))
+        return stage_rows(self.running_plan(), per_step), (predicted_s, statistics.median(walls))
 
     def _speeds(self) -> dict[str, Any]:
         """Rank 0: each device's speed (reference device 1), for comparing measured plans."""
@@ -291,8 +385,8 @@ class CompiledDistributedPipeline(DistributedPipeline):
             # the all-reduces after the last backward are timed apart (sync_s), not the links'
             refit, extra = fit_link_latency(refit_problem(ctx.problem, measured, m, kind), stages, devices, m, kind,
                                             max(0.0, step_s - self.sync_s))
-            probed = statistics.mean(ctx.problem.link_between(a, b).latency_s
-                                     for a, b in zip(devices, devices[1:], strict=False))
+            pairs = list(zip(devices, devices[1:], strict=False))  # none for a one-stage pipeline
+            probed = statistics.mean(ctx.problem.link_between(a, b).latency_s for a, b in pairs) if pairs else 0.0
             old = evaluate(per_microbatch(refit, m, kind), stages, devices, solver=running.solver, status=running.status)
             choice = plan_pipeline(refit, ctx.batch, m, kind, ctx.solver, ctx.options) if min_gain is not None else None
         except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there as PlanError
@@ -305,30 +399,53 @@ class CompiledDistributedPipeline(DistributedPipeline):
                 "plan": chosen.with_(microbatches=m, schedule=kind, stats=running.stats).to_dict(), "calibrated": True}
 
     def _rebuild(self, plan: Plan) -> None:
-        """Become this rank's stages of ``plan``: cut them from the capture, move the state, wrap them."""
+        """Become this rank's stages of ``plan``: cut them from the capture, move the state, wrap them.
+
+        On a ``[pp, dp, tp]`` mesh (:func:`~fxsplit.dist_build.replica_groups`) every replica's
+        pipeline is cut alike; a tensor moves inside its own pipeline where it can (each replica
+        keeps its own values), and a tensor-parallel rank keeps or takes only its chunk of what
+        the per-layer plan splits (whole tensors are joined from chunks only where a stage needs
+        one whole, a weight tied across stages)."""
         ctx = self.context
         if ctx is None:
             raise ConfigError("calibrate needs the compile context")
-        rank, world = dist.get_rank(), self.num_ranks
+        mesh = self.replicas
+        copies = 1 if mesh is None else mesh.count * mesh.tp  # ranks per pipeline position
+        rank, world = dist.get_rank(), dist.get_world_size()
+        pp = world // copies
         program = split_graph(ctx.captured.gm, plan.stage_of_block(), [str(self.device)] * plan.num_stages)
         old: list[Any] = [None] * world
-        dist.all_gather_object(old, sorted({g for st in self.stages for g in st.state.names}))
-        new_names = [sorted({g for st in rank_stages(program, r, world) for g in st.state}) for r in range(world)]
-        values = exchange_state([st.module.gm for st in self.stages], old, new_names, ctx.captured.gm, self.device)
-        tied = tied_groups(program, world)
-        mine = [(stage, StageState(stage.state, ctx.captured.aliases)) for stage in rank_stages(program, rank, world)]
+        dist.all_gather_object(old, held_state([st.module.gm for st in self.stages]))
+        tied_names = set(tied_holders(program))
+        new: list[dict[str, tuple[int, int, int] | None]] = []
+        for r in range(world):
+            stages = rank_stages(program, r // copies, pp)
+            wanted: dict[str, tuple[int, int, int] | None] = {g: None for st in stages for g in st.state}
+            if ctx.split_layout is not None and mesh is not None and mesh.tp > 1:
+                for chunks in rank_chunks(stages, ctx.split_layout[0], r % mesh.tp, mesh.tp, tied_names).values():
+                    wanted.update(chunks)
+            new.append(wanted)
+        values = exchange_state([st.module.gm for st in self.stages], old, new, ctx.captured.gm, self.device,
+                                pipeline_of=lambda r: r % copies)
+        tied = tied_groups(program, world, 1 if mesh is None else mesh.count, 1 if mesh is None else mesh.tp)
+        mine = [(stage, StageState(stage.state, ctx.captured.aliases)) for stage in rank_stages(program, rank // copies, pp)]
+        local_shards: dict[int, dict[str, tuple[int, ...]]] = {}
         for stage, state in mine:
+            shards = {g: c for g, c in new[rank].items() if c is not None and g in state.names}
+            local_shards[stage.index] = {g: tuple(get_tensor(stage.gm, g).shape) for g in shards}
             source: Mapping[str, torch.Tensor] = {state.originals[g][0]: values[g] for g in state.names}
+            given = {g for g in shards if tuple(values[g].shape) != tuple(get_tensor(ctx.captured.gm, g).shape)}
             materialise(stage.gm, state, self.device, state_dict=source, init_fn=None, meta_model=ctx.meta_model,
-                        model_fn=None)
-        new = build_pipeline(mine, ctx.captured, ctx.inputs, plan.num_stages, self.device, self.schedule_kind,
-                             self.microbatches, tied, plan=plan, autocast=self.autocast, meta=dict(self.meta),
-                             state_order=self.state_order, timeout_s=self.timeout_s,
-                             watchdog=self.watchdog is not None, cls=type(self))
-        new.context = ctx
+                        model_fn=None, shards=shards, chunks_given=given)
+        new_pipe = build_pipeline(mine, ctx.captured, ctx.inputs, plan.num_stages, self.device, self.schedule_kind,
+                                  self.microbatches, tied, plan=plan, autocast=self.autocast, meta=dict(self.meta),
+                                  state_order=self.state_order, timeout_s=self.timeout_s,
+                                  watchdog=self.watchdog is not None, cls=type(self), replicas=mesh,
+                                  split_layout=ctx.split_layout, local_shards=local_shards)
+        new_pipe.context = ctx
         self.close()
-        self.__dict__.update(new.__dict__)
+        self.__dict__.update(new_pipe.__dict__)
         self.measure_sync_s()  # the new stages' tied copies and replicas may sit on other ranks
-        log.info("rank %d: rebuilt stage(s) %s on the calibrated plan (%d tensors)", rank, list(self.stage_indices),
-                 len(values))
+        log.info("rank %d: rebuilt stage(s) %s on the calibrated plan (%d tensors, %d received)", rank,
+                 list(self.stage_indices), len(values), sum(1 for g in values if g not in old[rank]))
 

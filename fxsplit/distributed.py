@@ -38,9 +38,11 @@ from fxsplit.dist_build import (
     batched_flags,
     broadcast_tied,
     build_pipeline,
+    rank_chunks,
     rank_stages,
     replica_groups,
     tied_groups,
+    tied_holders,
     to_meta,
 )
 from fxsplit.dist_calibrate import CompiledDistributedPipeline, DistContext
@@ -222,19 +224,6 @@ def _same_draws(replicas: Any, device: torch.device) -> Iterator[None]:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(int(seed))
         yield
-
-
-def tp_chunks(gm: torch.fx.GraphModule, layout: Mapping[str, Any], index: int, count: int, *,
-              keep_whole: set[str] | frozenset[str] = frozenset()) -> dict[str, tuple[int, int, int]]:
-    """The state tensors of the stage ``gm`` that the per-layer plan ``layout`` splits
-    (``Shard(d)``, :func:`~fxsplit.runtime.tensor_parallel.attr_placements`, as
-    :class:`~fxsplit.runtime.tensor_parallel.ParallelGraph` holds them): ``get_attr`` target -> ``(d, index, count)``, the chunk this tensor-parallel rank
-    holds (:func:`~fxsplit.runtime.dist_state.materialise`'s ``shards``). ``keep_whole``: targets
-    left whole (a tied weight: its copies in other stages may be split otherwise)."""
-    from fxsplit.runtime.tensor_parallel import attr_placements
-
-    return {target: (want.dim, index, count) for target, want in attr_placements(gm, layout).items()
-            if target not in keep_whole and want is not None and want.is_shard() and want.dim >= 0}
 
 
 def _choose_mesh(model_fn: Callable[[], nn.Module], args: tuple, kwargs: dict, world: int,
@@ -500,12 +489,12 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     mine = [(stage, StageState(stage.state, captured.aliases))
             for stage in rank_stages(program, rank // (replicas * tp), pp)]
     local_shards: dict[int, dict[str, tuple[int, ...]]] = {}
+    chunks = {}  # each split weight allocated as this rank's chunk
+    if split_layout is not None and mesh is not None:
+        chunks = rank_chunks([stage for stage, _ in mine], split_layout[0], mesh.tp_index, mesh.tp,
+                             set(tied_holders(program)))
     for stage, state in mine:
-        shards: dict[str, tuple[int, int, int]] = {}
-        if split_layout is not None and mesh is not None:  # each split weight allocated as this rank's chunk
-            shared = {g.name for g in tied} | {n for other, _ in mine if other is not stage for n in other.state}
-            shards = {g: c for g, c in tp_chunks(stage.gm, split_layout[0], mesh.tp_index, mesh.tp,
-                                                  keep_whole=shared).items() if g in state.names}
+        shards = chunks.get(stage.index, {})
         local_shards[stage.index] = {g: tuple(get_tensor(stage.gm, g).shape) for g in shards}
         with _same_draws(mesh if shards else None, device):  # every copy initialises a cut tensor alike
             origin = materialise(stage.gm, state, device, state_dict=state_dict, init_fn=init_fn,
@@ -526,7 +515,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     pipe.hybrid = hybrid
     pipe.loss_planned = planned.loss_planned
     pipe.context = DistContext(model_fn, meta_model, captured, to_meta((args, kwargs)), planned.problem,
-                               example_batch(captured, (args, kwargs))[2], solver, options)
+                               example_batch(captured, (args, kwargs))[2], solver, options, split_layout)
     pipe.measure_sync_s()  # the step's tail after the last backward, in predicted_step_s
     _barrier(timeout_s)
     if rank == 0:

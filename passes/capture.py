@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import operator
 import os
 import traceback
 from collections.abc import Mapping, Sequence
@@ -38,12 +39,75 @@ from fxsplit.passes.batch_layout import (
 )
 from fxsplit.passes.manager import getattr_path
 
-__all__ = ["BatchLayout", "Captured", "capture", "flatten_to_spec", "unflatten_to_spec", "in_place_root", "writes_in_place", "METHODS"]
+__all__ = ["BatchLayout", "Captured", "InputGuard", "capture", "flatten_to_spec", "unflatten_to_spec", "in_place_root", "writes_in_place", "METHODS"]
 
 log = logging.getLogger(__name__)
 
 METHODS = ("auto", "export", "symbolic_trace")
 _TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+@dataclass(frozen=True)
+class InputGuard:
+    """What a capture fixed of one flat input, checked at every call (as ``torch.export``'s own
+    module checks its guards): the value of a constant (a Python number, bool, string or None the
+    graph computed or branched with), or a tensor's sizes where export specialised them.
+
+    Attributes:
+        where: The input's place in ``(args, kwargs)``, e.g. ``"args[0]"``, ``"kwargs['scale']"``.
+        kind: ``"constant"`` (``value`` must match), ``"tensor"`` (``sizes`` must match), or
+            ``"any"`` (nothing to check: an object export took as it is).
+        value: The example's value of a constant.
+        sizes: Per dimension of a tensor (batch first, as the graph takes it): the size export
+            fixed, or None where it kept the size symbolic (the batch, a ``seq_dim``).
+    """
+
+    where: str
+    kind: str = "any"
+    value: Any = None
+    sizes: tuple[int | None, ...] = ()
+
+    def check(self, leaf: Any) -> None:
+        """Raise :class:`ConfigError` when ``leaf`` (a call's input at :attr:`where`) is not what
+        the graph was captured with."""
+        if self.kind == "constant":
+            if not _same_constant(leaf, self.value):
+                raise ConfigError(
+                    f"{self.where} is {_describe(leaf)} but the model was captured with {self.value!r}: torch.export "
+                    "fixed that value into the graph (the model computes or branches with it), so the staged "
+                    "model would compute with the captured value; compile again with this value in example "
+                    "inputs, or pass it as a tensor")
+        elif self.kind == "tensor":
+            shape = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None
+            if shape is None or len(shape) != len(self.sizes):
+                raise ConfigError(
+                    f"{self.where} is {_describe(leaf)} but the model was captured with a tensor of "
+                    f"{len(self.sizes)} dimension(s); call with inputs of the structure of example_inputs")
+            fixed = [(d, got, want) for d, (got, want) in enumerate(zip(shape, self.sizes, strict=True))
+                     if want is not None and got != want]
+            if fixed:
+                dims = ", ".join(f"dim {d} is {got} (captured {want})" for d, got, want in fixed)
+                raise ConfigError(
+                    f"{self.where} has shape {list(shape)}: {dims}; torch.export fixed those sizes when it "
+                    "captured the model (it computes with them or needs them, e.g. x.shape[1] used as a number), "
+                    "so the staged model would compute for the captured sizes. Call with those sizes, or compile "
+                    "with an example of these (a sequence length that varies: compile(seq_dim=...) where the "
+                    "model allows it)")
+
+
+def _same_constant(got: Any, want: Any) -> bool:
+    """``got == want`` as export's guard takes it (``1 == 1.0``), but a bool only equals a bool
+    and None only None."""
+    if want is None or got is None or isinstance(want, bool) or isinstance(got, bool):
+        return type(got) is type(want) and got == want
+    try:
+        return bool(got == want)
+    except Exception:  # noqa: BLE001 - an object that cannot be compared is not the captured one
+        return False
+
+
+def _describe(leaf: Any) -> str:
+    return f"a tensor of shape {list(leaf.shape)}" if isinstance(leaf, torch.Tensor) else f"{type(leaf).__name__} {leaf!r}"
 
 
 @dataclass(frozen=True)
@@ -64,11 +128,20 @@ class Captured:
         trainable: Names (graph side) of trainable parameters.
         batched_inputs, batched_outputs: Which flat inputs / outputs carry the batch on dim 0,
             read from the symbolic batch dimension of a ``dynamic_batch`` export (``None``
-            otherwise: the runtime then goes by shape). Always dim 0 of the graph: see
+            otherwise: the runtime then goes by shape; an output no input reaches is False
+            there, never batched whatever its shape). Always dim 0 of the graph: see
             ``layout``.
         layout: Where the batch is in the model's own inputs and outputs when that is not dim 0
             everywhere (``capture(batch_dim=...)``, or an output with the batch elsewhere);
             None when the graph's boundary is the model's.
+        guards: One :class:`InputGuard` per flat input (export), checked by
+            :meth:`flatten_inputs`; None (symbolic_trace: tensors only, no size fixed).
+        size_outputs: Flat output index -> its formula (sympy) in the inputs' symbolic sizes,
+            for each output that is a number computed from them (``x.shape[0]`` returned): a
+            micro-batch computes it for its own sizes, the batch's is
+            :meth:`size_output_values`.
+        size_symbols: ``(symbol, input, dim)``: where each symbol of those formulas is a size of
+            the flat inputs (the capture's symbols; later passes may annotate new ones).
     """
 
     gm: torch.fx.GraphModule
@@ -78,8 +151,25 @@ class Captured:
     aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     trainable: frozenset[str] = frozenset()
     batched_inputs: tuple[bool, ...] | None = None
-    batched_outputs: tuple[bool, ...] | None = None
+    batched_outputs: tuple[bool | None, ...] | None = None
     layout: BatchLayout | None = None
+    guards: tuple[InputGuard, ...] | None = None
+    size_outputs: Mapping[int, Any] = field(default_factory=dict)
+    size_symbols: tuple[tuple[Any, int, int], ...] = ()
+
+    def size_output_values(self, flat: Sequence[Any]) -> dict[int, int | float]:
+        """The value of each :attr:`size_outputs` output for the flat inputs ``flat`` (the whole
+        batch, as :meth:`flatten_inputs` gives them): its formula evaluated at their sizes."""
+        if not self.size_outputs:
+            return {}
+        import sympy
+
+        sizes = {sym: sympy.Integer(int(flat[i].shape[d])) for sym, i, d in self.size_symbols}
+        out: dict[int, int | float] = {}
+        for j, expr in self.size_outputs.items():
+            value = sympy.sympify(expr).xreplace(sizes)
+            out[j] = int(value) if value.is_Integer else float(value)
+        return out
 
     @property
     def input_names(self) -> list[str]:
@@ -93,7 +183,7 @@ class Captured:
     def flatten_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[Any]:
         """Leaves of ``(args, kwargs)`` in placeholder order (see :func:`flatten_to_spec`), batch
         first as the graph takes them (``layout``)."""
-        return flatten_to_spec(args, kwargs, self.in_spec, self.layout)
+        return flatten_to_spec(args, kwargs, self.in_spec, self.layout, self.guards)
 
     def unflatten_outputs(self, flat: Sequence[Any]) -> Any:
         """Rebuild the model's output structure (and layout) from the graph's flat outputs."""
@@ -111,12 +201,13 @@ class Captured:
 
 
 def flatten_to_spec(args: Sequence[Any], kwargs: Mapping[str, Any] | None, in_spec: pytree.TreeSpec,
-                    layout: BatchLayout | None = None) -> list[Any]:
+                    layout: BatchLayout | None = None, guards: Sequence[InputGuard] | None = None) -> list[Any]:
     """Leaves of ``(args, kwargs)`` in the order of ``in_spec`` (keyword order never matters),
     batch first as the captured graph takes them when a ``layout`` says where the batch is.
 
     Raises:
-        ConfigError: when the structure differs from the captured example inputs.
+        ConfigError: when the structure differs from the captured example inputs, or a leaf
+            from what ``guards`` says the capture fixed (:meth:`InputGuard.check`).
     """
     kwargs = dict(kwargs or {})
     if in_spec.num_children == 2 and in_spec.child(1).type is dict:
@@ -129,7 +220,80 @@ def flatten_to_spec(args: Sequence[Any], kwargs: Mapping[str, Any] | None, in_sp
             f"inputs have structure {spec} but the model was captured with {in_spec}; "
             "call with the same positional/keyword structure as example_inputs"
         )
-    return layout.inputs_to_batch_first(leaves) if layout is not None else leaves
+    leaves = layout.inputs_to_batch_first(leaves) if layout is not None else leaves
+    for guard, leaf in zip(guards or (), leaves, strict=False):
+        guard.check(leaf)
+    return leaves
+
+
+def _size_outputs(gm: torch.fx.GraphModule) -> tuple[dict[int, Any], tuple[tuple[Any, int, int], ...]]:
+    """Flat output index -> the formula of each output that is a symbolic number (a ``SymInt``
+    or ``SymFloat`` of the inputs' sizes, such as ``x.shape[0]``), and ``(symbol, input, dim)``
+    for the symbols of the placeholders' sizes."""
+    out = {}
+    for j, leaf in enumerate(gm.graph.output_node().args[0]):  # type: ignore[arg-type]
+        val = leaf.meta.get("val") if isinstance(leaf, torch.fx.Node) else None
+        if isinstance(val, torch.SymInt | torch.SymFloat) and val.node.expr.free_symbols:
+            out[j] = val.node.expr
+    if not out:
+        return {}, ()
+    where: list[tuple[Any, int, int]] = []
+    for i, ph in enumerate(gm.graph.find_nodes(op="placeholder")):
+        val = ph.meta.get("val")
+        for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                where.append((size.node.expr, i, d))
+    unknown = {s for expr in out.values() for s in expr.free_symbols} - {sym for sym, _, _ in where}
+    for j in [j for j, expr in out.items() if expr.free_symbols & unknown]:
+        log.warning("output %d is a number of sizes fxsplit cannot place (%s): each micro-batch's value is kept", j,
+                    out.pop(j))
+    return out, tuple(where)
+
+
+def _input_free_outputs(gm: torch.fx.GraphModule) -> tuple[bool | None, ...] | None:
+    """Where the capture kept no symbolic batch (a fixed-batch export, symbolic_trace): False for
+    each flat output no input reaches (a parameter, a constant: never batched, whatever its
+    dim 0), None for the others (the runtime then goes by shape); None when every output
+    reaches an input."""
+    outputs = list(gm.graph.output_node().args[0])  # type: ignore[arg-type]
+    flags = tuple(None if isinstance(out, torch.fx.Node) and _reaches_input(out) else False for out in outputs)
+    return flags if False in flags else None
+
+
+def _reaches_input(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value depends on a placeholder (one of the model's inputs)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _input_guards(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple[InputGuard, ...]:
+    """What export fixed of each flat input of ``(args, kwargs)`` (placeholder order): constants'
+    values, and each tensor's sizes that its placeholder holds as plain ints (batch first)."""
+    paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(paths):  # (not seen: export keeps one placeholder per leaf)
+        log.warning("no input guards: %d placeholders for %d inputs", len(placeholders), len(paths))
+        return tuple(InputGuard(keystr) for keystr in map(lambda p: pytree.keystr(p[0]), paths))
+    out = []
+    for (path, leaf), ph in zip(paths, placeholders, strict=True):
+        where = ("args" if getattr(path[0], "idx", 0) == 0 else "kwargs") + pytree.keystr(path[1:])
+        val = ph.meta.get("val")
+        if isinstance(leaf, torch.Tensor) and isinstance(val, torch.Tensor):
+            sizes = tuple(int(d) if is_concrete_int(d) else None for d in val.shape)
+            out.append(InputGuard(where, "tensor", sizes=sizes))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str, torch.dtype, torch.device)):
+            out.append(InputGuard(where, "constant", value=leaf))
+        else:
+            out.append(InputGuard(where))
+    return tuple(out)
 
 
 def unflatten_to_spec(flat: Sequence[Any], out_spec: pytree.TreeSpec, layout: BatchLayout | None = None) -> Any:
@@ -219,12 +383,18 @@ def capture(
             continue
         aliases, trainable = _aliases(model, gm)
         log.info("captured %s with %s: %d nodes", type(model).__name__, name, len(gm.graph.nodes))
-        batched_in, batched_out, layout = None, None, None
+        batched_in: tuple[bool, ...] | None = None
+        batched_out: tuple[bool | None, ...] | None = None
+        layout: BatchLayout | None = None
         if seq_dim is not None:
             _check_seq_symbolic(gm, args, kwargs, seq_dim)
         if name == "export" and dynamic_batch:
             batched_in, batched_out, layout = make_batch_first(gm, batch_dims(gm, args, kwargs, batch_dim), batch_dim)
-        return Captured(gm, in_spec, out_spec, name, aliases, trainable, batched_in, batched_out, layout)
+        if batched_out is None:
+            batched_out = _input_free_outputs(gm)
+        guards = _input_guards(gm, args, kwargs) if name == "export" else None
+        return Captured(gm, in_spec, out_spec, name, aliases, trainable, batched_in, batched_out, layout, guards,
+                        *_size_outputs(gm))
     note = None if seq_dim is None else (
         f"seq_dim={seq_dim}: if the model captures without seq_dim, it cannot run other sequence lengths; drop "
         "seq_dim (formulas of the batch only)")
@@ -240,7 +410,12 @@ def _capture_export(
         dynamic = _batch_seq_dynamic_shapes(model, args, kwargs, seq_dim)
     else:
         dynamic = batch_dynamic_shapes(model, args, kwargs, batch_dim) if dynamic_batch else None
-    ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    try:
+        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    except AssertionError as exc:  # name the keywords a **kwargs takes, for the error's fix
+        params = inspect.signature(model.forward).parameters
+        exc.var_keywords = [k for k in kwargs if k not in params]  # type: ignore[attr-defined]
+        raise
     gm = ep.module()
     in_spec, out_spec = gm._in_spec, gm._out_spec
     for node in list(gm.graph.nodes):
@@ -251,6 +426,7 @@ def _capture_export(
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users:  # tied weights: export reads one alias
             gm.graph.erase_node(node)
+    _inline_no_grad_regions(gm)
     _drop_dtype_asserts(gm)
     _functionalize_view_writes(gm)
     _drop_self_copies(gm)
@@ -409,6 +585,73 @@ def in_place_root(node: Any) -> Any:
     while writes_in_place(node):
         node = node.args[0]
     return node
+
+
+def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> int:
+    """Inline export's ``wrap_with_set_grad_enabled(False, subgraph, *operands)`` (a
+    ``torch.no_grad()`` block in ``forward``) into the graph, its operands detached, and return
+    how many were inlined.
+
+    A buffer updated in such a block (``self.count += 1``, an EMA of activations) is written
+    inside the subgraph, where fxsplit's buffer and per-sample passes do not look: the update ran
+    once per micro-batch, silently. Inlined, the write is an ordinary in-place op on the buffer,
+    which those passes handle (once per step, or a NotPerSampleWarning). Detaching every operand
+    but the buffers keeps the block's meaning: nothing computed in it has a gradient, and an
+    in-place write into a buffer still writes the buffer. A block that writes into an operand
+    other than a buffer (an activation or a parameter modified under ``no_grad``), or holds
+    nested subgraphs, is left as it is (logged).
+    """
+    inlined = 0
+    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.wrap_with_set_grad_enabled)):
+        enabled, sub_node, *operands = node.args
+        sub = getattr_path(gm, str(sub_node.target)) if isinstance(sub_node, torch.fx.Node) else None
+        if enabled is not False or not isinstance(sub, torch.fx.GraphModule):
+            continue
+        placeholders = list(sub.graph.find_nodes(op="placeholder"))
+        buffers = {ph for ph, op in zip(placeholders, operands, strict=False) if _is_buffer(gm, op)}
+        writes_other = any(writes_in_place(n) and in_place_root(n).op == "placeholder" and in_place_root(n) not in buffers
+                           for n in sub.graph.nodes)
+        if len(placeholders) != len(operands) or writes_other or sub.graph.find_nodes(op="get_attr"):
+            log.info("kept the no_grad block %s as a subgraph (it writes into an operand that is not a buffer, or "
+                     "nests subgraphs)", node.name)
+            continue
+        env: dict[torch.fx.Node, Any] = {}
+        with gm.graph.inserting_before(node):
+            for ph, op in zip(placeholders, operands, strict=True):
+                if ph in buffers or not isinstance(op, torch.fx.Node):
+                    env[ph] = op
+                else:
+                    env[ph] = gm.graph.call_function(torch.ops.aten.detach.default, (op,))
+                    env[ph].meta = {k: v for k, v in op.meta.items() if k in ("val", "tensor_meta", "stack_trace")}
+            result: Any = None
+            lookup = env.__getitem__
+            for n in sub.graph.nodes:
+                if n.op == "output":
+                    result = torch.fx.map_arg(n.args[0], lookup)
+                elif n.op != "placeholder":
+                    env[n] = gm.graph.node_copy(n, lookup)
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem and isinstance(result, (tuple, list)):
+                user.replace_all_uses_with(result[user.args[1]])
+                gm.graph.erase_node(user)
+        if node.users:
+            node.replace_all_uses_with(result)
+        gm.graph.erase_node(node)
+        if isinstance(sub_node, torch.fx.Node) and not sub_node.users:
+            gm.graph.erase_node(sub_node)
+        inlined += 1
+    if inlined:
+        gm.delete_all_unused_submodules()
+    return inlined
+
+
+def _is_buffer(gm: torch.fx.GraphModule, op: Any) -> bool:
+    """Whether ``op`` is a ``get_attr`` of a tensor that takes no gradient (a buffer, a frozen
+    parameter)."""
+    if not isinstance(op, torch.fx.Node) or op.op != "get_attr":
+        return False
+    value = getattr_path(gm, str(op.target))
+    return isinstance(value, torch.Tensor) and not value.requires_grad
 
 
 def _drop_dtype_asserts(gm: torch.fx.GraphModule) -> int:
@@ -648,6 +891,12 @@ def _reported_line(exc: BaseException) -> str | None:
     return None
 
 
+def _var_keyword_names(model: nn.Module, failures: dict[str, BaseException]) -> list[str]:
+    """The keyword arguments of the failed export call that land in ``forward``'s ``**kwargs``
+    (recorded on the exception by :func:`_capture_export`)."""
+    return sorted(getattr(failures.get("export"), "var_keywords", ()))
+
+
 def _capture_error(model: nn.Module, failures: dict[str, BaseException], note: str | None = None) -> CaptureError:
     parts = [f"could not capture {type(model).__name__} as an FX graph."]
     where = None
@@ -657,12 +906,20 @@ def _capture_error(model: nn.Module, failures: dict[str, BaseException], note: s
         parts.append(f"  {name}: {type(exc).__name__}: {summary}")
     if where:
         parts.insert(1, f"  failing construct: {where}")
-    if not all(isinstance(exc, CaptureError) for exc in failures.values()):  # ours name their own fix
+    var_keywords = any("Must provide a tree_name" in str(exc) for exc in failures.values())  # torch.export, 2.13
+    if not var_keywords and not all(isinstance(exc, CaptureError) for exc in failures.values()):  # ours name theirs
         parts.append(
             "  fix: remove Python control flow that depends on tensor values (use torch.where or "
             "torch.cond), make shapes static, or wrap the offending code in a leaf module; "
             "then call fxsplit.capture again."
         )
+    if var_keywords:
+        extra = _var_keyword_names(model, failures)
+        parts.append(
+            f"  cause: torch.export cannot take a symbolic batch together with keyword arguments that land in "
+            f"the forward's **kwargs{f' ({extra})' if extra else ''}; set them on the model instead (a Hugging Face "
+            "model: its config, e.g. config.output_hidden_states=True), or compile with "
+            "CompileOptions(dynamic_batch=False) (the batch then stays the example's)")
     if note is not None:
         parts.append(f"  {note}")
     err = CaptureError("\n".join(parts))

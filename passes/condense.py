@@ -35,6 +35,7 @@ from fxsplit.ir.downsets import (
     members,
 )
 from fxsplit.ir.graph import Block, CondensedGraph, Edge
+from fxsplit.passes.capture import writes_in_place
 from fxsplit.passes.coarsen import UnionFind, coarsen_blocks
 from fxsplit.passes.costs import NodeCost
 from fxsplit.passes.manager import PassResult, getattr_path, require_meta
@@ -126,6 +127,7 @@ def fold_free_nodes(nodes: list[torch.fx.Node], costs: list[NodeCost]) -> list[i
         ins = {groups.find(j) for m in groups.members[r] for j in pred[m]} - {r}
         if len(ins) == 1:
             groups.union(r, ins.pop())
+    _attach_in_place_chains(nodes, succ, groups)
     _attach_side_effects(nodes, succ, pred, groups)
     _attach_shared_state(nodes, succ, pred, groups)
     return [groups.find(i) for i in range(len(nodes))]
@@ -162,6 +164,25 @@ def _attach_shared_state(nodes: list[torch.fx.Node], succ: list[list[int]], pred
         first, others = outs[0], set(outs[1:])
         if not _reaches(others, first, succ, groups):
             groups.union(r, first)
+
+
+def _attach_in_place_chains(nodes: list[torch.fx.Node], succ: list[list[int]], groups: _Groups) -> None:
+    """Keep an in-place chain (``add_(mul_(ema, 0.9), x)``) in one group: split between stages,
+    the later op wrote into what the earlier stage sent (a copy on another device: the buffer's
+    update lost), and a recomputed stage wrote into it twice. Merging the op that writes into a
+    value with that value's in-place producer is safe unless another successor of the producer
+    reaches the op (checked; such a chain is left as it is)."""
+    index = {node: i for i, node in enumerate(nodes)}
+    for i, node in enumerate(nodes):
+        source = node.args[0] if writes_in_place(node) else None
+        if not isinstance(source, torch.fx.Node) or not writes_in_place(source) or source not in index:
+            continue
+        a, b = groups.find(index[source]), groups.find(i)
+        if a == b:
+            continue
+        others = {groups.find(j) for m in groups.members[a] for j in succ[m]} - {a, b}
+        if not _reaches(others, b, succ, groups):
+            groups.union(a, b)
 
 
 def _attach_side_effects(nodes: list[torch.fx.Node], succ: list[list[int]], pred: list[list[int]], groups: _Groups) -> None:

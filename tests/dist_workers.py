@@ -282,7 +282,10 @@ def tied_copies_start_equal(rank: int, world: int, out_dir: str) -> dict[str, An
     batch = 2 * world
     torch.manual_seed(1000 + rank)  # different random streams on every rank
     case = _case("gpt", batch)
-    pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="1f1b", microbatches=world, timeout_s=30)
+    # analytic costs and a fixed link: the tied embedding and LM head on different ranks whatever
+    # the machine's load (a profiled plan once kept both on one rank, with nothing to check)
+    pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="1f1b", microbatches=world, timeout_s=30,
+                       cost_model="analytic", options=CompileOptions(link=LinkSpec()))
     sums = {n: float(p.detach().double().sum()) for n, p in pipe.named_parameters() if n in ("tok_emb.weight", "lm_head.weight")}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, sums)
@@ -605,6 +608,39 @@ def calibrate_rebuilds(rank: int, world: int, out_dir: str, name: str, plan_json
     return out
 
 
+def calibrate_on_mesh(rank: int, world: int, out_dir: str, name: str, plan_json: str, replicas: int, tp: int,
+                      batch: int, microbatches: int) -> dict[str, Any]:
+    """Compile a given (lopsided) plan on a ``[pp, dp, tp]`` mesh, calibrate (rebuild on any gain),
+    then one train step against the unsplit model; the whole state gathered from every rank
+    must be the model's own values under its keys, and each split weight only a chunk here."""
+    from fxsplit.ir import Plan
+
+    model_fn, model, inputs, target, loss_fn = _calibration_case(name, batch)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_loss, ref_grads = reference_of(model, inputs, target, loss_fn)
+    pipe = fxd.compile(model_fn, inputs, schedule="1f1b", microbatches=microbatches, state_dict=original,
+                       plan=Plan.from_json(plan_json), cost_model="analytic", timeout_s=60, replicas=replicas,
+                       tensor_parallel=tp, tp_strategy="megatron",
+                       options=CompileOptions(allow_idle_devices=False, link=LinkSpec()))
+    before = list(pipe.stage_indices), [list(st.blocks) for st in pipe.plan.stages]
+    report = pipe.calibrate(*inputs, target=target, loss_fn=loss_fn, steps=2, min_gain=0.0, rounds=2)
+    assert all(p.grad is None for p in pipe.parameters()), "calibrate left gradients behind"
+    loss = pipe.train_step(*inputs, target=target, loss_fn=loss_fn, broadcast_loss=True)
+    out = compare(pipe, loss, ref_loss, ref_grads, f"{name} dp={replicas} tp={tp} after calibrate")
+    every: list[Any] = [None] * world
+    torch.distributed.all_gather_object(every, pipe.state_dict())
+    for part in every:
+        for key, value in part.items():
+            torch.testing.assert_close(value, original[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+    keys = sorted({k for part in every for k in part})
+    local = {n: (tuple(p.to_local().shape), tuple(p.shape)) for n, p in pipe.named_parameters() if isinstance(p, DTensor)}
+    out.update(keys=keys, original_keys=sorted(original), replanned=report.replanned, gains=report.predicted_gains,
+               before=before, stages=list(pipe.stage_indices), plan_stages=[list(st.blocks) for st in pipe.plan.stages],
+               table=report.format_table(), local=local, replica=None if pipe.replicas is None else pipe.replicas.index)
+    pipe.close()
+    return out
+
+
 def _imbalance(rows: Any) -> float:
     t = [r.meas_fwd_s + r.meas_bwd_s for r in rows]
     return max(t) / min(t)
@@ -688,14 +724,15 @@ def _close(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None
                                msg=lambda m: f"{what}: {m}")
 
 
-def _fp16_pipe(name: str, batch: int, schedule: str, m: int) -> Any:
+def _fp16_pipe(name: str, batch: int, schedule: str, m: int, replicas: int = 1) -> Any:
     case = _case(name, batch)
     return fxd.compile(_model_fn(name, batch), case.example_inputs, schedule=schedule, microbatches=m,
-                       state_dict=case.model.state_dict(), timeout_s=30, cost_model="analytic",
+                       state_dict=case.model.state_dict(), timeout_s=30, cost_model="analytic", replicas=replicas,
                        options=CompileOptions(link=LinkSpec(), autocast="fp16", allow_idle_devices=False))
 
 
-def fp16_scaling(rank: int, world: int, out_dir: str, runs: list[tuple[str, str, int, float]], batch: int) -> dict[str, Any]:
+def fp16_scaling(rank: int, world: int, out_dir: str, runs: list[tuple[str, str, int, float]], batch: int,
+                 replicas: int = 1) -> dict[str, Any]:
     """Issue 13 item 2: fp16 autocast with loss scaling across processes.
 
     For each ``(model, schedule, m, rel)``: one step with ``pipe.grad_scaler()`` equals the
@@ -704,14 +741,15 @@ def fp16_scaling(rank: int, world: int, out_dir: str, runs: list[tuple[str, str,
     state after ``scaler.step``, the scale after ``update``), to ``rel`` of the largest magnitude.
     Then ``"overflow"``: an inf put into one gradient on rank 0 only makes every rank skip the
     step and halve its scale; the next step, clean, is taken everywhere; and a plain
-    ``torch.amp.GradScaler`` is refused on every rank before any communication."""
+    ``torch.amp.GradScaler`` is refused on every rank before any communication. ``replicas``:
+    every stage replicated (``compile(replicas=...)``), each replica a share of the batch."""
     out: dict[str, Any] = {}
     for name, schedule, m, rel in runs:
         tag = f"{name}/{schedule}/m={m}/fp16"
         case = _case(name, batch)
         inputs, target = case.make_batch(batch, 11)
         ref = _fp16_reference(case, inputs, target, 2.0**10)
-        pipe = _fp16_pipe(name, batch, schedule, m)
+        pipe = _fp16_pipe(name, batch, schedule, m, replicas)
         scaler = pipe.grad_scaler(init_scale=2.0**10)
         opt = torch.optim.SGD(list(pipe.parameters()) or [{"params": []}], lr=0.1)
         loss = pipe.train_step(*inputs, target=target, loss_fn=case.loss_fn, broadcast_loss=True, grad_scaler=scaler)
@@ -729,18 +767,18 @@ def fp16_scaling(rank: int, world: int, out_dir: str, runs: list[tuple[str, str,
             _close(value, ref["state"][key], rel, f"{tag}: {key} after the step")
         out[tag] = {"checked": checked, "loss": float(loss), "scale": scaler.get_scale(), "ref_scale": ref["scale"]}
         pipe.close()
-    out["overflow"] = _fp16_overflow(rank, batch)
+    out["overflow"] = _fp16_overflow(rank, batch, replicas)
     return out
 
 
-def _fp16_overflow(rank: int, batch: int) -> dict[str, Any]:
+def _fp16_overflow(rank: int, batch: int, replicas: int = 1) -> dict[str, Any]:
     """See :func:`fp16_scaling`: the overflow on rank 0 alone, the clean step after it, the
     refusal of a plain GradScaler."""
     from fxsplit.errors import ConfigError
 
     case = _case("mlp", batch)
     inputs, target = case.make_batch(batch, 12)
-    pipe = _fp16_pipe("mlp", batch, "1f1b", 2)
+    pipe = _fp16_pipe("mlp", batch, "1f1b", 2, replicas)
     scaler = pipe.grad_scaler(init_scale=2.0**10)
     opt = torch.optim.SGD(list(pipe.parameters()), lr=0.1)
     out: dict[str, Any] = {"changed": [], "scale": []}
@@ -886,7 +924,7 @@ def hybrid_equal(rank: int, world: int, out_dir: str, name: str, batch: int, m: 
 
 
 def cli_hybrid(rank: int, world: int, out_dir: str) -> str:
-    """``fxsplit compile gpt --distributed --parallel hybrid`` (its body): what rank 0 prints."""
+    """``fxsplit compile gpt --distributed --parallel hybrid --calibrate 1`` (its body): what rank 0 prints."""
     import contextlib
     import io
 
@@ -895,7 +933,7 @@ def cli_hybrid(rank: int, world: int, out_dir: str) -> str:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         run_distributed("gpt", steps=2, microbatches="4", schedule="1f1b", size="tiny", batch_size=8, lr=0.1,
-                        backend="gloo", timeout_s=60.0, parallel="hybrid")
+                        backend="gloo", timeout_s=60.0, parallel="hybrid", calibrate=1)
     return buf.getvalue()
 
 

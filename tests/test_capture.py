@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -419,3 +421,240 @@ def test_a_write_through_a_reshaped_view_is_named_in_the_log(caplog: pytest.LogC
         cap = capture(Reshaped(), (torch.randn(4, 6),))
     assert "writes in place through a view fxsplit cannot rewrite" in caplog.text
     torch.testing.assert_close(cap.gm(*cap.flatten_inputs((torch.ones(4, 6),), {}))[0], Reshaped()(torch.ones(4, 6)))
+
+
+class _Flags(nn.Module):
+    """Computes and branches with Python arguments and a sequence length: export fixes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0,
+                gate: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.a(x)) * scale
+        if gate:
+            h = h * torch.sigmoid(self.b(h))
+        if mask is not None:
+            h = h * mask.unsqueeze(-1)
+        return self.b(h).sum(1) / x.shape[1]
+
+
+def test_inputs_the_capture_fixed_are_checked_at_every_call() -> None:
+    """Reliability (a probe found each silently running the captured values): export fixes
+    Python arguments (a float the model computes with, a bool it branches on, None for an
+    optional tensor) and sizes the model uses as numbers (``x.shape[1]``); a call with other
+    values is a ConfigError naming the input, the values and the fix, as export's own module
+    refuses it, while the batch (symbolic) may change."""
+    model = _Flags()
+    x = torch.randn(4, 8, 6)
+    cap = capture(model, (x,), {"scale": 0.5, "gate": True}, method="export", dynamic_batch=True)
+    assert [g.kind for g in cap.guards] == ["tensor", "constant", "constant"]
+    assert cap.guards[0].sizes == (None, 8, 6)  # the batch stays symbolic
+    torch.testing.assert_close(cap(torch.randn(6, 8, 6), scale=0.5, gate=True).shape, torch.Size([6, 6]))
+    cases = [
+        (((x,), {"scale": 2.0, "gate": True}), r"kwargs\['scale'\] is float 2\.0 but the model was captured with 0\.5"),
+        (((x,), {"scale": 0.5, "gate": False}), r"kwargs\['gate'\] is bool False but the model was captured with True"),
+        (((torch.randn(4, 5, 6),), {"scale": 0.5, "gate": True}), r"args\[0\] has shape \[4, 5, 6\]: dim 1 is 5 \(captured 8\)"),
+    ]
+    for (args, kwargs), match in cases:
+        with pytest.raises(ConfigError, match=match):
+            cap(*args, **kwargs)
+    assert cap(x, scale=0.5, gate=True).shape == (4, 6)
+    cap1 = capture(model, (x,), {"scale": 1}, method="export", dynamic_batch=True)
+    cap1(x, scale=1.0)  # 1 == 1.0, as export's guard takes it
+
+
+def test_a_pipeline_refuses_a_tensor_where_it_was_captured_with_none() -> None:
+    """``mask=None`` at compile, a mask at the call: the graph has no mask in it (the staged model
+    would ignore it); a ConfigError on the local pipeline, for the forward and ``train_step``."""
+    import fxsplit
+
+    model = _Flags()
+    x = torch.randn(4, 8, 6)
+    pipe = fxsplit.compile(model, ["cpu", "cpu"], (x,), {"mask": None}, microbatches=2, cost_model="analytic",
+                           options=fxsplit.CompileOptions(allow_idle_devices=False))
+    mask = torch.ones(4, 8)
+    with pytest.raises(ConfigError, match=r"kwargs\['mask'\] is a tensor of shape \[4, 8\] but the model was captured with None"):
+        pipe(x, mask=mask)
+    with pytest.raises(ConfigError, match=r"kwargs\['mask'\] is a tensor"):
+        pipe.train_step(x, mask=mask, target=torch.zeros(4, 6), loss_fn=nn.functional.mse_loss)
+    assert pipe(x, mask=None).shape == (4, 6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(scale=st.sampled_from([0.5, 2.0, -1.0]), gate=st.booleans(), length=st.sampled_from([8, 3, 9]),
+       batch=st.integers(1, 5))
+def test_a_call_either_matches_the_captured_model_or_is_refused(scale: float, gate: bool, length: int,
+                                                                batch: int) -> None:
+    """Property: for any call, the captured graph gives the model's own output, or refuses; it
+    refuses exactly the calls whose values differ from what the capture fixed."""
+    torch.manual_seed(0)
+    model = _Flags()
+    cap = capture(model, (torch.randn(3, 8, 6),), {"scale": 0.5, "gate": True}, method="export", dynamic_batch=True)
+    x = torch.randn(batch, length, 6)
+    try:
+        got = cap(x, scale=scale, gate=gate)
+    except ConfigError:
+        assert (scale, gate, length) != (0.5, True, 8)
+        return
+    assert (scale, gate, length) == (0.5, True, 8)
+    torch.testing.assert_close(got, model(x, scale=scale, gate=gate))
+
+
+class _NoGradBlocks(nn.Module):
+    """A step counter and a scale computed from the activations under ``torch.no_grad()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            self.count += 1
+            scale = 1.0 + h.abs().amax(-1, keepdim=True) * self.b.weight.sum()  # no gradient through it
+        h = torch.tanh(self.b(h)) * self.count * scale
+        return self.c(h)
+
+
+def test_no_grad_blocks_are_inlined_and_keep_their_meaning() -> None:
+    """Reliability (a probe: a counter updated under ``torch.no_grad()`` was updated once per
+    micro-batch, silently): export's ``wrap_with_set_grad_enabled`` subgraphs are inlined, their
+    operands detached (buffers excepted), so the graph computes the model's outputs and the
+    model's gradients (none through the block) and the counter's update is an ordinary write."""
+    torch.manual_seed(0)
+    model = _NoGradBlocks()
+    x = torch.randn(4, 6)
+    ref = copy.deepcopy(model)
+    cap = capture(model, (x,), method="export", dynamic_batch=True)
+    targets = {n.target for n in cap.gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.higher_order.wrap_with_set_grad_enabled not in targets
+    assert not any(isinstance(m, torch.fx.GraphModule) for _, m in cap.gm.named_children())
+    got = cap(x)
+    want = ref(x)
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    params = dict(cap.gm.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(params[name].grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
+    assert float(dict(cap.gm.named_buffers())["count"]) == float(ref.count) == 1.0
+
+
+def test_a_counter_under_no_grad_is_updated_once_per_step_by_the_pipeline() -> None:
+    """The probe's case: 3 stages, 4 micro-batches, 1F1B: outputs, loss, every gradient and the
+    counter as the unsplit model's (before, it counted micro-batches)."""
+    import fxsplit
+
+    torch.manual_seed(0)
+    model = _NoGradBlocks()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    pipe = fxsplit.compile(model, ["cpu"] * 3, (x,), microbatches=4, schedule="1f1b", cost_model="analytic",
+                           options=fxsplit.CompileOptions(allow_idle_devices=False))
+    loss = pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss)
+    want = nn.functional.mse_loss(ref(x), y)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach())
+    grads = dict(pipe.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
+    assert float(pipe.state_dict()["count"]) == float(ref.count) == 1.0
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), ref(x))
+
+
+class _Counts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        return {"y": self.b(torch.tanh(self.a(x))), "n": x.shape[0], "k": 2 * x.shape[0] + 1}
+
+
+def test_an_output_computed_from_the_batch_size_is_the_batchs() -> None:
+    """Reliability (a probe: ``x.shape[0]`` returned came back as a micro-batch's count, 4 of 8):
+    an output that is a number of the inputs' sizes is evaluated for the whole batch, at any
+    batch and with uneven micro-batches."""
+    import fxsplit
+
+    model = _Counts()
+    pipe = fxsplit.compile(model, ["cpu", "cpu"], (torch.randn(8, 6),), microbatches=3, cost_model="analytic",
+                           options=fxsplit.CompileOptions(allow_idle_devices=False))
+    for batch in (8, 7, 11):
+        x = torch.randn(batch, 6)
+        out, want = pipe(x), model(x)
+        assert (out["n"], out["k"]) == (want["n"], want["k"]) == (batch, 2 * batch + 1)
+        torch.testing.assert_close(out["y"], want["y"])
+
+
+class _FixedBatch(nn.Module):
+    """``math.sqrt(x.shape[0])`` makes export fix the batch; ``temperature`` is an output with
+    no batch whose dim 0 equals a micro-batch's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.temperature = nn.Parameter(torch.tensor([0.5, 2.0]))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        import math
+
+        return self.b(torch.tanh(self.a(x))) / math.sqrt(x.shape[0]), self.temperature * 1.0
+
+
+def test_an_output_no_input_reaches_is_never_taken_for_a_batched_one() -> None:
+    """Reliability (a probe: with the batch fixed by export, a ``[2]`` parameter output was
+    concatenated into ``[8]`` over micro-batches of 2): an output no input reaches is not
+    batched, whatever its shape; the forward, the loss and every gradient are the model's (a
+    ``[2]`` target leaf without the batch is not taken for a micro-batch's either)."""
+    import fxsplit
+
+    torch.manual_seed(0)
+    model = _FixedBatch()
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 6)
+    pipe = fxsplit.compile(model, ["cpu"] * 3, (x,), microbatches=4, cost_model="analytic",
+                           options=fxsplit.CompileOptions(allow_idle_devices=False))
+    assert pipe.batched_outputs == (None, False)  # the batch is fixed: shape decides only the first
+    with torch.no_grad():
+        out, want = pipe(x), ref(x)
+    assert out[1].shape == (2,)
+    torch.testing.assert_close(out, want)
+    target = (torch.randn(8, 6), torch.zeros(2))
+
+    def loss_fn(o: Any, t: Any) -> torch.Tensor:
+        return nn.functional.mse_loss(o[0], t[0]) + nn.functional.mse_loss(o[1], t[1])
+
+    loss = pipe.train_step(x, target=target, loss_fn=loss_fn)
+    expected = loss_fn(ref(x), target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    grads = dict(pipe.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class _VarKeywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.a(x) * (2.0 if kwargs.get("double") else 1.0)
+
+
+def test_a_keyword_in_var_kwargs_that_export_cannot_take_is_named_with_the_fix() -> None:
+    """torch.export (2.13) fails on a symbolic batch with keywords that land in ``**kwargs``
+    (a probe: GPT-2's ``output_hidden_states=True``); the CaptureError names the keyword and the
+    fixes instead of the generic advice about control flow; without a symbolic batch it captures."""
+    x = torch.randn(3, 4)
+    with pytest.raises(CaptureError, match=r"\*\*kwargs \(\['double'\]\); set them on the model instead") as info:
+        capture(_VarKeywords(), (x,), {"double": True}, method="export", dynamic_batch=True)
+    assert "control flow" not in str(info.value)
+    model = _VarKeywords()
+    cap = capture(model, (x,), {"double": True}, method="export", dynamic_batch=False)
+    torch.testing.assert_close(cap(x, double=True), model(x, double=True))

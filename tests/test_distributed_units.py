@@ -460,3 +460,99 @@ def test_chunks_initialised_alike_on_every_rank_make_the_whole_one_rank_would(so
     for name, dim in (("lin.weight", 0), ("lin.bias", 0), ("proj", 1)):
         assert torch.equal(torch.cat([p[name] for p in parts], dim=dim), whole[name]), name
     assert torch.equal(parts[0]["norm.weight"], whole["norm.weight"]) and parts[0]["mask"].shape == (8, 8)
+
+
+def test_a_stage_given_its_chunk_takes_it_as_it_is() -> None:
+    """``materialise(chunks_given=...)``: a state-dict value that is this rank's chunk already
+    (calibrate's exchange of a tensor-parallel stage) is taken as it is, checked against the
+    chunk's shape; without ``chunks_given`` the same value is refused (a user's state dict
+    holds whole tensors)."""
+    from fxsplit.runtime.dist_state import materialise
+
+    sd = _Custom().state_dict()
+    shards = {"lin.weight": (1, 1, 3)}
+    piece = torch.arange(24.0).view(8, 3)
+    meta, gm, state = _one_stage(_Custom, (torch.randn(2, 8),))
+    materialise(gm, state, torch.device("cpu"), state_dict=dict(sd, **{"lin.weight": piece}), init_fn=None,
+                meta_model=meta, model_fn=_Custom, shards=shards, chunks_given={"lin.weight"})
+    assert torch.equal(gm.get_submodule("lin").weight.detach(), piece)
+    meta, gm, state = _one_stage(_Custom, (torch.randn(2, 8),))
+    with pytest.raises(ConfigError, match=r"lin\.weight: shape \[8, 3\] in the state dict, \[8, 8\] in the model"):
+        materialise(gm, state, torch.device("cpu"), state_dict=dict(sd, **{"lin.weight": piece}), init_fn=None,
+                    meta_model=meta, model_fn=_Custom, shards=shards)
+    meta, gm, state = _one_stage(_Custom, (torch.randn(2, 8),))
+    with pytest.raises(ConfigError, match=r"lin\.weight: shape \[8, 2\] in the state dict, \[8, 3\] in the model"):
+        materialise(gm, state, torch.device("cpu"), state_dict=dict(sd, **{"lin.weight": piece[:, :2]}),
+                    init_fn=None, meta_model=meta, model_fn=_Custom, shards=shards, chunks_given={"lin.weight"})
+
+
+@st.composite
+def _holdings(draw: st.DrawFn) -> tuple[list[dict], list[dict], int]:
+    """Random old holdings and new needs of a few tensors over a ``[pp, dp, tp]``-like world."""
+    from fxsplit.dist_calibrate import Held
+
+    tp = draw(st.sampled_from([1, 2, 3]))
+    pipelines = draw(st.integers(1, 2)) * tp
+    world = pipelines * draw(st.integers(1, 3))
+    old: list[dict] = [{} for _ in range(world)]
+    new: list[dict] = [{} for _ in range(world)]
+    for name in ("a", "b", "c"):
+        split = tp > 1 and draw(st.booleans())
+        for r in range(world):
+            t = r % tp
+            if draw(st.booleans()):
+                chunked = split and draw(st.booleans())
+                old[r][name] = Held((6, 2 if chunked else 6), (1, t, tp) if chunked else None)
+            if draw(st.booleans()):
+                new[r][name] = (1, t, tp) if split and draw(st.booleans()) else None
+    return old, new, pipelines
+
+
+@settings(max_examples=300, deadline=None)
+@given(_holdings())
+def test_transfer_plan_gives_every_rank_what_its_new_stages_hold(case) -> None:
+    """Issue 11 (calibrate on a mesh): :func:`transfer_plan` gives each rank each tensor its new
+    stages hold, once, from ranks that hold those pieces: one piece that covers the need (the
+    whole, or the very chunk), kept where the rank holds it, else from its own pipeline where one
+    there holds it; else every chunk in order; and raises a PlanError exactly where no rank
+    holds the tensor, or its chunks are incomplete and nobody holds what is needed."""
+    from fxsplit.dist_calibrate import transfer_plan
+    from fxsplit.errors import PlanError
+
+    old, new, pipelines = case
+    world = len(old)
+
+    def pipeline_of(r: int) -> int:
+        return r % pipelines
+
+    impossible = False
+    for name in {g for n in new for g in n}:
+        holders = [r for r in range(world) if name in old[r]]
+        for r in range(world):
+            if name not in new[r]:
+                continue
+            if not any(old[h][name].covers(new[r][name]) for h in holders):
+                chunks = {old[h][name].chunk for h in holders}
+                count = next((c[2] for c in chunks if c is not None), 0)
+                impossible |= not holders or len(chunks) < count or count == 0
+    if impossible:
+        with pytest.raises(PlanError, match="stage state"):
+            transfer_plan(old, new, pipeline_of)
+        return
+    plan = transfer_plan(old, new, pipeline_of)
+    assert sorted((g, r) for g, r, _ in plan) == sorted((g, r) for r in range(world) for g in new[r])
+    for name, rank, pieces in plan:
+        need = new[rank][name]
+        for source, piece in pieces:
+            assert old[source][name] == piece
+        if len(pieces) == 1:
+            source, piece = pieces[0]
+            assert piece.covers(need)
+            if name in old[rank] and old[rank][name].covers(need):
+                assert source == rank
+            elif any(pipeline_of(h) == pipeline_of(rank) and old[h][name].covers(need) for h in range(world)
+                     if name in old[h]):
+                assert pipeline_of(source) == pipeline_of(rank)
+        else:
+            assert need is None and not any(name in old[h] and old[h][name].covers(need) for h in range(world))
+            assert [p.chunk[1] for _, p in pieces] == list(range(len(pieces))) == list(range(pieces[0][1].chunk[2]))

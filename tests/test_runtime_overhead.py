@@ -128,9 +128,11 @@ def _compile_worker(rank: int, world: int, out_dir: str) -> dict:
         case = zoo.get(model, size="tiny", batch_size=4)
         x, y = case.make_batch(4, 1)
         loss = {"loss_fn": case.loss_fn, "target": y} if name.endswith("+loss") else {}
+        # 1F1B: one stage per rank, so the tied embedding and LM head sit on different ranks
+        # (the auto search once chose a looped plan with both on rank 0 under load: no all-reduce)
         pipe = fxd.compile(lambda n=model: zoo.get(n, size="tiny", batch_size=4).model,
-                           case.example_inputs, microbatches=2, state_dict=case.model.state_dict(), timeout_s=60,
-                           options=options, **loss)
+                           case.example_inputs, microbatches=2, schedule="1f1b", state_dict=case.model.state_dict(),
+                           timeout_s=60, options=options, **loss)
         problem = pipe.context.problem if pipe.context is not None else None
         out[name] = {"tied_sync_s": pipe.tied_sync_s, "predicted": pipe.predicted_step_s(),
                      "loss_planned": pipe.loss_planned,

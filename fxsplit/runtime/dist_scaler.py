@@ -40,7 +40,9 @@ def pipeline_grad_scaler(
     growth_interval: int = 2000,
 ) -> ShardedGradScaler:
     """A ``ShardedGradScaler`` whose overflow check is reduced over every rank of the default
-    process group (the ranks a :class:`~fxsplit.runtime.distributed.DistributedPipeline` runs on).
+    process group (the ranks a :class:`~fxsplit.runtime.distributed.DistributedPipeline` runs on,
+    with every replica of its stages: an overflow in one replica's gradients reaches the others
+    through the replicas' all-reduce, and every rank skips the step together).
 
     Args:
         device: The device the stages run on (its type, ``"cpu"`` or ``"cuda"``, is the scaler's).
@@ -70,7 +72,8 @@ def prepare_grad_scaler(scaler: Any, device: torch.device, num_ranks: int) -> No
     Args:
         scaler: What ``train_step(grad_scaler=...)`` got (not None).
         device: The device the stages run on.
-        num_ranks: The pipeline's number of ranks (the default group's size).
+        num_ranks: The ranks that must agree: every rank of the job (the default group's size:
+            the pipeline's stages with their replicas).
 
     Raises:
         ConfigError: for something that is not a ``torch.amp.GradScaler``; for a plain
@@ -98,7 +101,8 @@ def prepare_grad_scaler(scaler: Any, device: torch.device, num_ranks: int) -> No
         if size != num_ranks:
             raise ConfigError(
                 f"rank {rank}: the ShardedGradScaler's process group has {size} rank(s) (-1: this rank is not in "
-                f"it) but the pipeline runs on {num_ranks}; the overflow check must be reduced over all of them: "
+                f"it) but the pipeline and its replicas run on {num_ranks}; the overflow check must be reduced over all of "
+                f"them: "
                 f"{fix}")
     scaler.scale(torch.zeros((), device=device))  # creates the scale tensor where it is missing; a no-op otherwise
 

@@ -16,7 +16,7 @@ and split there, and only this rank's stage is allocated (``to_empty``) and fill
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -152,6 +152,7 @@ def materialise(
     meta_model: nn.Module,
     model_fn: Callable[[], nn.Module] | None,
     shards: Mapping[str, tuple[int, int, int]] | None = None,
+    chunks_given: Collection[str] = (),
 ) -> dict[str, str]:
     """Allocate ``module`` on ``device`` and fill every state tensor; see the module docstring.
 
@@ -171,6 +172,9 @@ def materialise(
             that chunk of the state dict; else filled whole by ``init_fn`` or the model's own
             initialisation one module at a time (peak: one module's tensors) and cut. Every rank
             that cuts one tensor must initialise it alike (the same random state).
+        chunks_given: Graph names of ``shards`` whose ``state_dict`` value is this rank's chunk
+            already (checked against the chunk's shape, taken as it is; calibrate's exchange
+            of a tensor-parallel stage's state).
 
     Returns:
         Original name -> where its value came from (``"state_dict"``, ``"init_fn"``,
@@ -192,12 +196,13 @@ def materialise(
     todo: Pending = {}
     chunked: Pending = {}  # filled whole, then cut
     rows = state.sources(module, source)
-    check_loadable([(key, source[key], whole.get(g, t)) for g, _n, t, key in rows if key is not None],
-                   "this rank's stage")
+    given = set(chunks_given) & set(whole)
+    check_loadable([(key, source[key], t if g in given else whole.get(g, t)) for g, _n, t, key in rows
+                    if key is not None], "this rank's stage")
     with torch.no_grad():
         for g, name, tensor, key in rows:
             if key is not None:
-                value = source[key] if g not in whole else _chunk(source[key], *shards[g])  # type: ignore[index]
+                value = source[key] if g not in whole or g in given else _chunk(source[key], *shards[g])  # type: ignore[index]
                 tensor.copy_(value.to(tensor.dtype))
                 origin[name] = "state_dict"
             elif init_fn is not None and g in whole:

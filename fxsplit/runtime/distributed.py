@@ -56,7 +56,7 @@ from fxsplit.checkpoint import PLAN_FILE, commit, next_version, shard_name, writ
 from fxsplit.errors import ConfigError, ExecutionError
 from fxsplit.ir import Plan
 from fxsplit.options import autocast_dtype, precision
-from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
+from fxsplit.passes.capture import BatchLayout, InputGuard, flatten_to_spec, unflatten_to_spec
 from fxsplit.runtime.dist_faults import Progress, Watchdog
 from fxsplit.runtime.dist_scaler import (
     ShardedGradScaler,
@@ -205,7 +205,11 @@ class DistributedPipeline(ParameterAPI):
             on every rank: every rank splits the batch into the same micro-batch sizes); None:
             the first stage's ``module.batched``, or every tensor input.
         batched_outputs: Which flat outputs carry the batch (``Captured.batched_outputs``;
-            None: those whose dim 0 is the micro-batch size).
+            None, or None for an output: those whose dim 0 is the micro-batch size).
+        input_guards: ``Captured.guards``: what the capture fixed of the inputs, checked on
+            every call (a ``ConfigError`` for another value).
+        size_outputs: ``Captured.size_output_values``: the batch's value of each output that
+            is a number of the inputs' sizes.
         layout: ``Captured.layout``: where the batch is in the model's own inputs, outputs and
             target when not on dim 0; the stages run batch-first.
         replicas: This rank's :class:`Replicas` when every stage is replicated (``train_step``
@@ -232,9 +236,11 @@ class DistributedPipeline(ParameterAPI):
         timeout_s: float = 60.0,
         watchdog: bool = True,
         batched_inputs: Sequence[bool] | None = None,
-        batched_outputs: Sequence[bool] | None = None,
+        batched_outputs: Sequence[bool | None] | None = None,
         layout: BatchLayout | None = None,
         replicas: Replicas | None = None,
+        input_guards: Sequence[InputGuard] | None = None,
+        size_outputs: Callable[[Sequence[Any]], Mapping[int, Any]] | None = None,
     ) -> None:
         if not stages:
             raise ConfigError("a DistributedPipeline needs at least one stage on this rank")
@@ -246,6 +252,8 @@ class DistributedPipeline(ParameterAPI):
         self.num_stages, self.num_ranks, self.device = num_stages, dist.get_world_size(self.group), device
         self.schedule_kind, self.microbatches = schedule_kind, microbatches
         self.in_spec, self.out_spec = in_spec, out_spec
+        self.input_guards = None if input_guards is None else tuple(input_guards)  # what the capture fixed
+        self.size_outputs = size_outputs  # outputs that are numbers of the inputs' sizes: their batch values
         self.tied, self.state_order = tuple(tied), list(state_order)
         self.plan, self.autocast = plan, autocast
         # what the pipeline is (model, reference device, cost model): saved with checkpoints, drives nothing
@@ -407,7 +415,7 @@ class DistributedPipeline(ParameterAPI):
             setattr(stage, attr, traced)
 
     def _flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-        return flatten_to_spec(args, kwargs, self.in_spec, self.layout)
+        return flatten_to_spec(args, kwargs, self.in_spec, self.layout, self.input_guards)
 
     def _unflatten(self, outs: Sequence[Any]) -> Any:
         """The graph's flat outputs as the model's output (its structure and batch layout)."""
@@ -439,7 +447,7 @@ class DistributedPipeline(ParameterAPI):
         if self._reduction is None:
             self._reduction = self._loss_reductions.of(
                 self._loss_fn, outs, self.batched_outputs, self._unflatten, target, self._mb_size,
-                self._target_dim or 0)
+                self._target_dim or 0, [self._target_dim or 0])  # one target tensor, its batch where the user has it
         weight = 1.0 if self._reduction == "sum" else self._weight
         self._check_pair(outs, target)
         start = time.perf_counter()
@@ -464,7 +472,7 @@ class DistributedPipeline(ParameterAPI):
         if prev is not None:
             check_loss_pair(self._loss_fn, [prev[0], now[0]], [prev[1], now[1]], [prev[2], now[2]],
                             self._reduction, self.batched_outputs, self._unflatten, self._target_dim or 0,
-                            first=len(self._losses) - 1)
+                            first=len(self._losses) - 1, target_dims=[self._target_dim or 0])
 
     def _run(self, what: str, call: Callable[[], Any]) -> Any:
         self.progress.started_s = time.monotonic()
@@ -538,11 +546,8 @@ class DistributedPipeline(ParameterAPI):
         """
         if not callable(loss_fn):
             raise ConfigError(f"train_step needs loss_fn=callable(output, target) -> scalar, got {loss_fn!r}")
-        if grad_scaler is not None and self.replicas is not None:
-            raise ConfigError("loss scaling (grad_scaler) with replicated stages is not supported yet; "
-                              "train bf16 or fp32, or compile without replicas")
-        if grad_scaler is not None:
-            prepare_grad_scaler(grad_scaler, self.device, self.num_ranks)
+        if grad_scaler is not None:  # one skip decision over every rank: stages, their replicas and shards
+            prepare_grad_scaler(grad_scaler, self.device, dist.get_world_size())
         flat = self._flatten(args, kwargs)
         if self.replicas is not None:
             flat, target = self._replica_share(flat, target)
@@ -831,7 +836,8 @@ class DistributedPipeline(ParameterAPI):
         if not self.is_last:
             return None
         rows = [size * count for _, size, count in self._groups(batch)]
-        return self._unflatten(merge_outputs(parts, rows, self.batched_outputs))
+        given = self.size_outputs(flat) if self.size_outputs is not None else None
+        return self._unflatten(merge_outputs(parts, rows, self.batched_outputs, given=given))
 
     forward = __call__
 

@@ -31,7 +31,7 @@ from fxsplit.errors import ConfigError, ExecutionError, InternalError
 from fxsplit.ir import Plan
 from fxsplit.ir.units import format_bytes, format_ids, format_seconds
 from fxsplit.options import precision
-from fxsplit.passes.capture import BatchLayout, flatten_to_spec, unflatten_to_spec
+from fxsplit.passes.capture import BatchLayout, InputGuard, flatten_to_spec, unflatten_to_spec
 from fxsplit.passes.per_sample import is_random
 from fxsplit.runtime.microbatch import (
     DrawsAsExpected,
@@ -44,6 +44,7 @@ from fxsplit.runtime.microbatch import (
     scalar_reductions,
     split_microbatches,
     split_target,
+    target_leaf_dims,
 )
 from fxsplit.runtime.recompute import RecomputedForward
 from fxsplit.runtime.split_backward import PendingWeights, backward_input, backward_weight
@@ -122,6 +123,7 @@ class _Step:
         default_factory=list)
     scalars: bool = False
     scale: Callable[[torch.Tensor], torch.Tensor] | None = None  # a GradScaler's scale(): fp16 loss scaling
+    target_dims: list[int | None] | None = None  # each target leaf's batch dimension in the whole batch
 
     def total_loss(self) -> torch.Tensor:
         """The batch loss (detached): the sum of the weighted micro-batch losses."""
@@ -159,12 +161,16 @@ class Pipeline(ParameterAPI):
         executor: str = "auto",
         bn_tracker: BatchNormTracker | None = None,
         batched_inputs: Sequence[bool] | None = None,
-        batched_outputs: Sequence[bool] | None = None,
+        batched_outputs: Sequence[bool | None] | None = None,
         layout: BatchLayout | None = None,
         autocast: torch.dtype | None = None,
+        input_guards: Sequence[InputGuard] | None = None,
+        size_outputs: Callable[[Sequence[Any]], Mapping[int, Any]] | None = None,
     ) -> None:
         self.program = program
         self.in_spec, self.out_spec = in_spec, out_spec
+        self.input_guards = None if input_guards is None else tuple(input_guards)  # what the capture fixed
+        self.size_outputs = size_outputs  # outputs that are numbers of the inputs' sizes: their batch values
         self.state = state
         self.plan = plan
         self.device_names = tuple(device_names) if device_names is not None else tuple(st.device for st in program.stages)
@@ -215,7 +221,7 @@ class Pipeline(ParameterAPI):
         return self._schedules[key]
 
     def _flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-        return flatten_to_spec(args, kwargs, self.in_spec, self.layout)
+        return flatten_to_spec(args, kwargs, self.in_spec, self.layout, self.input_guards)
 
     def _unflatten(self, flat: Sequence[Any]) -> Any:
         outs = list(flat)
@@ -269,7 +275,8 @@ class Pipeline(ParameterAPI):
         if len(outs) > 1 and (scalars := scalar_outputs(outs[0])):  # e.g. the model's own loss
             parts, joint = self._run_together(mbs, outs)
             reductions = scalar_reductions(parts, joint, sizes, scalars)
-        return self._unflatten(merge_outputs(outs, sizes, self.batched_outputs, reductions))
+        given = self.size_outputs(flat) if self.size_outputs is not None else None
+        return self._unflatten(merge_outputs(outs, sizes, self.batched_outputs, reductions, given))
 
     def _run_together(self, inputs: Sequence[Sequence[Any]],
                       outputs: Sequence[Sequence[Any]] | None) -> tuple[Sequence[Sequence[Any]], list[Any]]:
@@ -406,6 +413,7 @@ class Pipeline(ParameterAPI):
         # Target leaves are split with the inputs' batch size; leaves without it go whole.
         return _Step(mbs, split_target(target, m, sum(sizes), self._target_dim), loss_weights(sizes), loss_fn,
                      losses=[None] * m, sizes=sizes, reduction_checked=m == 1,
+                     target_dims=target_leaf_dims(target, sum(sizes), self._target_dim),
                      scale=grad_scaler.scale if grad_scaler is not None else None)
 
     def run_action(self, action: Action, step: _Step) -> None:
@@ -435,7 +443,8 @@ class Pipeline(ParameterAPI):
                 if not step.reduction_checked:  # the first micro-batch of a step that has several
                     step.reduction_checked = True
                     kind = self._loss_reductions.of(step.loss_fn, outputs, self.batched_outputs, self._unflatten,
-                                                    step.targets[i], step.sizes[i], self._target_dim)
+                                                    step.targets[i], step.sizes[i], self._target_dim,
+                                                    step.target_dims)
                     if kind == "sum":  # a sum over the batch is the plain sum of the micro-batches' sums
                         step.weights = [1.0] * len(step.weights)
                     step.reduction = kind
@@ -468,14 +477,14 @@ class Pipeline(ParameterAPI):
             same = self.autocast is None and all(x.dtype == torch.float32 for x in losses)  # as the check computes
             check_loss_pair(step.loss_fn, outputs, step.targets[i:i + 2], step.sizes[i:i + 2], step.reduction,
                             self.batched_outputs, self._unflatten, self._target_dim, first=i,
-                            losses=[float(x) for x in losses] if same else None)
+                            losses=[float(x) for x in losses] if same else None, target_dims=step.target_dims)
 
     def _check_together(self, step: _Step) -> None:
         """After the step of a model with 0-d outputs (its own loss): all its micro-batches run
         together give the loss the weights add up (:meth:`_run_together`)."""
         parts, joint = self._run_together(step.inputs, None)
         check_loss_pair(step.loss_fn, parts, step.targets, step.sizes, step.reduction, self.batched_outputs,
-                        self._unflatten, self._target_dim, joint=joint)
+                        self._unflatten, self._target_dim, joint=joint, target_dims=step.target_dims)
 
     @staticmethod
     def _pending(s: int, i: int, step: _Step) -> PendingWeights:

@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxsplit.errors import ConfigError
 
-__all__ = ["batch_size_of", "check_splittable", "split_microbatches", "split_target", "target_batch_dim", "loss_weights", "merge_outputs", "microbatch_sizes",
+__all__ = ["batch_size_of", "check_splittable", "split_microbatches", "split_target", "target_batch_dim",
+           "target_leaf_dims", "loss_weights", "merge_outputs", "microbatch_sizes",
            "loss_reduction", "LossReductions", "scalar_outputs", "scalar_reductions", "DrawsAsExpected"]
 
 
@@ -40,7 +41,7 @@ def microbatch_sizes(batch: int, m: int) -> list[int]:
 
 
 def split_microbatches(
-    flat: Sequence[Any], m: int, batch: int | None = None, batched: Sequence[bool] | None = None
+    flat: Sequence[Any], m: int, batch: int | None = None, batched: Sequence[bool | None] | None = None
 ) -> tuple[list[list[Any]], list[int]]:
     """Split flat inputs into ``m`` micro-batches.
 
@@ -71,7 +72,7 @@ def split_microbatches(
     check_splittable(batch, m)
     if m == 1:  # the batch is the micro-batch: no views to make
         return [list(flat)], [batch]
-    flags = batched if batched is not None else [_looks_batched(x, batch) for x in flat]
+    flags = _batched_flags(batched, flat, batch)
     return _split_rows(flat, m, [0 if split else None for split in flags]), microbatch_sizes(batch, m)
 
 
@@ -102,6 +103,17 @@ def target_batch_dim(leaf: Any, batch: int, target_dim: int = 0) -> int | None:
     return next((d for d in dict.fromkeys((target_dim, 0)) if leaf.dim() > d and leaf.shape[d] == batch), None)
 
 
+def target_leaf_dims(target: Any, batch: int, target_dim: int = 0) -> list[int | None]:
+    """:func:`target_batch_dim` of each leaf of ``target`` (pytree order), for the whole batch of
+    ``batch`` samples: the split of every micro-batch's target, which a micro-batch's own sizes
+    cannot tell (a ``[2]`` leaf without the batch looks batched in micro-batches of 2)."""
+    return [target_batch_dim(x, batch, target_dim) for x in pytree.tree_leaves(target)]
+
+
+def _target_dims(target: Any, size: int, target_dim: int, dims: Sequence[int | None] | None) -> list[int | None]:
+    return list(dims) if dims is not None else target_leaf_dims(target, size, target_dim)
+
+
 def split_target(target: Any, m: int, batch: int, target_dim: int = 0) -> list[Any]:
     """``[m]`` targets: the leaves of ``target`` that carry the batch split like the inputs.
 
@@ -123,7 +135,7 @@ def split_target(target: Any, m: int, batch: int, target_dim: int = 0) -> list[A
     if not leaves:
         return [target] * m
     check_splittable(batch, m)
-    rows = _split_rows(leaves, m, [target_batch_dim(x, batch, target_dim) for x in leaves])
+    rows = _split_rows(leaves, m, target_leaf_dims(target, batch, target_dim))
     return [pytree.tree_unflatten(row, spec) for row in rows]
 
 
@@ -134,8 +146,8 @@ def loss_weights(sizes: Sequence[int]) -> list[float]:
 
 
 def loss_reduction(
-    loss_fn: Any, flat_outputs: Sequence[Any], batched: Sequence[bool] | None, unflatten: Any, target: Any, size: int,
-    target_dim: int = 0,
+    loss_fn: Any, flat_outputs: Sequence[Any], batched: Sequence[bool | None] | None, unflatten: Any, target: Any, size: int,
+    target_dim: int = 0, target_dims: Sequence[int | None] | None = None,
 ) -> str:
     """How ``loss_fn`` reduces over the batch, tried on one micro-batch of ``size`` samples.
 
@@ -153,6 +165,8 @@ def loss_reduction(
         target: The micro-batch's target (leaves carry the batch as :func:`target_batch_dim` says).
         size: The micro-batch's size.
         target_dim: Where the batch is in a target leaf that has that dimension.
+        target_dims: Each target leaf's batch dimension as the whole batch's split gave it
+            (:func:`target_leaf_dims`); None: judged on the micro-batch's ``size``.
 
     Returns:
         ``"mean"``, ``"sum"``, or ``"unknown"`` when the loss is 0 (nothing to tell apart; run
@@ -161,7 +175,7 @@ def loss_reduction(
     Raises:
         ConfigError: for a loss that is neither, naming both values.
     """
-    flags = list(batched) if batched is not None else [_looks_batched(x, size) for x in flat_outputs]
+    flags = _batched_flags(batched, flat_outputs, size)
 
     def twice(x: Any, dim: int | None) -> Any:
         return torch.cat([x, x], dim=dim) if dim is not None and isinstance(x, torch.Tensor) else x
@@ -171,7 +185,9 @@ def loss_reduction(
         outs = [(x.detach().float() if x.is_floating_point() else x.detach()) if isinstance(x, torch.Tensor) else x
                 for x in flat_outputs]
         one = loss_fn(unflatten(outs), target)
-        doubled_target = pytree.tree_map(lambda t: twice(t, target_batch_dim(t, size, target_dim)), target)
+        leaves, spec = pytree.tree_flatten(target)
+        dims = _target_dims(target, size, target_dim, target_dims)
+        doubled_target = pytree.tree_unflatten([twice(t, d) for t, d in zip(leaves, dims, strict=True)], spec)
         two = loss_fn(unflatten([twice(x, 0 if b else None) for x, b in zip(outs, flags, strict=True)]), doubled_target)
     one_f, two_f = float(one), float(two)
     tol = 1e-4 * abs(one_f) + 1e-12
@@ -190,8 +206,8 @@ def loss_reduction(
 
 def check_loss_pair(
     loss_fn: Any, outputs: Sequence[Sequence[Any]], targets: Sequence[Any], sizes: Sequence[int], kind: str,
-    batched: Sequence[bool] | None, unflatten: Any, target_dim: int = 0, joint: Sequence[Any] | None = None,
-    first: int = 0, losses: Sequence[float] | None = None,
+    batched: Sequence[bool | None] | None, unflatten: Any, target_dim: int = 0, joint: Sequence[Any] | None = None,
+    first: int = 0, losses: Sequence[float] | None = None, target_dims: Sequence[int | None] | None = None,
 ) -> None:
     """Check that the loss of consecutive micro-batches together is what the pipeline adds up
     from their losses: ``sum(n_i L_i) / sum(n_i)`` for a mean, ``sum(L_i)`` for a sum.
@@ -212,7 +228,7 @@ def check_loss_pair(
         targets: ``[k]`` their targets.
         sizes: ``[k]`` their samples.
         kind: ``"mean"`` or ``"sum"`` (:func:`loss_reduction`).
-        batched, unflatten, target_dim: As :func:`loss_reduction`.
+        batched, unflatten, target_dim, target_dims: As :func:`loss_reduction`.
         joint: The model's flat outputs on the ``k`` micro-batches run together, when the caller
             ran them (the local runtime does for a model with 0-d outputs: a model's own loss is
             not the concatenation of anything). None: the outputs are joined, batched ones
@@ -226,7 +242,7 @@ def check_loss_pair(
             without ``joint``, for an output without the batch that differs between them (a 0-d
             loss the model computes itself), whose value on all of them cannot be known here.
     """
-    flags = list(batched) if batched is not None else [_looks_batched(x, sizes[0]) for x in outputs[0]]
+    flags = _batched_flags(batched, outputs[0], sizes[0])
     which = (f"micro-batches {first} and {first + 1}" if len(outputs) == 2
              else f"micro-batches {first}..{first + len(outputs) - 1}")
     if joint is None:
@@ -253,10 +269,10 @@ def check_loss_pair(
             both = as_float(joint)
         leaves = [pytree.tree_flatten(t)[0] for t in targets]
         spec = pytree.tree_flatten(targets[0])[1]
+        dims = _target_dims(targets[0], sizes[0], target_dim, target_dims)
         target = pytree.tree_unflatten(
-            [torch.cat([lv[i].to(leaves[0][i].device) for lv in leaves], dim=d)
-             if (d := target_batch_dim(leaves[0][i], sizes[0], target_dim)) is not None else leaves[0][i]
-             for i in range(len(leaves[0]))], spec)
+            [torch.cat([lv[i].to(leaves[0][i].device) for lv in leaves], dim=d) if d is not None else leaves[0][i]
+             for i, d in enumerate(dims)], spec)
         got = float(loss_fn(unflatten(both), target))
         if losses is None:
             losses = [float(loss_fn(unflatten(mb), t)) for mb, t in zip(outs, targets, strict=True)]
@@ -280,15 +296,15 @@ class LossReductions:
     def __init__(self) -> None:
         self._known: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
-    def of(self, loss_fn: Any, flat_outputs: Sequence[Any], batched: Sequence[bool] | None, unflatten: Any,
-           target: Any, size: int, target_dim: int = 0) -> str:
+    def of(self, loss_fn: Any, flat_outputs: Sequence[Any], batched: Sequence[bool | None] | None, unflatten: Any,
+           target: Any, size: int, target_dim: int = 0, target_dims: Sequence[int | None] | None = None) -> str:
         try:
             known = self._known.get(loss_fn)
         except TypeError:
             known = None
         if known is not None:
             return known
-        kind = loss_reduction(loss_fn, flat_outputs, batched, unflatten, target, size, target_dim)
+        kind = loss_reduction(loss_fn, flat_outputs, batched, unflatten, target, size, target_dim, target_dims)
         if kind != "unknown":
             with contextlib.suppress(TypeError):
                 self._known[loss_fn] = kind
@@ -299,16 +315,26 @@ def _looks_batched(x: Any, batch: int) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch
 
 
-def merge_outputs(per_mb: Sequence[Sequence[Any]], sizes: Sequence[int], batched: Sequence[bool] | None = None,
-                  reductions: Mapping[int, str] | None = None) -> list[Any]:
+def _batched_flags(batched: Sequence[bool | None] | None, values: Sequence[Any], size: int) -> list[bool]:
+    """Which ``values`` carry the batch on dim 0: as ``batched`` says (the capture's symbolic
+    batch, or False for a value no input reaches), by shape (dim 0 equal to ``size``) where it
+    says None or nothing."""
+    known = list(batched) if batched is not None else [None] * len(values)
+    return [b if b is not None else _looks_batched(x, size) for b, x in zip(known, values, strict=True)]
+
+
+def merge_outputs(per_mb: Sequence[Sequence[Any]], sizes: Sequence[int], batched: Sequence[bool | None] | None = None,
+                  reductions: Mapping[int, str] | None = None, given: Mapping[int, Any] | None = None) -> list[Any]:
     """Merge flat outputs of the micro-batches into flat outputs of the batch.
 
-    Batched outputs (``batched``, default: tensors whose dim 0 is each micro-batch's size) are
-    concatenated; a 0-d tensor (a loss the model computes itself) is merged as ``reductions``
+    Batched outputs (``batched``; where it says None or nothing: tensors whose dim 0 is each
+    micro-batch's size) are concatenated; a 0-d tensor (a loss the model computes itself) is merged as ``reductions``
     says (:func:`scalar_reductions`, found by running two micro-batches together): ``"mean"``
     weights the micro-batches by their samples, ``"sum"`` adds them; anything else must be the
     same in every micro-batch (a value that does not depend on the batch) and is taken from
-    the first.
+    the first. ``given``: output index -> the batch's value, known without the micro-batches (a
+    number computed from the inputs' sizes:
+    :meth:`~fxsplit.passes.capture.Captured.size_output_values`).
 
     Raises:
         ConfigError: for an output that differs between micro-batches but is none of these: its
@@ -323,9 +349,13 @@ def merge_outputs(per_mb: Sequence[Sequence[Any]], sizes: Sequence[int], batched
     total = sum(sizes)
     merged = []
     for j in range(len(per_mb[0])):
+        if given and j in given:
+            merged.append(given[j])
+            continue
         vals = [outs[j] for outs in per_mb]
         first = vals[0]
-        cat = batched[j] if batched is not None else all(_looks_batched(v, n) for v, n in zip(vals, sizes, strict=True))
+        known = batched[j] if batched is not None else None
+        cat = known if known is not None else all(_looks_batched(v, n) for v, n in zip(vals, sizes, strict=True))
         rule = (reductions or {}).get(j)
         if cat and isinstance(first, torch.Tensor):
             merged.append(torch.cat([v.to(first.device) for v in vals], dim=0))
@@ -381,8 +411,8 @@ def scalar_reductions(parts: Sequence[Sequence[Any]], joint: Sequence[Any], size
     """
     rules = {}
     for j in indices:
-        values = [float(x[j]) for x in parts]
-        got = float(joint[j])
+        values = [float(x[j].detach()) for x in parts]  # (0-d tensors: scalar_outputs)
+        got = float(joint[j].detach())
         dtype = joint[j].dtype
         rtol = max(1e-5, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
         mean, added, shown = _by_samples(values, sizes)
