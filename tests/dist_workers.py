@@ -1034,6 +1034,33 @@ def token_mean_refused(rank: int, world: int, out_dir: str, timeout_s: float) ->
     return {"finished": True}
 
 
+def loss_calls(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """``loss_fn`` calls on each of 5 steps of 4 micro-batches (a per-sample mean), and each
+    step's loss against the unsplit model's."""
+    batch = 8
+    case = _case("gpt", batch)
+    pipe = fxd.compile(_model_fn("gpt", batch), case.example_inputs, schedule="1f1b", microbatches=4,
+                       state_dict=case.model.state_dict(), timeout_s=30, cost_model="analytic",
+                       options=CompileOptions(link=LinkSpec()))
+    inputs, target = case.make_batch(batch, 3)
+    ref_loss, _ = reference_of(case.model, inputs, target, case.loss_fn)
+    calls = [0]
+
+    def counted(out: Any, tgt: Any) -> Any:
+        calls[0] += 1
+        return case.loss_fn(out, tgt)
+
+    per_step = []
+    for _ in range(5):
+        calls[0] = 0
+        pipe.zero_grad(set_to_none=True)
+        loss = pipe.train_step(*inputs, target=target, loss_fn=counted, broadcast_loss=True)
+        torch.testing.assert_close(float(loss), ref_loss, rtol=1e-5, atol=1e-6)
+        per_step.append(calls[0])
+    pipe.close()
+    return {"calls": per_step}
+
+
 def presharded_equal(rank: int, world: int, out_dir: str,
                      runs: list[tuple[str, str, int, int, bool, str]]) -> dict[str, Any]:
     """For each ``(model, schedule, replicas, tp, state dict as a file, recompute)``: a pipeline given the

@@ -715,6 +715,17 @@ def test_a_token_mean_over_uneven_padding_is_refused_across_ranks(tmp_path):
         assert float(elapsed) < timeout_s + 3 and clean == "True", (rank, elapsed, clean)
 
 
+def test_the_pair_checks_reuse_the_steps_losses(tmp_path):
+    """The last rank's loss checks cost one more ``loss_fn`` call per pair of micro-batches (the
+    pair together), reusing the step's own float32 losses (it called ``loss_fn`` three times per
+    pair before): 4 micro-batches, the first step 4 + 2 (mean or sum, once per function) + 3
+    pairs, the next two steps 4 + 3, then only the 4 losses; every loss the unsplit model's."""
+    results = launch(w.loss_calls, 2, tmp_path, deadline_s=90)
+    check_ok(results)
+    assert results[1]["result"]["calls"] == [9, 7, 7, 4, 4]
+    assert results[0]["result"]["calls"] == [0] * 5  # the loss runs on the last rank only
+
+
 def test_a_state_dict_is_read_shard_by_shard_onto_tensor_parallel_ranks(tmp_path):
     """Issue 11 (shard at materialisation): given the unsplit model's state dict (a mapping, or a
     file read with mmap), each tensor-parallel rank allocates and reads only its chunk of every

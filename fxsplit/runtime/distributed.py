@@ -273,7 +273,7 @@ class DistributedPipeline(ParameterAPI):
         self._scaler: torch.amp.GradScaler | None = None  # the step's loss scaler (fp16)
         self._losses: list[torch.Tensor] = []  # the step's micro-batch losses, weighted, unscaled (last rank)
         self._mb_size = 0
-        self._pair_prev: tuple[list[Any], Any, int] | None = None  # the last micro-batch's outputs, target, size
+        self._pair_prev: tuple[list[Any], Any, int, float | None] | None = None  # the last micro-batch: outputs, target, size, loss
         self._pair_step = False  # this step checks its pairs
         self._pair_checks: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._runners: dict[tuple[int, int, bool], Any] = {}  # schedules, built at first use
@@ -449,30 +449,36 @@ class DistributedPipeline(ParameterAPI):
                 self._loss_fn, outs, self.batched_outputs, self._unflatten, target, self._mb_size,
                 self._target_dim or 0, [self._target_dim or 0])  # one target tensor, its batch where the user has it
         weight = 1.0 if self._reduction == "sum" else self._weight
-        self._check_pair(outs, target)
         start = time.perf_counter()
         with precision(self.device, autocast_dtype(self.autocast)):  # as the unsplit model runs it
-            loss = self._loss_fn(self._unflatten(outs), target) * weight
+            raw = self._loss_fn(self._unflatten(outs), target)
+            loss = raw * weight
         if self._recording and self.recorder is not None:  # the loss of the forward just run, on the last stage
             self.recorder.add(self.num_stages - 1, "L", self._forwarded, start, action_end_s(self.device))
+        self._check_pair(outs, target, raw)
         self._losses.append(loss.detach())
         return loss if self._scaler is None else scale_loss(self._scaler, loss)  # what goes backward
 
-    def _check_pair(self, outs: list[Any], target: Any) -> None:
+    def _check_pair(self, outs: list[Any], target: Any, loss: torch.Tensor) -> None:
         """Every two consecutive micro-batches of the step: their loss together is what the
         weights add up (:func:`~fxsplit.runtime.microbatch.check_loss_pair`; all pairs passing
         means the whole batch does); a loss normalised by a count that varies between
         micro-batches is refused. Inside torch's schedule on the last rank (a failure there stops
         every rank within the timeout), so only on a loss function's first
-        :data:`PAIR_CHECK_STEPS` steps: it would add to every measured step after."""
+        :data:`PAIR_CHECK_STEPS` steps: it would add to every measured step after. ``loss``: the
+        micro-batch's unweighted loss, reused when float32 without autocast (the value the check
+        would compute again: one more ``loss_fn`` call per pair, not three)."""
         if self._reduction not in ("mean", "sum") or self.microbatches < 2 or not self._pair_step:
             return
-        now = ([x.detach() if isinstance(x, torch.Tensor) else x for x in outs], target, self._mb_size)
+        same = self.autocast is None and loss.dtype == torch.float32
+        now = ([x.detach() if isinstance(x, torch.Tensor) else x for x in outs], target, self._mb_size,
+               float(loss.detach()) if same else None)
         prev, self._pair_prev = self._pair_prev, now
         if prev is not None:
+            losses = [prev[3], now[3]] if prev[3] is not None and now[3] is not None else None
             check_loss_pair(self._loss_fn, [prev[0], now[0]], [prev[1], now[1]], [prev[2], now[2]],
                             self._reduction, self.batched_outputs, self._unflatten, self._target_dim or 0,
-                            first=len(self._losses) - 1, target_dims=[self._target_dim or 0])
+                            first=len(self._losses) - 1, losses=losses, target_dims=[self._target_dim or 0])
 
     def _run(self, what: str, call: Callable[[], Any]) -> Any:
         self.progress.started_s = time.monotonic()
