@@ -563,3 +563,29 @@ def test_a_token_mean_over_uneven_padding_is_refused_not_reweighted() -> None:
         grads = dict(ref.named_parameters())
         for name, p in pipe.named_parameters():
             torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_an_input_that_needs_a_gradient_gets_the_unsplit_models(schedule: str) -> None:
+    """``train_step`` and the forward on an input with ``requires_grad``: its gradient is the
+    unsplit model's, and no warning (stage 0 read ``.grad`` of the input's micro-batch views,
+    which autograd never fills: a UserWarning every step)."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    pipe = fxsplit.compile(model, devices(3), (x,), microbatches=4, schedule=schedule, cost_model="analytic",
+                           options=fxsplit.CompileOptions(allow_idle_devices=False))
+    got, want = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        pipe.train_step(got, target=y, loss_fn=torch.nn.functional.mse_loss)
+    torch.nn.functional.mse_loss(ref(want), y).backward()
+    torch.testing.assert_close(got.grad, want.grad)
+    got.grad = want.grad = None
+    pipe(got).square().sum().backward()
+    ref(want).square().sum().backward()
+    torch.testing.assert_close(got.grad, want.grad)

@@ -511,7 +511,9 @@ class Pipeline(ParameterAPI):
         else:
             self._guarded(s, i, "backward", lambda: self._backward_from(outputs, grads) if grads is not None
                           else loss.backward() if loss is not None and loss.requires_grad else None)
-            in_grads = [t.grad if t is not None and t.requires_grad else None for t in _tensor_leaves(slot.inputs)]
+            # (stage 0's inputs are the user's, views of them when they need a gradient: it flows there)
+            in_grads = [t.grad if t is not None and t.requires_grad else None
+                        for t in _tensor_leaves(slot.inputs)] if s > 0 else []
         if s > 0:
             step.grads[(s - 1, i)] = in_grads
         if last and (loss := step.losses[i]) is not None:
