@@ -39,7 +39,8 @@ from fxsplit.passes.batch_layout import (
 )
 from fxsplit.passes.manager import getattr_path
 
-__all__ = ["BatchLayout", "Captured", "InputGuard", "capture", "flatten_to_spec", "unflatten_to_spec", "in_place_root", "writes_in_place", "METHODS"]
+__all__ = ["BatchLayout", "Captured", "InputGuard", "capture", "flatten_to_spec", "unflatten_to_spec", "in_place_root", "reads_inputs", "writes_in_place",
+           "METHODS"]
 
 log = logging.getLogger(__name__)
 
@@ -256,13 +257,14 @@ def _input_free_outputs(gm: torch.fx.GraphModule) -> tuple[bool | None, ...] | N
     dim 0), None for the others (the runtime then goes by shape); None when every output
     reaches an input."""
     outputs = list(gm.graph.output_node().args[0])  # type: ignore[arg-type]
-    flags = tuple(None if isinstance(out, torch.fx.Node) and _reaches_input(out) else False for out in outputs)
+    flags = tuple(None if isinstance(out, torch.fx.Node) and (out.op == "placeholder" or reads_inputs(out)) else False
+                  for out in outputs)
     return flags if False in flags else None
 
 
-def _reaches_input(node: torch.fx.Node) -> bool:
-    """Whether ``node``'s value depends on a placeholder (one of the model's inputs)."""
-    seen, todo = set(), [node]
+def reads_inputs(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value depends on a placeholder (the model's inputs, or a stage's)."""
+    seen, todo = set(), list(node.all_input_nodes)
     while todo:
         n = todo.pop()
         if n in seen:

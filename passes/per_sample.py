@@ -30,7 +30,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from fxsplit.passes.capture import in_place_root, writes_in_place
+from fxsplit.passes.capture import in_place_root, reads_inputs, writes_in_place
 
 __all__ = ["BatchMixing", "buffer_writes", "find_batch_mixing", "is_random", "mutated_buffers", "once_per_step_buffers",
            "reads_inputs"]
@@ -100,20 +100,6 @@ def buffer_writes(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
         if buf is not None and not buf.endswith(_DEFERRED_BUFFERS):
             writes.setdefault(buf, []).append(node)
     return writes
-
-
-def reads_inputs(node: torch.fx.Node) -> bool:
-    """Whether ``node``'s value depends on a placeholder (the model's inputs, or a stage's)."""
-    seen, todo = set(), list(node.all_input_nodes)
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
 
 
 def once_per_step_buffers(gm: torch.fx.GraphModule) -> set[str]:
