@@ -160,7 +160,11 @@ class Captured:
 
     def size_output_values(self, flat: Sequence[Any]) -> dict[int, int | float]:
         """The value of each :attr:`size_outputs` output for the flat inputs ``flat`` (the whole
-        batch, as :meth:`flatten_inputs` gives them): its formula evaluated at their sizes."""
+        batch, as :meth:`flatten_inputs` gives them): its formula evaluated at their sizes.
+
+        Raises:
+            ConfigError: for a formula in a size no input has (data-dependent).
+        """
         if not self.size_outputs:
             return {}
         import sympy
@@ -169,6 +173,11 @@ class Captured:
         out: dict[int, int | float] = {}
         for j, expr in self.size_outputs.items():
             value = sympy.sympify(expr).xreplace(sizes)
+            if value.free_symbols:  # a size no input has (a data-dependent count, such as nonzero's)
+                raise ConfigError(
+                    f"output {j} of the model is a number computed from sizes ({expr}) that are not the inputs' "
+                    f"({sorted(map(str, value.free_symbols))} depend on the data): its value on the batch is not "
+                    "what the micro-batches' values make; return it as a tensor or run with microbatches=1")
             out[j] = int(value) if value.is_Integer else float(value)
         return out
 
@@ -244,10 +253,6 @@ def _size_outputs(gm: torch.fx.GraphModule) -> tuple[dict[int, Any], tuple[tuple
         for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
             if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
                 where.append((size.node.expr, i, d))
-    unknown = {s for expr in out.values() for s in expr.free_symbols} - {sym for sym, _, _ in where}
-    for j in [j for j, expr in out.items() if expr.free_symbols & unknown]:
-        log.warning("output %d is a number of sizes fxsplit cannot place (%s): each micro-batch's value is kept", j,
-                    out.pop(j))
     return out, tuple(where)
 
 

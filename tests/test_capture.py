@@ -658,3 +658,18 @@ def test_a_keyword_in_var_kwargs_that_export_cannot_take_is_named_with_the_fix()
     model = _VarKeywords()
     cap = capture(model, (x,), {"double": True}, method="export", dynamic_batch=False)
     torch.testing.assert_close(cap(x, double=True), model(x, double=True))
+
+
+def test_a_size_output_of_a_size_no_input_has_is_refused() -> None:
+    """``size_output_values`` evaluates the capture's formulas at the inputs' sizes; a formula in
+    a symbol no input carries (a data-dependent size) cannot be evaluated: a ConfigError, never
+    a micro-batch's value."""
+    import dataclasses
+
+    import sympy
+
+    cap = capture(_Counts(), (torch.randn(8, 6),), method="export", dynamic_batch=True)
+    assert cap.size_output_values([torch.randn(5, 6)]) == {1: 5, 2: 11}
+    stray = dataclasses.replace(cap, size_outputs={1: sympy.Symbol("u0", integer=True) + 1})
+    with pytest.raises(ConfigError, match=r"output 1 of the model is a number computed from sizes \(u0 \+ 1\)"):
+        stray.size_output_values([torch.randn(5, 6)])
