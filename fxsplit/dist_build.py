@@ -176,13 +176,15 @@ def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inpu
                    plan: Plan, autocast: str | None, meta: dict[str, Any], state_order: list[str], timeout_s: float,
                    watchdog: bool, cls: type[P], replicas: Replicas | None = None,
                    split_layout: tuple[Mapping[str, Any], Sequence[str]] | None = None,
-                   local_shards: Mapping[int, Mapping[str, tuple[int, ...]]] | None = None) -> P:
+                   local_shards: Mapping[int, Mapping[str, tuple[int, ...]]] | None = None,
+                   training: bool | None = None) -> P:
     """This rank's runtime (``cls``, a :class:`DistributedPipeline`) around its materialised
     stages, ``(stage, state)`` pairs (:func:`rank_stages`); ``inputs`` is ``(args, kwargs)``,
     one replica's share of a batch. ``split_layout``: ``(layout, fallback)`` of the per-layer
     plan each stage runs over ``replicas.tp_mesh`` (:func:`~fxsplit.runtime.tensor_parallel.shard_stage`;
     every copy of a stage must hold the same weights); ``local_shards``: stage index -> the
-    tensors it holds as this rank's chunk already (``shard_stage``'s ``local``)."""
+    tensors it holds as this rank's chunk already (``shard_stage``'s ``local``); ``training``: the
+    mode the model was captured in."""
     flat = captured.flatten_inputs(*inputs)
     batched = batched_flags(captured, flat)
     batch = batch_size_of([x for x, b in zip(flat, batched, strict=True) if b] or flat)
@@ -211,4 +213,5 @@ def build_pipeline(stages: Sequence[tuple[Any, StageState]], captured: Any, inpu
         state_order=state_order, plan=plan, autocast=autocast, meta=meta, timeout_s=timeout_s, watchdog=watchdog,
         batched_inputs=batched, batched_outputs=captured.batched_outputs, layout=captured.layout, replicas=replicas,
         input_guards=captured.guards, size_outputs=captured.size_output_values if captured.size_outputs else None,
+        training=training,
     )

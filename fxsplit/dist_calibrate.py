@@ -441,7 +441,8 @@ class CompiledDistributedPipeline(DistributedPipeline):
                                   self.microbatches, tied, plan=plan, autocast=self.autocast, meta=dict(self.meta),
                                   state_order=self.state_order, timeout_s=self.timeout_s,
                                   watchdog=self.watchdog is not None, cls=type(self), replicas=mesh,
-                                  split_layout=ctx.split_layout, local_shards=local_shards)
+                                  split_layout=ctx.split_layout, local_shards=local_shards,
+                                  training=ctx.meta_model.training)
         new_pipe.context = ctx
         self.close()
         self.__dict__.update(new_pipe.__dict__)

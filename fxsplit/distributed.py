@@ -509,7 +509,7 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     pipe = build_pipeline(mine, captured, (args, kwargs), plan.num_stages, device, schedule, m, tied,
                           plan=plan, autocast=options.autocast, meta=meta, state_order=list(meta_model.state_dict().keys()), timeout_s=timeout_s,
                           watchdog=watchdog, cls=CompiledDistributedPipeline, replicas=mesh, split_layout=split_layout,
-                          local_shards=local_shards)
+                          local_shards=local_shards, training=meta_model.training)
     if tp > 1:
         pipe.tp_plan = tp_plan
     pipe.hybrid = hybrid

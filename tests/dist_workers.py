@@ -1034,6 +1034,38 @@ def token_mean_refused(rank: int, world: int, out_dir: str, timeout_s: float) ->
     return {"finished": True}
 
 
+def mode_checked(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """A pipeline compiled from a model in train mode (dropout on): ``eval()`` is refused (the
+    captured graph keeps its dropout; it was a silent no-op), ``train()`` is accepted; from an
+    eval-mode model the forward equals the unsplit model's in eval mode."""
+    from fxsplit.errors import ConfigError
+
+    def build(train: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4))
+        return model.train(train)
+
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {}
+    for train in (True, False):
+        pipe = fxd.compile(lambda t=train: build(t), (x,), microbatches=2, schedule="gpipe", timeout_s=30,
+                           state_dict=build(train).state_dict(), cost_model="analytic",
+                           options=CompileOptions(link=LinkSpec(), allow_idle_devices=False))
+        try:
+            pipe.train(not train)
+            out[f"switch from {train}"] = None
+        except ConfigError as exc:
+            out[f"switch from {train}"] = str(exc)
+        assert pipe.train(train) is pipe
+        if not train:
+            got = pipe(x)
+            if pipe.is_last:
+                with torch.no_grad():
+                    torch.testing.assert_close(got, build(False)(x))
+        pipe.close()
+    return out
+
+
 def loss_calls(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     """``loss_fn`` calls on each of 5 steps of 4 micro-batches (a per-sample mean), and each
     step's loss against the unsplit model's."""

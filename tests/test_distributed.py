@@ -715,6 +715,18 @@ def test_a_token_mean_over_uneven_padding_is_refused_across_ranks(tmp_path):
         assert float(elapsed) < timeout_s + 3 and clean == "True", (rank, elapsed, clean)
 
 
+def test_a_mode_the_capture_did_not_record_is_refused_across_ranks(tmp_path):
+    """Reliability: ``pipe.eval()`` on a pipeline compiled from a train-mode model set the stage
+    modules' flag and left the captured dropout on (outputs 0.93 off the unsplit model in eval
+    mode, silently); now a ConfigError, as on the local pipeline, on every rank."""
+    results = launch(w.mode_checked, 2, tmp_path, deadline_s=90)
+    check_ok(results)
+    for r in results.values():
+        row = r["result"]
+        assert "compiled from a model in train mode" in row["switch from True"], row
+        assert "compiled from a model in eval mode" in row["switch from False"], row
+
+
 def test_the_pair_checks_reuse_the_steps_losses(tmp_path):
     """The last rank's loss checks cost one more ``loss_fn`` call per pair of micro-batches (the
     pair together), reusing the step's own float32 losses (it called ``loss_fn`` three times per

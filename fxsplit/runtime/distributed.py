@@ -77,7 +77,7 @@ from fxsplit.runtime.microbatch import (
     microbatch_sizes,
     target_batch_dim,
 )
-from fxsplit.runtime.state import ParameterAPI, check_loadable, grad_norm
+from fxsplit.runtime.state import ParameterAPI, check_loadable, check_mode, grad_norm
 from fxsplit.runtime.trace import TraceEvent, TraceRecorder, action_end_s
 from fxsplit.schedule import make
 
@@ -210,6 +210,8 @@ class DistributedPipeline(ParameterAPI):
             every call (a ``ConfigError`` for another value).
         size_outputs: ``Captured.size_output_values``: the batch's value of each output that
             is a number of the inputs' sizes.
+        training: The mode the model was captured in: :meth:`train` / :meth:`eval` refuse
+            another (None: not known).
         layout: ``Captured.layout``: where the batch is in the model's own inputs, outputs and
             target when not on dim 0; the stages run batch-first.
         replicas: This rank's :class:`Replicas` when every stage is replicated (``train_step``
@@ -241,6 +243,7 @@ class DistributedPipeline(ParameterAPI):
         replicas: Replicas | None = None,
         input_guards: Sequence[InputGuard] | None = None,
         size_outputs: Callable[[Sequence[Any]], Mapping[int, Any]] | None = None,
+        training: bool | None = None,
     ) -> None:
         if not stages:
             raise ConfigError("a DistributedPipeline needs at least one stage on this rank")
@@ -254,6 +257,7 @@ class DistributedPipeline(ParameterAPI):
         self.in_spec, self.out_spec = in_spec, out_spec
         self.input_guards = None if input_guards is None else tuple(input_guards)  # what the capture fixed
         self.size_outputs = size_outputs  # outputs that are numbers of the inputs' sizes: their batch values
+        self.training = training  # the mode the model was captured in (None: not known)
         self.tied, self.state_order = tuple(tied), list(state_order)
         self.plan, self.autocast = plan, autocast
         # what the pipeline is (model, reference device, cost model): saved with checkpoints, drives nothing
@@ -916,8 +920,14 @@ class DistributedPipeline(ParameterAPI):
                 _local(t).copy_(_local(_like(value.to(t.device, t.dtype), t)))
 
     def train(self, mode: bool = True) -> DistributedPipeline:
-        for st in self.stages:
-            st.module.train(mode)
+        """Check the mode: the stages run in the mode the model had when it was captured
+        (:func:`~fxsplit.runtime.state.check_mode`; before, ``eval()`` left dropout on, silently).
+
+        Raises:
+            ConfigError: when ``mode`` differs from that mode (compile again after
+                ``model.train()`` / ``model.eval()`` in ``model_fn``).
+        """
+        check_mode(self.training, mode)
         return self
 
     def eval(self) -> DistributedPipeline:

@@ -48,7 +48,7 @@ from fxsplit.runtime.microbatch import (
 )
 from fxsplit.runtime.recompute import RecomputedForward
 from fxsplit.runtime.split_backward import PendingWeights, backward_input, backward_weight
-from fxsplit.runtime.state import ParameterAPI, StateMap
+from fxsplit.runtime.state import ParameterAPI, StateMap, check_mode
 from fxsplit.runtime.threads import run_threaded
 from fxsplit.runtime.trace import TraceRecorder, action_end_s
 from fxsplit.schedule import Action, Schedule, make, simulate
@@ -576,12 +576,7 @@ class Pipeline(ParameterAPI):
             ConfigError: when ``mode`` differs from that mode (compile the model again after
                 ``model.train()`` / ``model.eval()``).
         """
-        if self.training is not None and bool(mode) != self.training:
-            want, have = ("train", "eval") if mode else ("eval", "train")
-            raise ConfigError(
-                f"the pipeline was compiled from a model in {have} mode, and torch.export records the mode "
-                f"in the graph; call model.{want}() and fxsplit.compile it again for {want} mode"
-            )
+        check_mode(self.training, mode)
         return self
 
     def eval(self) -> Pipeline:

@@ -18,7 +18,7 @@ from fxsplit.codegen.place import get_state
 from fxsplit.codegen.split import StagedProgram
 from fxsplit.errors import ConfigError
 
-__all__ = ["StateMap", "ParameterAPI", "check_loadable", "grad_norm"]
+__all__ = ["StateMap", "ParameterAPI", "check_loadable", "check_mode", "grad_norm"]
 
 
 def check_loadable(pairs: Sequence[tuple[str, object, torch.Tensor]], where: str = "the pipeline") -> None:
@@ -146,6 +146,22 @@ class StateMap:
         with torch.no_grad():
             for _name, value, t in writes:
                 t.copy_(value.to(t.device))
+
+
+def check_mode(captured: bool | None, mode: bool) -> None:
+    """Refuse running a pipeline in another mode than its model was captured in: ``torch.export``
+    records training or eval behaviour (dropout, BatchNorm) in the graph, so ``pipe.train()`` /
+    ``pipe.eval()`` could not change it (the stages would keep the captured mode, silently).
+
+    Raises:
+        ConfigError: when ``mode`` differs from ``captured`` (None: not known, accepted).
+    """
+    if captured is not None and bool(mode) != captured:
+        want, have = ("train", "eval") if mode else ("eval", "train")
+        raise ConfigError(
+            f"the pipeline was compiled from a model in {have} mode, and torch.export records the mode "
+            f"in the graph; call model.{want}() and compile it again for {want} mode"
+        )
 
 
 def grad_norm(grad: torch.Tensor, norm_type: float) -> float:
