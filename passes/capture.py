@@ -288,7 +288,7 @@ def _input_guards(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple[
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if len(placeholders) != len(paths):  # (not seen: export keeps one placeholder per leaf)
         log.warning("no input guards: %d placeholders for %d inputs", len(placeholders), len(paths))
-        return tuple(InputGuard(keystr) for keystr in map(lambda p: pytree.keystr(p[0]), paths))
+        return tuple(InputGuard(pytree.keystr(path)) for path, _ in paths)
     out = []
     for (path, leaf), ph in zip(paths, placeholders, strict=True):
         where = ("args" if getattr(path[0], "idx", 0) == 0 else "kwargs") + pytree.keystr(path[1:])
@@ -898,7 +898,7 @@ def _reported_line(exc: BaseException) -> str | None:
     return None
 
 
-def _var_keyword_names(model: nn.Module, failures: dict[str, BaseException]) -> list[str]:
+def _var_keyword_names(failures: dict[str, BaseException]) -> list[str]:
     """The keyword arguments of the failed export call that land in ``forward``'s ``**kwargs``
     (recorded on the exception by :func:`_capture_export`)."""
     return sorted(getattr(failures.get("export"), "var_keywords", ()))
@@ -921,7 +921,7 @@ def _capture_error(model: nn.Module, failures: dict[str, BaseException], note: s
             "then call fxsplit.capture again."
         )
     if var_keywords:
-        extra = _var_keyword_names(model, failures)
+        extra = _var_keyword_names(failures)
         parts.append(
             f"  cause: torch.export cannot take a symbolic batch together with keyword arguments that land in "
             f"the forward's **kwargs{f' ({extra})' if extra else ''}; set them on the model instead (a Hugging Face "
