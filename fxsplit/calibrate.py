@@ -452,6 +452,7 @@ class CompiledPipeline(Pipeline):
         recorder = self.recorder
         if recorder is None:
             raise ConfigError("calibrate reads the runtime trace; set pipe.recorder to a TraceRecorder")
+        kept = self.buffer_values()  # the timed steps update buffers (BatchNorm, counters): put back
         with gc_paused():
             for i in range(steps + 1):
                 self.zero_grad(set_to_none=True)
@@ -461,6 +462,7 @@ class CompiledPipeline(Pipeline):
                     walls.append(time.perf_counter() - start)
                     per_step.append(recorder.per_stage_s(self.num_stages))
         self.zero_grad(set_to_none=True)
+        self.load_state_dict(kept, strict=False)
         return stage_rows(self.plan, per_step), (self.predicted_step_s(), statistics.median(walls))
 
     def _adopt_costs(self, ctx: CompileContext, refit: Problem) -> None:

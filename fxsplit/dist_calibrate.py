@@ -348,9 +348,11 @@ class CompiledDistributedPipeline(DistributedPipeline):
         """Every stage's mean times over ``steps`` steps (after one warm-up) as rank 0's pipeline
         measured them, and rank 0's median step wall (barrier to barrier), the same on every rank."""
         self._recorder_or_raise()
+        kept = self.buffer_values()  # the timed steps update buffers (BatchNorm, counters): put back
         with gc_paused():
             walls, per_step = self.timed_steps(*args, target=target, loss_fn=loss_fn, steps=steps, **kwargs)
         self.zero_grad(set_to_none=True)
+        self.load_state_dict(kept, strict=False)
         # rank 0's pipeline's: every rank must take the same decisions (a replica measured its own)
         walls, per_step, predicted_s = from_rank0(lambda: (walls, per_step, self.predicted_step_s()))
         return stage_rows(self.running_plan(), per_step), (predicted_s, statistics.median(walls))

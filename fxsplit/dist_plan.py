@@ -225,9 +225,10 @@ def rank0_cost_model(captured: Any, flat: Sequence[Any], device: torch.device, c
 def _plan(front: Inspection, inputs: tuple[tuple, dict], device: torch.device, cost_model: str,
           links: tuple[tuple[int, int, LinkSpec], ...], reference: DeviceSpec, world: int, schedule: str,
           microbatches: int | str, solver: str, options: CompileOptions,
-          together: Profiled | None = None, overhead: RuntimeOverhead | None = None
+          together: Profiled | None = None, overhead: RuntimeOverhead | None = None, replicas: int = 1
           ) -> tuple[Plan, Problem, dict[str, Any]]:
-    """Rank 0: the per-sample check (with several micro-batches) and the graph with the chosen
+    """Rank 0: the per-sample check (with several micro-batches, or replicas: they split the
+    batch too) and the graph with the chosen
     cost model, solved, on one materialised copy of the graph (``together``'s when every rank
     profiled, :func:`~fxsplit.dist_profile.profile_together`). Returns the plan, the problem
     (whole-batch costs) it was solved on, and the notes for every rank: ``cost_model`` used,
@@ -236,10 +237,11 @@ def _plan(front: Inspection, inputs: tuple[tuple, dict], device: torch.device, c
     captured, condensed = front.captured, front.condensed
     flat, flags, batch = example_batch(captured, inputs)
     used = rank0_cost_model(captured, flat, device, cost_model)
-    checked = microbatches != 1 and _real(flat) and fits_device(captured.gm, device)
+    split = microbatches != 1 or replicas > 1
+    checked = split and _real(flat) and fits_device(captured.gm, device)
     work = together.work if together is not None else (
         materialised(captured.gm, device) if used == "profiled" or checked else None)
-    mixing = per_sample_on_rank0(captured, inputs, device, work=work) if microbatches != 1 else None
+    mixing = per_sample_on_rank0(captured, inputs, device, work=work) if split else None
     graph = condensed.graph if used == "analytic" else profiled_blocks(
         captured.gm, condensed.graph, flat, flags, device, microbatches, options, work=work, together=together)
     loss_planned = options.loss_fn is not None and used == "profiled" and work is not None and _real(flat)
@@ -266,8 +268,10 @@ def per_sample_on_rank0(captured: Any, inputs: tuple[tuple, dict], device: torch
     meta capture materialised on ``device`` with stand-in weights and the real example batch;
     None when it cannot run (meta or fake inputs, a model larger than the device).
 
-    Stand-in weights (N(0, 0.02)) show an op that mixes samples as the real ones do; the check
-    compares rows with a relative tolerance, so small activations do not hide a mix. ``work``:
+    Stand-in weights (:func:`~fxsplit.dist_profile.materialised`: of a usual scale, norms' scales
+    1) show an op that mixes samples as the real ones do (with every weight N(0, 0.02) the
+    activations of a transformer shrank below the check's tolerance and attention over the batch
+    went unseen). ``work``:
     that copy, when the caller has made it (:func:`~fxsplit.dist_profile.materialised`); its buffers are restored.
     """
     from fxsplit.passes.per_sample import find_batch_mixing
@@ -298,6 +302,7 @@ def plan_on_rank0(
     cost_model: str = "auto",
     devices: int | None = None,
     overhead: RuntimeOverhead | None = None,
+    replicas: int = 1,
 ) -> DistPlan:
     """Capture on every rank, plan on rank 0, check the plan on every rank; collective.
 
@@ -320,6 +325,8 @@ def plan_on_rank0(
         devices: The pipeline's ranks (stages), default ``world`` (fewer: replicated stages).
         overhead: The runtime's own work per action and per message the plan charges
             (:func:`fxsplit.distributed.probe_distributed_overhead`); None: not modelled.
+        replicas: Copies of the pipeline, each given a share of the batch (``inputs`` is one
+            share): the per-sample check runs with one micro-batch too when there are several.
 
     Returns:
         The :class:`DistPlan` of this rank.
@@ -353,7 +360,7 @@ def plan_on_rank0(
     if rank == 0 and front is not None and plan is None:
         solved, failure = _try(
             lambda: _plan(front, inputs, device, cost_model, links, reference, devices or world, schedule,
-                          microbatches, solver, options, together, overhead)
+                          microbatches, solver, options, together, overhead, replicas)
         )
         plan, problem, found = solved if solved is not None else (None, None, found)
     elif rank == 0 and front is not None:  # the user's plan; the analytic problem, for calibrate only

@@ -188,10 +188,15 @@ def fits_device(gm: torch.fx.GraphModule, device: torch.device, factor: float = 
 
 
 def materialised(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
-    """A copy of ``gm`` with real tensors on ``device``: floats drawn N(0, 0.02), the rest zero
-    (timing does not depend on the values; uninitialised memory could hold NaNs that take slow
-    paths), plain tensor attributes (export's lifted constants) too, and every ``device=meta``
-    argument of the graph (``arange``, ``full``, ``to``; keyword or positional) made ``device``."""
+    """A copy of ``gm`` with real tensors on ``device``, stand-in values that keep activations of
+    a usual size (timing does not depend on the values, but uninitialised memory could hold NaNs
+    that take slow paths; and the per-sample check compares rows to an absolute tolerance: with
+    every weight N(0, 0.02), LayerNorm scales included, a model's activations shrank below it
+    and attention over the batch went unseen): a matrix or kernel N(0, 1/fan_in), a 1-D
+    ``weight`` or variance (a norm's scale, BatchNorm's ``running_var``) 1, other floats
+    N(0, 0.02), the rest zero; plain tensor attributes (export's lifted constants) too, and every
+    ``device=meta`` argument of the graph (``arange``, ``full``, ``to``; keyword or positional)
+    made ``device``."""
     work = copy.deepcopy(gm).to_empty(device=device)
     made = []
     retarget_meta_devices(work, device)  # ops captured on meta (arange, full, to) carry device=meta
@@ -204,12 +209,17 @@ def materialised(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.Gra
                 setattr(owner, attr, torch.empty_like(value, device=device))
                 made.append(getattr(owner, attr))
     work.recompile()
+    named = [*work.named_parameters(), *work.named_buffers(), *((f"constant{i}", t) for i, t in enumerate(made))]
     with torch.no_grad():
-        for t in [*work.parameters(), *work.buffers(), *made]:
-            if t.is_floating_point():
-                t.normal_(0.0, 0.02)
-            else:
+        for name, t in named:
+            if not t.is_floating_point():
                 t.zero_()
+            elif t.dim() >= 2:
+                t.normal_(0.0, (t.numel() // max(1, t.shape[0])) ** -0.5)
+            elif t.dim() == 1 and name.endswith(("weight", "var")):
+                t.fill_(1.0)
+            else:
+                t.normal_(0.0, 0.02)
     return work
 
 

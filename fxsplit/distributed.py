@@ -147,13 +147,15 @@ def _chosen(schedule: str, microbatches: int | str, plan: Plan) -> tuple[str, in
             plan.microbatches if microbatches == "auto" else int(microbatches))
 
 
-def _warn_if_not_per_sample(gm: torch.fx.GraphModule, m: int, rank: int, checked: Sequence[str] | None) -> None:
-    """Warn on rank 0, when ``m > 1``, about what micro-batching changes: ``checked`` is rank 0's
-    full check (:func:`fxsplit.dist_plan.per_sample_on_rank0`, ops that mix samples and buffers
-    updated in forward) when it could run; else what the meta capture shows (buffers only)."""
+def _warn_if_not_per_sample(gm: torch.fx.GraphModule, m: int, rank: int, checked: Sequence[str] | None,
+                            replicas: int = 1) -> None:
+    """Warn on rank 0, when ``m > 1`` or ``replicas > 1`` (each splits the batch), about what
+    that changes: ``checked`` is rank 0's full check (:func:`fxsplit.dist_plan.per_sample_on_rank0`,
+    ops that mix samples and buffers updated in forward) when it could run; else what the meta
+    capture shows (buffers only)."""
     from fxsplit.passes.per_sample import mutated_buffers
 
-    if m <= 1 or rank != 0:
+    if (m <= 1 and replicas <= 1) or rank != 0:
         return
     found = list(checked) if checked is not None else [str(b) for b in mutated_buffers(gm)]
     if found:
@@ -161,8 +163,9 @@ def _warn_if_not_per_sample(gm: torch.fx.GraphModule, m: int, rank: int, checked
             " (ops that mix samples were not checked: the example inputs are not real or the model does not fit "
             "rank 0's device)")
         warnings.warn(
-            f"the model is not per-sample, and with microbatches={m} the pipeline computes something else than "
-            f"the model: {'; '.join(found)}. Use microbatches=1, or make those ops per-sample and keep state out "
+            f"the model is not per-sample, and with microbatches={m}{f' x replicas={replicas}' if replicas > 1 else ''} "
+            f"the pipeline computes something else than the model: {'; '.join(found)}. Use microbatches=1"
+            f"{' and replicas=1' if replicas > 1 else ''}, or make those ops per-sample and keep state out "
             f"of forward{unchecked}", NotPerSampleWarning, stacklevel=3)
 
 
@@ -472,11 +475,11 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
     overhead = _runtime_overhead(options, device, world, cost_model) if plan is None else None
     planned = plan_on_rank0(meta_model, (args, kwargs), rank=rank, world=world, device=device, schedule=schedule,
                             microbatches=asked, solver=solver, plan=plan, options=options, cost_model=cost_model,
-                            devices=pp, overhead=overhead)
+                            devices=pp, overhead=overhead, replicas=replicas)
     captured, plan = planned.captured, planned.plan
     schedule, m = _chosen(schedule, asked, plan)
     _check_args(schedule, m, pp, plan.num_stages)
-    _warn_if_not_per_sample(captured.gm, m, rank, planned.not_per_sample)
+    _warn_if_not_per_sample(captured.gm, m, rank, planned.not_per_sample, replicas)
     split_layout = None
     if tp > 1:
         link = options.link if isinstance(options.link, LinkSpec) else None  # else measured over every rank

@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 from fxsplit.passes.capture import in_place_root, reads_inputs, writes_in_place
 
 __all__ = ["BatchMixing", "buffer_writes", "find_batch_mixing", "is_random", "mutated_buffers", "once_per_step_buffers",
-           "reads_inputs"]
+           "reads_inputs", "written_buffers"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,25 @@ def _root_buffer(node: Any, buffers: set[str]) -> str | None:
     root = in_place_root(node)
     is_buffer = isinstance(root, torch.fx.Node) and root.op == "get_attr" and str(root.target) in buffers
     return str(root.target) if is_buffer else None
+
+
+def written_buffers(gm: torch.fx.GraphModule) -> list[str]:
+    """Every buffer an op of ``gm`` writes into, through any argument its schema marks written
+    (``add_``'s first, ``batch_norm``'s running statistics; in-place chains followed to their
+    buffer), BatchNorm's included; in graph order."""
+    buffers = {name for name, _ in gm.named_buffers()}
+    found: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        written = [arg for arg, spec in zip(node.args, schema.arguments if schema is not None else (), strict=False)
+                   if spec.alias_info is not None and spec.alias_info.is_write]
+        if node.target is torch.ops.aten.batch_norm.default and len(node.args) > 5 and node.args[5]:
+            written += node.args[3:5]  # composite: its schema does not mark the running statistics it updates
+        for arg in written:
+            buf = _root_buffer(arg, buffers)
+            if buf is not None:
+                found[buf] = None
+    return list(found)
 
 
 def buffer_writes(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:

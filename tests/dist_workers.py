@@ -1034,6 +1034,83 @@ def token_mean_refused(rank: int, world: int, out_dir: str, timeout_s: float) ->
     return {"finished": True}
 
 
+class _BNNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.bn = torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16)
+        self.l2, self.l3 = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(torch.relu(self.l2(torch.relu(self.bn(self.l1(x))))))
+
+
+class _SeqFirst(torch.nn.Module):
+    """A sequence-first encoder (``[seq, batch, d]``): attention mixes dim 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=False)
+        self.enc = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, src: torch.Tensor) -> torch.Tensor:
+        return self.out(self.enc(self.inp(src)))
+
+
+def buffers_and_batch_mixing(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """Three reliability cases (a probe found each silent): calibrate's timed steps left the
+    BatchNorm statistics they updated; replicas with one micro-batch each were not checked for
+    ops that mix samples and their running statistics drifted apart; the stand-in weights of the
+    per-sample check hid attention over a sequence-first model's dim 0."""
+    import warnings
+
+    from fxsplit.errors import NotPerSampleWarning
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return _BNNet()
+
+    gen = torch.Generator().manual_seed(3)
+    x, t = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+    out: dict[str, Any] = {}
+    original = {k: v.clone() for k, v in build().state_dict().items()}
+    if world == 2:  # calibrate puts back what its steps changed
+        pipe = fxd.compile(build, (x,), state_dict=original, microbatches=1, schedule="gpipe", cost_model="analytic",
+                           timeout_s=60, options=CompileOptions(link=LinkSpec(), allow_idle_devices=False))
+        pipe.calibrate(x, target=t, loss_fn=torch.nn.functional.mse_loss, steps=1, rounds=1)
+        out["changed"] = [k for k, v in pipe.state_dict().items() if not torch.equal(v, original[k])]
+        pipe.close()
+
+        def seq_first() -> torch.nn.Module:
+            torch.manual_seed(0)
+            return _SeqFirst()
+
+        src = torch.randn(6, 4, 8, generator=gen)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe = fxd.compile(seq_first, (src,), microbatches=2, schedule="gpipe", cost_model="analytic",
+                               state_dict=seq_first().state_dict(), timeout_s=60,
+                               options=CompileOptions(link=LinkSpec(), allow_idle_devices=False))
+        out["seq_first_warned"] = [str(w.message) for w in caught if issubclass(w.category, NotPerSampleWarning)]
+        pipe.close()
+        return out
+    ref = build()  # 2 stages x 2 replicas, one micro-batch each
+    torch.nn.functional.mse_loss(ref(x), t).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = fxd.compile(build, (x,), state_dict=original, replicas=2, microbatches=1, schedule="gpipe",
+                           cost_model="analytic", timeout_s=60,
+                           options=CompileOptions(link=LinkSpec(), allow_idle_devices=False))
+    out["replicas_warned"] = [str(w.message) for w in caught if issubclass(w.category, NotPerSampleWarning)]
+    pipe.train_step(x, target=t, loss_fn=torch.nn.functional.mse_loss)
+    mine = pipe.state_dict()
+    out["running_mean"] = mine["bn.running_mean"].tolist() if "bn.running_mean" in mine else None
+    out["ref_running_mean"] = ref.bn.running_mean.tolist()
+    out["replica"] = pipe.replicas.index
+    pipe.close()
+    return out
+
+
 def mode_checked(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     """A pipeline compiled from a model in train mode (dropout on): ``eval()`` is refused (the
     captured graph keeps its dropout; it was a silent no-op), ``train()`` is accepted; from an

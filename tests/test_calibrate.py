@@ -367,3 +367,18 @@ def test_a_refit_to_the_predicted_times_changes_no_formula_costs() -> None:
     again = evaluate(per_microbatch(refit, 16, "1f1b"), stages, [0, 1])
     for before, after in zip(plan.stages, again.stages, strict=True):
         assert (after.fwd_s, after.bwd_s) == pytest.approx((before.fwd_s, before.bwd_s), rel=1e-6)
+
+
+def test_calibrate_puts_back_the_buffers_its_steps_update() -> None:
+    """Reliability: the timed steps of calibrate updated BatchNorm's running statistics and its
+    counter (parameters were kept, buffers were not); now every state entry is as before."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4))
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pipe = fxsplit.compile(model, ["cpu", "cpu"], (x,), microbatches=1, schedule="gpipe", cost_model="analytic",
+                           options=fxsplit.CompileOptions(allow_idle_devices=False))
+    pipe.calibrate(x, target=y, loss_fn=torch.nn.functional.mse_loss, steps=2, rounds=1)
+    after = pipe.state_dict()
+    assert [k for k, v in after.items() if not torch.equal(v, before[k])] == []

@@ -715,6 +715,29 @@ def test_a_token_mean_over_uneven_padding_is_refused_across_ranks(tmp_path):
         assert float(elapsed) < timeout_s + 3 and clean == "True", (rank, elapsed, clean)
 
 
+def test_calibrate_leaves_buffers_and_the_batch_mixing_check_sees_more(tmp_path):
+    """Reliability (a probe of fxsplit.distributed, each silent before): calibrate's timed steps
+    left BatchNorm's statistics changed (4 updates); a sequence-first encoder compiled without
+    ``batch_dim=1`` was not flagged (the check's stand-in weights, all N(0, 0.02), shrank the
+    activations below its tolerance); replicas with one micro-batch each were not checked,
+    and their running statistics drifted apart. Now: nothing changed, both warned, and the
+    replicas' running mean is the unsplit model's."""
+    results = launch(w.buffers_and_batch_mixing, 2, tmp_path, deadline_s=120)
+    check_ok(results)
+    for r in results.values():
+        assert r["result"]["changed"] == [], r["result"]
+    warned = results[0]["result"]["seq_first_warned"]
+    assert warned and "scaled_dot_product_attention" in warned[0], warned
+    results = launch(w.buffers_and_batch_mixing, 4, tmp_path, deadline_s=120)
+    check_ok(results)
+    rows = [results[r]["result"] for r in range(4)]
+    assert rows[0]["replicas_warned"] and "replicas=2" in rows[0]["replicas_warned"][0], rows[0]
+    held = [r for r in rows if r["running_mean"] is not None]
+    assert sorted(r["replica"] for r in held) == [0, 1]
+    for r in held:  # the mean of the replicas' updates is the whole batch's
+        assert torch.allclose(torch.tensor(r["running_mean"]), torch.tensor(r["ref_running_mean"]), atol=1e-6), r
+
+
 def test_a_mode_the_capture_did_not_record_is_refused_across_ranks(tmp_path):
     """Reliability: ``pipe.eval()`` on a pipeline compiled from a train-mode model set the stage
     modules' flag and left the captured dropout on (outputs 0.93 off the unsplit model in eval

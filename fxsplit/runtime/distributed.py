@@ -67,7 +67,7 @@ from fxsplit.runtime.dist_scaler import (
 from fxsplit.runtime.dist_schedule import lowered_schedule
 from fxsplit.runtime.dist_shapes import WireShapes
 from fxsplit.runtime.dist_stage import SplitBackwardStage, StageModule
-from fxsplit.runtime.dist_state import StageState
+from fxsplit.runtime.dist_state import StageState, get_tensor
 from fxsplit.runtime.microbatch import (
     LossReductions,
     batch_size_of,
@@ -258,6 +258,7 @@ class DistributedPipeline(ParameterAPI):
         self.input_guards = None if input_guards is None else tuple(input_guards)  # what the capture fixed
         self.size_outputs = size_outputs  # outputs that are numbers of the inputs' sizes: their batch values
         self.training = training  # the mode the model was captured in (None: not known)
+        self._updated_buffers: list[tuple[nn.Module, str]] | None = None  # found at the first replica average
         self.tied, self.state_order = tuple(tied), list(state_order)
         self.plan, self.autocast = plan, autocast
         # what the pipeline is (model, reference device, cost model): saved with checkpoints, drives nothing
@@ -736,14 +737,35 @@ class DistributedPipeline(ParameterAPI):
         dist.broadcast(summed, src=self._global_rank(rank_of(self.num_stages - 1, self.num_ranks)), group=self.group)
         self._reduction = "sum" if summed.item() else "mean"
         grads = [_local(p.grad) for p in dict.fromkeys(self.parameters()) if p.grad is not None]
-        if not grads:
+        if grads:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.replicas.group)
+            if self._reduction != "sum":
+                flat /= self.replicas.count
+            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+                g.copy_(synced)
+        self._average_replica_buffers()
+
+    def _average_replica_buffers(self) -> None:
+        """Average over the replicas the floating buffers forward updates (BatchNorm's running
+        statistics, a moving average): each replica updated them from its share of the batch, and
+        they drifted apart (the checkpoint kept the first replica's). The mean of the replicas'
+        running means is the whole batch's update; such a model is not per-sample, and compile
+        warns about it. Integer buffers (counters) move alike on every replica."""
+        from fxsplit.passes.per_sample import written_buffers
+
+        assert self.replicas is not None  # (internal: only called with replicas)
+        if self._updated_buffers is None:
+            self._updated_buffers = [(st.module.gm, name) for st in self.stages for name in written_buffers(st.module.gm)]
+        buffers = [b for b in (_local(get_tensor(gm, name)) for gm, name in self._updated_buffers) if b.is_floating_point()]
+        if not buffers:
             return
-        flat = torch._utils._flatten_dense_tensors(grads)
+        flat = torch._utils._flatten_dense_tensors([b.detach() for b in buffers])
         dist.all_reduce(flat, group=self.replicas.group)
-        if self._reduction != "sum":
-            flat /= self.replicas.count
-        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-            g.copy_(synced)
+        flat /= self.replicas.count
+        with torch.no_grad():
+            for b, synced in zip(buffers, torch._utils._unflatten_dense_tensors(flat, buffers), strict=True):
+                b.copy_(synced)
 
     def measure_tied_sync_s(self, repeats: int = 3) -> float:
         """Time the all-reduces :meth:`train_step` ends with for tied tensors (one per tensor this

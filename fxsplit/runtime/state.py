@@ -176,6 +176,16 @@ class ParameterAPI:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         raise NotImplementedError
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def buffer_values(self) -> dict[str, torch.Tensor]:
+        """A copy of every :meth:`state_dict` entry that is no parameter (the buffers: BatchNorm's
+        running statistics, counters, moving averages), for steps that must leave no trace:
+        ``load_state_dict(values, strict=False)`` puts them back (calibrate's timed steps)."""
+        params = {name for name, _ in self.named_parameters()}
+        return {k: v.detach().clone() for k, v in self.state_dict().items() if k not in params}
+
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
