@@ -478,6 +478,11 @@ def compile(  # noqa: A001 - mirrors fxsplit.compile
                             devices=pp, overhead=overhead, replicas=replicas)
     captured, plan = planned.captured, planned.plan
     schedule, m = _chosen(schedule, asked, plan)
+    if schedule == "1f1b" and m == 1 and pp > 1 and asked == "auto":
+        # rank 0 chose one micro-batch (a model that is not per-sample); torch's 1F1B refuses fewer
+        # micro-batches than stages, and with one the two schedules run the same actions
+        log.info("one micro-batch: running 1f1b as gpipe (the same order of actions)")
+        schedule, plan = "gpipe", plan.with_(schedule="gpipe")
     _check_args(schedule, m, pp, plan.num_stages)
     _warn_if_not_per_sample(captured.gm, m, rank, planned.not_per_sample, replicas)
     split_layout = None

@@ -1111,6 +1111,27 @@ def buffers_and_batch_mixing(rank: int, world: int, out_dir: str) -> dict[str, A
     return out
 
 
+def auto_one_microbatch(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """``microbatches="auto"`` with ``schedule="1f1b"`` on a model that is not per-sample: rank 0
+    chooses one micro-batch, which torch's 1F1B refuses; it runs (as GPipe, the same actions)
+    and trains as the unsplit model."""
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return _BNNet()
+
+    gen = torch.Generator().manual_seed(3)
+    x, t = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+    ref = build()
+    ref_loss, ref_grads = reference_of(ref, (x,), t, torch.nn.functional.mse_loss)
+    pipe = fxd.compile(build, (x,), state_dict=build().state_dict(), microbatches="auto", schedule="1f1b",
+                       cost_model="analytic", timeout_s=60, options=CompileOptions(link=LinkSpec(), allow_idle_devices=False))
+    loss = pipe.train_step(x, target=t, loss_fn=torch.nn.functional.mse_loss, broadcast_loss=True)
+    out = compare(pipe, loss, ref_loss, ref_grads, "auto 1f1b, one micro-batch")
+    out.update(microbatches=pipe.microbatches, schedule=pipe.schedule_kind)
+    pipe.close()
+    return out
+
+
 def mode_checked(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     """A pipeline compiled from a model in train mode (dropout on): ``eval()`` is refused (the
     captured graph keeps its dropout; it was a silent no-op), ``train()`` is accepted; from an

@@ -738,6 +738,16 @@ def test_calibrate_leaves_buffers_and_the_batch_mixing_check_sees_more(tmp_path)
         assert torch.allclose(torch.tensor(r["running_mean"]), torch.tensor(r["ref_running_mean"]), atol=1e-6), r
 
 
+def test_auto_micro_batches_with_1f1b_runs_the_one_micro_batch_it_chose(tmp_path):
+    """A probe found ``microbatches="auto", schedule="1f1b"`` on a model that is not per-sample
+    refusing its own choice (one micro-batch; torch's 1F1B needs one per stage). It runs as
+    GPipe, the same actions with one micro-batch, with the unsplit model's loss and gradients."""
+    results = launch(w.auto_one_microbatch, 2, tmp_path, deadline_s=90)
+    check_ok(results)
+    for r in results.values():
+        assert (r["result"]["microbatches"], r["result"]["schedule"]) == (1, "gpipe"), r["result"]
+
+
 def test_a_mode_the_capture_did_not_record_is_refused_across_ranks(tmp_path):
     """Reliability: ``pipe.eval()`` on a pipeline compiled from a train-mode model set the stage
     modules' flag and left the captured dropout on (outputs 0.93 off the unsplit model in eval
