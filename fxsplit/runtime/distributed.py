@@ -737,13 +737,7 @@ class DistributedPipeline(ParameterAPI):
         dist.broadcast(summed, src=self._global_rank(rank_of(self.num_stages - 1, self.num_ranks)), group=self.group)
         self._reduction = "sum" if summed.item() else "mean"
         grads = [_local(p.grad) for p in dict.fromkeys(self.parameters()) if p.grad is not None]
-        if grads:
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.replicas.group)
-            if self._reduction != "sum":
-                flat /= self.replicas.count
-            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-                g.copy_(synced)
+        _all_reduce_flat(grads, self.replicas.group, 1 if self._reduction == "sum" else self.replicas.count)
         self._average_replica_buffers()
 
     def _average_replica_buffers(self) -> None:
@@ -758,14 +752,7 @@ class DistributedPipeline(ParameterAPI):
         if self._updated_buffers is None:
             self._updated_buffers = [(st.module.gm, name) for st in self.stages for name in written_buffers(st.module.gm)]
         buffers = [b for b in (_local(get_tensor(gm, name)) for gm, name in self._updated_buffers) if b.is_floating_point()]
-        if not buffers:
-            return
-        flat = torch._utils._flatten_dense_tensors([b.detach() for b in buffers])
-        dist.all_reduce(flat, group=self.replicas.group)
-        flat /= self.replicas.count
-        with torch.no_grad():
-            for b, synced in zip(buffers, torch._utils._unflatten_dense_tensors(flat, buffers), strict=True):
-                b.copy_(synced)
+        _all_reduce_flat(buffers, self.replicas.group, self.replicas.count)
 
     def measure_tied_sync_s(self, repeats: int = 3) -> float:
         """Time the all-reduces :meth:`train_step` ends with for tied tensors (one per tensor this
@@ -1013,6 +1000,20 @@ class DistributedPipeline(ParameterAPI):
             f"{self.schedule_kind} x {self.microbatches} micro-batches, {n:,} parameters, "
             f"tied={[t.name for t in self.tied]})"
         )
+
+
+def _all_reduce_flat(tensors: Sequence[torch.Tensor], group: Any, divide_by: int) -> None:
+    """Sum ``tensors`` (one dtype) over ``group`` in one all-reduce of their flattened copy, then
+    divide by ``divide_by`` (the group's size: their mean) and write back in place."""
+    if not tensors:
+        return
+    flat = torch._utils._flatten_dense_tensors([t.detach() for t in tensors])
+    dist.all_reduce(flat, group=group)
+    if divide_by != 1:
+        flat /= divide_by
+    with torch.no_grad():
+        for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors), strict=True):
+            t.copy_(synced)
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
